@@ -1,0 +1,50 @@
+# pdserve developer entry points. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+LOCALPLANE := $(PY) -m tests.cluster.localplane
+
+.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(STAMP) ## create .venv and install pdserve with its dev tools
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check operator tests
+	$(VENV)/bin/ruff format --check operator tests
+
+typecheck: install ## mypy --strict
+	$(VENV)/bin/mypy
+
+cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (cached)
+	$(LOCALPLANE) build
+
+test: install cluster-build ## every test: unit and the real local control plane
+	$(VENV)/bin/pytest
+
+test-unit: install ## tests that need no control plane
+	$(VENV)/bin/pytest -m 'not cluster'
+
+test-cluster: install cluster-build ## only the tests on the real local control plane
+	$(VENV)/bin/pytest -m cluster
+
+cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG
+	$(LOCALPLANE) up
+
+cluster-down: install ## stop the local control plane
+	$(LOCALPLANE) down
+
+clean: ## remove the virtualenv and caches (not the built binaries)
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

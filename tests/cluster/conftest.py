@@ -1,0 +1,64 @@
+"""Session-scoped local control plane for tests marked ``cluster``."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+
+from tests.cluster.localplane import ControlPlane, running_control_plane, wait_until
+from tests.cluster.nodes import create_nodes, demo_nodes, wait_nodes_ready
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A running plane with the demo fake nodes Ready; stopped even when tests fail."""
+    with running_control_plane(tmp_path_factory.mktemp("control-plane")) as plane:
+        with plane.http() as http:
+            wait_nodes_ready(http, create_nodes(http, demo_nodes()), timeout=60)
+        yield plane
+
+
+@pytest.fixture(scope="session")
+def k8s_api(control_plane: ControlPlane) -> Iterator[Any]:
+    """An official Python client (kubernetes.client.ApiClient) logged in as admin."""
+    api = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(control_plane.kubeconfig())
+    )
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def http_api(control_plane: ControlPlane) -> Iterator[httpx.Client]:
+    with control_plane.http() as http:
+        yield http
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane, http_api: httpx.Client) -> Iterator[str]:
+    """A fresh namespace whose default ServiceAccount exists, deleted after the test."""
+    name = f"t-{secrets.token_hex(4)}"
+    http_api.post("/api/v1/namespaces", json={"metadata": {"name": name}}).raise_for_status()
+    wait_until(
+        f"the default ServiceAccount in {name}",
+        lambda: http_api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default").is_success,
+        timeout=30,
+    )
+    yield name
+    http_api.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def core_v1(k8s_api: Any) -> Any:
+    return k8s_client.CoreV1Api(k8s_api)
+
+
+@pytest.fixture
+def apps_v1(k8s_api: Any) -> Any:
+    return k8s_client.AppsV1Api(k8s_api)
