@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from tests.cluster.clitools import Kubectl, ensure_cli_tools
 from tests.cluster.localplane import ControlPlane, running_control_plane, wait_until
 from tests.cluster.nodes import create_nodes, demo_nodes, wait_nodes_ready
 
@@ -62,3 +64,27 @@ def core_v1(k8s_api: Any) -> Any:
 @pytest.fixture
 def apps_v1(k8s_api: Any) -> Any:
     return k8s_client.AppsV1Api(k8s_api)
+
+
+@pytest.fixture(scope="session")
+def kubectl(control_plane: ControlPlane) -> Kubectl:
+    """Run the pinned kubectl 1.37 against the plane: kubectl("get", "nodes", check=True)."""
+    binary = ensure_cli_tools().kubectl
+    kubeconfig = control_plane.kubeconfig()
+
+    def run(
+        *args: str, check: bool = False, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(binary), f"--kubeconfig={kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr}")
+        return proc
+
+    return run

@@ -31,12 +31,12 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.cluster.clitools import ToolsError, cache_root, ensure_cli_tools
+
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
 KWOK_STAGES = HERE / "kwok-stages.yaml"
-DEFAULT_STATE_DIR = (
-    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "dev-cluster"
-)
+DEFAULT_STATE_DIR = cache_root() / "dev-cluster"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 # kwok only writes these into pod and node status; nothing is ever sent to them.
 KWOK_POD_CIDR = "10.0.0.0/24"
@@ -578,6 +578,7 @@ def _cmd_up(state_dir: Path) -> int:
     print(f"control plane up in {time.monotonic() - started:.1f}s at {plane.server}")
     print(f"fake nodes: {', '.join(names)}")
     print(f"logs: {plane.logs}")
+    print(f"kubectl: {ensure_cli_tools().kubectl}")
     print(f"export KUBECONFIG={plane.kubeconfig(ADMIN_USER)}")
     return 0
 
@@ -603,11 +604,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "build":
             print(build_binaries().directory)
+            print(ensure_cli_tools().kubectl.parent)
             return 0
         if args.command == "up":
             return _cmd_up(args.state_dir)
         return _cmd_down(args.state_dir)
-    except ControlPlaneError as exc:
+    except (ControlPlaneError, ToolsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -3,6 +3,7 @@ scheduler placement on fake GPU nodes, garbage collection, server-side apply, au
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
 from tests.cluster.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE, RDMA_RESOURCE
 
@@ -293,3 +295,26 @@ def test_server_side_apply_tracks_field_managers_and_detects_conflicts(
         "two operator patches in the audit log", lambda: len(operator_patches()) == 2, timeout=30
     )
     assert {e["responseStatus"]["code"] for e in operator_patches()} == {200, 201}
+
+
+def test_kubectl_of_the_same_release_waits_applies_and_reads(
+    kubectl: Kubectl, namespace: str
+) -> None:
+    version = json.loads(kubectl("version", "-o", "json", check=True).stdout)
+    assert version["clientVersion"]["minor"] == version["serverVersion"]["minor"] == "37"
+
+    kubectl("wait", "--for=condition=Ready", "node/gpu-r0-0", "--timeout=30s", check=True)
+
+    manifest = yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "from-kubectl", "namespace": namespace},
+            "data": {"k": "v"},
+        }
+    )
+    applied = kubectl("apply", "--server-side", "--field-manager=smoke", "-f", "-", stdin=manifest)
+    assert applied.returncode == 0, applied.stderr
+    assert "serverside-applied" in applied.stdout
+    value = kubectl("get", "-n", namespace, "configmap/from-kubectl", "-o", "jsonpath={.data.k}")
+    assert value.stdout == "v"
