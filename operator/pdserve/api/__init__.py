@@ -1,0 +1,47 @@
+"""pdserve's API: pydantic models of the DisaggregatedModel custom resource, the one source of
+validation, defaults, documentation and the generated CRD."""
+
+from __future__ import annotations
+
+from pdserve.api.base import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from pdserve.api.resource import (
+    DisaggregatedModel,
+    SpecError,
+    format_validation_error,
+    parse_resource,
+    parse_spec,
+)
+from pdserve.api.spec import (
+    PARITY_ENV,
+    PARITY_FLAGS,
+    DisaggregatedModelSpec,
+    EnginePoolSpec,
+    KvConnector,
+    RoutingMode,
+)
+from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PARITY_ENV",
+    "PARITY_FLAGS",
+    "PLURAL",
+    "SHORT_NAMES",
+    "SINGULAR",
+    "VERSION",
+    "Condition",
+    "ConditionType",
+    "DisaggregatedModel",
+    "DisaggregatedModelSpec",
+    "DisaggregatedModelStatus",
+    "EnginePoolSpec",
+    "KvConnector",
+    "Phase",
+    "RoutingMode",
+    "SpecError",
+    "format_validation_error",
+    "parse_resource",
+    "parse_spec",
+]

@@ -1,0 +1,128 @@
+"""The whole `DisaggregatedModel` object and parsing it at the boundary."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError
+
+from pdserve.api.base import API_VERSION, KIND, ApiModel
+from pdserve.api.spec import DisaggregatedModelSpec
+from pdserve.api.status import DisaggregatedModelStatus
+
+# Child names are "<name>-prefill", "<name>-decode", "<name>-render", "<name>-gateway" (and
+# "-s<n>" slices later). A StatefulSet's pods carry the label controller-revision-hash =
+# "<statefulset>-<10 chars>", which must fit in 63 characters; 40 leaves room for every suffix.
+MAX_NAME_LENGTH = 40
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class ObjectMeta(ApiModel):
+    """The parts of metadata pdserve reads."""
+
+    model_config = ApiModel.model_config | {"extra": "ignore"}
+
+    name: Annotated[str, Field(min_length=1)]
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class DisaggregatedModel(ApiModel):
+    """A parsed, validated DisaggregatedModel."""
+
+    model_config = ApiModel.model_config | {"extra": "ignore"}
+
+    api_version: str = API_VERSION
+    kind: str = KIND
+    metadata: ObjectMeta
+    spec: DisaggregatedModelSpec
+    status: DisaggregatedModelStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+    @property
+    def served_model_name(self) -> str:
+        return self.spec.model.served_model_name or self.metadata.name
+
+
+class SpecError(ValueError):
+    """An invalid DisaggregatedModel; `problems` name each field and the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> list[str]:
+    """One line per problem: `spec.render.workers: Input should be greater than or equal to 1`."""
+    problems = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling (kubectl explain disaggregatedmodel.spec)"
+        path = _field_path(tuple(item["loc"]))
+        path = f"{prefix}.{path}" if prefix and path else (path or prefix)
+        # Whole-object validators already name their fields in full ("spec.prefill.extraArgs...").
+        if not path or message.startswith(f"{path}.") or message.startswith("spec."):
+            problems.append(message)
+        else:
+            problems.append(f"{path}: {message}")
+    return problems
+
+
+def check_name(name: str) -> list[str]:
+    problems = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(
+            f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} fit "
+            "the child names (<name>-prefill, <name>-gateway, ...)"
+        )
+    if not DNS_LABEL.match(name):
+        problems.append(
+            f"metadata.name: {name!r} must be a DNS label (lowercase letters, digits and '-', "
+            "starting with a letter), because it names Services"
+        )
+    return problems
+
+
+def parse_spec(spec: Any) -> DisaggregatedModelSpec:
+    """Validate a raw spec (as the API server stores it); SpecError names every problem."""
+    try:
+        return DisaggregatedModelSpec.model_validate(spec)
+    except ValidationError as error:
+        raise SpecError(format_validation_error(error, "spec")) from None
+
+
+def parse_resource(body: Any) -> DisaggregatedModel:
+    """Validate a whole object (metadata + spec); SpecError names every problem."""
+    if not isinstance(body, dict):
+        raise SpecError(["the object must be a mapping with metadata and spec"])
+    problems = check_name(str(body.get("metadata", {}).get("name", "")))
+    try:
+        resource = DisaggregatedModel.model_validate(body)
+    except ValidationError as error:
+        problems += format_validation_error(error)
+        raise SpecError(problems) from None
+    if problems:
+        raise SpecError(problems)
+    return resource

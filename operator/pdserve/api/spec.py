@@ -1,0 +1,579 @@
+"""`DisaggregatedModel.spec`: the one schema source for validation, defaults and the CRD."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, JsonValue, field_validator, model_validator
+
+from pdserve.api.base import ApiModel, rule, with_rules
+
+# Quantities stay strings or numbers exactly as Kubernetes accepts them ("500m", 2, "16Gi").
+Quantity = Annotated[
+    str | int,
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+PreservedObject = Annotated[
+    dict[str, JsonValue],
+    Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
+]
+LabelMap = dict[str, str]
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret of the resource's namespace."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    """Name of the Secret."""
+    key: Annotated[str, Field(min_length=1)]
+    """Key inside the Secret."""
+
+
+class ConfigMapKeyRef(ApiModel):
+    """A key in a ConfigMap of the resource's namespace."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    """Name of the ConfigMap."""
+    key: Annotated[str, Field(min_length=1)]
+    """Key inside the ConfigMap."""
+
+
+# CEL rules below guard every field with has(): the API server checks them against the schema
+# defaults ({}) before nested defaults are filled in.
+
+
+# ---- model -----------------------------------------------------------------------------------
+class HuggingFaceSource(ApiModel):
+    """Download the model from the Hugging Face Hub when a pod starts."""
+
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret key holding an HF token (exported as HF_TOKEN), for gated or private models. The
+    token is only ever read from this Secret, never written into a manifest."""
+
+
+class PvcSource(ApiModel):
+    """Load the model from a PersistentVolumeClaim mounted read-only into every pod."""
+
+    claim_name: Annotated[str, Field(min_length=1, max_length=253)]
+    """Name of the PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany for several pods)."""
+    path: Annotated[str, Field(pattern=r"^[^/].*$")] = "."
+    """Directory of the model inside the claim, relative to its root."""
+
+
+class ModelSource(ApiModel):
+    """Where weights, config and tokenizer come from: exactly one of hf or pvc."""
+
+    model_config = with_rules(
+        [rule("!(has(self.hf) && has(self.pvc))", "set only one of hf and pvc")]
+    )
+
+    hf: HuggingFaceSource | None = None
+    """The Hugging Face Hub (the default when nothing is set)."""
+    pvc: PvcSource | None = None
+    """A PersistentVolumeClaim."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if self.hf is not None and self.pvc is not None:
+            raise ValueError("set only one of hf and pvc")
+        return self
+
+
+class ModelSpec(ApiModel):
+    """The model being served."""
+
+    name: Annotated[str, Field(min_length=1, max_length=512)]
+    """Hugging Face id (e.g. Qwen/Qwen2.5-7B-Instruct) or, with source.pvc, the name clients use
+    when servedModelName is not set."""
+    served_model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Model name in the OpenAI API. Default: the resource's metadata.name."""
+    revision: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Model revision (branch, tag or commit). Pinned revisions keep pools identical."""
+    source: ModelSource = Field(default_factory=ModelSource)
+    """Where the model is loaded from."""
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    """Context length (--max-model-len). Default: the model's own."""
+
+
+# ---- serving: the parity set -------------------------------------------------------------------
+class KvCacheDtype(StrEnum):
+    auto = "auto"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+
+class ServingSpec(ApiModel):
+    """Everything that changes how text becomes tokens and tokens become an answer, written once
+    and rendered identically into the render, prefill and decode pools (the parity set)."""
+
+    model_config = with_rules(
+        [
+            rule(
+                "!has(self.enableAutoToolChoice) || !self.enableAutoToolChoice"
+                " || has(self.toolCallParser)",
+                "enableAutoToolChoice needs toolCallParser",
+                ".enableAutoToolChoice",
+            )
+        ]
+    )
+
+    tokenizer: Annotated[str, Field(min_length=1)] | None = None
+    """Tokenizer (--tokenizer). Default: the model's own."""
+    tokenizer_revision: Annotated[str, Field(min_length=1)] | None = None
+    """Tokenizer revision (--tokenizer-revision)."""
+    chat_template: ConfigMapKeyRef | None = None
+    """Chat template from a ConfigMap key (--chat-template). Default: the model's own."""
+    default_chat_template_kwargs: PreservedObject | None = None
+    """Default chat-template kwargs (--default-chat-template-kwargs), e.g. {"enable_thinking":
+    false}. Request kwargs win."""
+    reasoning_parser: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] | None = (
+        None
+    )
+    """Reasoning parser (--reasoning-parser), e.g. qwen3, deepseek_r1."""
+    tool_call_parser: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")] | None = (
+        None
+    )
+    """Tool-call parser (--tool-call-parser), e.g. hermes, llama3_json."""
+    enable_auto_tool_choice: bool = False
+    """Let the model choose tools (--enable-auto-tool-choice); needs toolCallParser."""
+    block_size: Literal[1, 8, 16, 32, 64, 128] = 16
+    """KV cache block size in tokens (--block-size); must match between prefill and decode."""
+    kv_cache_dtype: KvCacheDtype = KvCacheDtype.auto
+    """KV cache dtype (--kv-cache-dtype); must match between prefill and decode."""
+    python_hash_seed: Annotated[int, Field(ge=0, le=4294967295)] = 0
+    """PYTHONHASHSEED for every pool, so prefix-cache block hashes agree across pods."""
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_needs_parser(self) -> ServingSpec:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enableAutoToolChoice needs toolCallParser: set spec.serving.toolCallParser "
+                "(e.g. hermes) or drop enableAutoToolChoice"
+            )
+        return self
+
+
+# ---- images ------------------------------------------------------------------------------------
+DEFAULT_ENGINE_IMAGE = "vllm/vllm-openai:v0.33.0"
+DEFAULT_GATEWAY_IMAGE = "ghcr.io/pdserve/pdserve:0.1.0"
+
+
+class ImageSpec(ApiModel):
+    """Container images."""
+
+    engine: Annotated[str, Field(min_length=1)] = DEFAULT_ENGINE_IMAGE
+    """vLLM image for the prefill and decode engines (GPU build)."""
+    render: Annotated[str, Field(min_length=1)] | None = None
+    """vLLM image for the render pool; a CPU build saves pulling CUDA. Default: engine."""
+    gateway: Annotated[str, Field(min_length=1)] = DEFAULT_GATEWAY_IMAGE
+    """pdserve gateway image."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """imagePullPolicy of every container."""
+    pull_secrets: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    """Names of image pull Secrets for every pod."""
+
+
+# ---- pools -------------------------------------------------------------------------------------
+class ResourceRequirements(ApiModel):
+    """CPU, memory and other resources, as in a container's resources."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Requested resources."""
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Resource limits."""
+
+
+class EnvVar(ApiModel):
+    """An environment variable, as in a container's env."""
+
+    name: Annotated[str, Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
+    """Variable name."""
+    value: str | None = None
+    """Literal value."""
+    value_from: PreservedObject | None = None
+    """Source of the value (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."""
+
+
+class SchedulerSpec(ApiModel):
+    """vLLM scheduler knobs (chunked prefill). Unset: vLLM's defaults."""
+
+    enable_chunked_prefill: bool | None = None
+    """--enable-chunked-prefill / --no-enable-chunked-prefill."""
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Token budget of one engine step (--max-num-batched-tokens)."""
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    """Most sequences in one step (--max-num-seqs)."""
+    long_prefill_token_threshold: Annotated[int, Field(ge=0)] | None = None
+    """Most prompt tokens one request may schedule per step; 0 = no cap
+    (--long-prefill-token-threshold)."""
+
+
+# Flags that change how text becomes tokens or how prefill and decode agree: set once, in spec.
+PARITY_FLAGS: dict[str, str] = {
+    "--chat-template": "spec.serving.chatTemplate",
+    "--tokenizer": "spec.serving.tokenizer",
+    "--tokenizer-revision": "spec.serving.tokenizerRevision",
+    "--revision": "spec.model.revision",
+    "--reasoning-parser": "spec.serving.reasoningParser",
+    "--tool-call-parser": "spec.serving.toolCallParser",
+    "--enable-auto-tool-choice": "spec.serving.enableAutoToolChoice",
+    "--default-chat-template-kwargs": "spec.serving.defaultChatTemplateKwargs",
+    "--block-size": "spec.serving.blockSize",
+    "--kv-cache-dtype": "spec.serving.kvCacheDtype",
+}
+PARITY_ENV: dict[str, str] = {"PYTHONHASHSEED": "spec.serving.pythonHashSeed"}
+
+# Flags and env the operator derives from other fields; setting them twice would silently fight.
+OWNED_FLAGS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--served-model-name": "spec.model.servedModelName",
+    "--max-model-len": "spec.model.maxModelLen",
+    "--port": "the operator (engines listen on 8000)",
+    "--host": "the operator",
+    "--tokens-only": "the operator (set when the render pool is enabled)",
+    "--kv-transfer-config": "spec.kvTransfer",
+    "--tensor-parallel-size": "spec.<pool>.tensorParallelSize",
+    "--data-parallel-size": "spec.<pool>.dataParallelSize",
+    "--gpu-memory-utilization": "spec.<pool>.gpuMemoryUtilization",
+    "--enable-chunked-prefill": "spec.<pool>.scheduler.enableChunkedPrefill",
+    "--max-num-batched-tokens": "spec.<pool>.scheduler.maxNumBatchedTokens",
+    "--max-num-seqs": "spec.<pool>.scheduler.maxNumSeqs",
+    "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
+    "--renderer-num-workers": "spec.render.workers",
+}
+OWNED_ENV: dict[str, str] = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.kvTransfer.sideChannelPort",
+    "UCX_NET_DEVICES": "spec.kvTransfer.ucxNetDevices",
+    "HF_TOKEN": "spec.model.source.hf.tokenSecretRef",
+}
+
+
+def normalize_flag(arg: str) -> str | None:
+    """`--Tool_Call_Parser=x` -> `--tool-call-parser`; `--no-enable-x` -> `--enable-x`;
+    None for values and short options."""
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0].lower().replace("_", "-")
+    if name.startswith("--no-"):
+        name = "--" + name[len("--no-") :]
+    return name
+
+
+def check_extra_args(pool: str, args: list[str]) -> None:
+    """Refuse extraArgs that set a parity flag or a flag the operator owns, naming both."""
+    for index, arg in enumerate(args):
+        flag = normalize_flag(arg)
+        if flag in PARITY_FLAGS:
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets parity flag {flag}: it must be identical "
+                f"in every pool, so set it once in {PARITY_FLAGS[flag]}"
+            )
+        if flag in OWNED_FLAGS:
+            owner = OWNED_FLAGS[flag].replace("<pool>", pool)
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets {flag}, which is derived from {owner}; "
+                "set it there instead"
+            )
+
+
+def check_env(pool: str, env: list[EnvVar]) -> None:
+    for index, var in enumerate(env):
+        if var.name in PARITY_ENV:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets parity variable {var.name}: it must be identical "
+                f"in every pool, so set it once in {PARITY_ENV[var.name]}"
+            )
+        if var.name in OWNED_ENV:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets {var.name}, which is derived from "
+                f"{OWNED_ENV[var.name]}; set it there instead"
+            )
+
+
+class EnginePoolSpec(ApiModel):
+    """A pool of GPU engines (prefill or decode), one StatefulSet."""
+
+    replicas: Annotated[int, Field(ge=0, le=1024)] = 1
+    """Engine replicas (pods). prefill.replicas 0 means aggregated serving on the decode pool."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """GPUs one engine shards each layer over (--tensor-parallel-size)."""
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
+    tensorParallelSize x dataParallelSize."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Scheduler knobs."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra vLLM arguments. Parity flags and flags derived from other fields are refused."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables (PYTHONHASHSEED and the NIXL/UCX variables are refused)."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the pool's pods require (added to spec.placement.nodeSelector)."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the pool's pods (added to spec.placement.tolerations)."""
+    pod_annotations: LabelMap = Field(default_factory=dict)
+    """Annotations on the pool's pods."""
+
+    @field_validator("resources")
+    @classmethod
+    def _gpus_are_derived(cls, value: ResourceRequirements) -> ResourceRequirements:
+        for kind in ("requests", "limits"):
+            if GPU_RESOURCE in getattr(value, kind):
+                raise ValueError(
+                    f"{kind}[{GPU_RESOURCE}] is derived from tensorParallelSize x "
+                    "dataParallelSize; remove it"
+                )
+        return value
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+class RenderAutoscalingSpec(ApiModel):
+    """HorizontalPodAutoscaler of the render pool."""
+
+    model_config = with_rules(
+        [
+            rule(
+                "!has(self.maxReplicas) || !has(self.minReplicas)"
+                " || self.maxReplicas >= self.minReplicas",
+                "maxReplicas must be >= minReplicas",
+                ".maxReplicas",
+            )
+        ]
+    )
+
+    enabled: bool = True
+    """Create an HPA and leave the Deployment's replicas to it."""
+    min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Fewest render replicas."""
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
+    """Most render replicas."""
+    target_cpu_utilization_percentage: Annotated[
+        int, Field(ge=1, le=100, alias="targetCPUUtilizationPercentage")
+    ] = 70
+    """Average CPU utilization the HPA aims for."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RenderAutoscalingSpec:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"maxReplicas ({self.max_replicas}) must be >= minReplicas ({self.min_replicas})"
+            )
+        return self
+
+
+class RenderSpec(ApiModel):
+    """The CPU render pool (`vllm launch render`): chat templates, tokenizing, reasoning and
+    tool-call parsing, for both /render and /derender."""
+
+    enabled: bool = True
+    """Run a render pool; engines then run --tokens-only. false: engines speak OpenAI."""
+    replicas: Annotated[int, Field(ge=1, le=1000)] = 2
+    """Replicas when autoscaling is disabled."""
+    workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Render worker threads per pod (--renderer-num-workers)."""
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(
+            requests={"cpu": "1", "memory": "2Gi"}, limits={"memory": "4Gi"}
+        )
+    )
+    """CPU and memory of the render container (CPU requests drive the HPA)."""
+    autoscaling: RenderAutoscalingSpec = Field(default_factory=RenderAutoscalingSpec)
+    """CPU-based autoscaling."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra `vllm launch render` arguments; parity flags are refused."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the render pods require."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the render pods."""
+    pod_annotations: LabelMap = Field(default_factory=dict)
+    """Annotations on the render pods."""
+
+
+# ---- KV transfer -------------------------------------------------------------------------------
+class KvConnector(StrEnum):
+    nixl = "NixlConnector"
+    nixl_push = "NixlPushConnector"
+    lmcache = "LMCacheConnectorV1"
+    mooncake = "MooncakeConnector"
+
+
+NIXL_CONNECTORS = (KvConnector.nixl, KvConnector.nixl_push)
+# An unset connector defaults to NixlConnector.
+_NIXL_CEL = "!has(self.connector) || self.connector.startsWith('Nixl')"
+FIRST_CLASS_EXTRA_CONFIG = {
+    "kv_lease_duration": "kvTransfer.leaseDurationSeconds",
+    "bidirectional_kv_xfer": "kvTransfer.bidirectional",
+}
+
+
+class KvTransferSpec(ApiModel):
+    """How prefill hands its KV cache to decode."""
+
+    model_config = with_rules(
+        [
+            rule(
+                f"!has(self.loadFailurePolicy) || {_NIXL_CEL}",
+                "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)",
+                ".loadFailurePolicy",
+            ),
+            rule(
+                f"!has(self.leaseDurationSeconds) || {_NIXL_CEL}",
+                "leaseDurationSeconds needs a NIXL connector",
+                ".leaseDurationSeconds",
+            ),
+            rule(
+                f"!has(self.bidirectional) || !self.bidirectional || {_NIXL_CEL}",
+                "bidirectional needs a NIXL connector",
+                ".bidirectional",
+            ),
+        ]
+    )
+
+    connector: KvConnector = KvConnector.nixl
+    """vLLM KV connector."""
+    lease_duration_seconds: Annotated[int, Field(ge=1, le=3600)] | None = None
+    """How long prefill holds KV blocks for decode to pull (kv_lease_duration). NIXL only;
+    vLLM's default is 30."""
+    load_failure_policy: Literal["fail", "recompute"] | None = None
+    """What decode does when a KV load fails: fail the request, or recompute the prefix
+    (kv_load_failure_policy). NIXL only; vLLM's default is fail."""
+    bidirectional: bool = False
+    """Let prefill reuse KV that decode generated in a conversation (bidirectional_kv_xfer, set
+    on both sides). NIXL only."""
+    side_channel_port: Annotated[int, Field(ge=1024, le=65535)] = 5600
+    """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT; data-parallel rank is added)."""
+    ucx_net_devices: Annotated[str, Field(min_length=1)] | None = None
+    """UCX_NET_DEVICES, e.g. mlx5_0:1 or all. Default: UCX's choice."""
+    extra_config: PreservedObject = Field(default_factory=dict)
+    """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
+
+    @model_validator(mode="after")
+    def _nixl_only_fields(self) -> KvTransferSpec:
+        if self.connector not in NIXL_CONNECTORS:
+            for field, set_ in (
+                ("loadFailurePolicy", self.load_failure_policy is not None),
+                ("leaseDurationSeconds", self.lease_duration_seconds is not None),
+                ("bidirectional", self.bidirectional),
+            ):
+                if set_:
+                    raise ValueError(
+                        f"{field} needs a NIXL connector (NixlConnector, NixlPushConnector), "
+                        f"not {self.connector.value}"
+                    )
+        for key, field in FIRST_CLASS_EXTRA_CONFIG.items():
+            if key in self.extra_config:
+                raise ValueError(f"extraConfig.{key} is set by {field}; set it there instead")
+        return self
+
+
+# ---- gateway -----------------------------------------------------------------------------------
+class RoutingMode(StrEnum):
+    auto = "Auto"
+    disaggregated = "Disaggregated"
+    aggregated = "Aggregated"
+
+
+class SloSpec(ApiModel):
+    """Latency objectives the gateway routes for (Auto mode) and reports against."""
+
+    ttft_ms: Annotated[int, Field(ge=1)] | None = None
+    """Time to first token, milliseconds."""
+    itl_ms: Annotated[int, Field(ge=1)] | None = None
+    """Inter-token latency, milliseconds."""
+
+
+class RoutingSpec(ApiModel):
+    """How the gateway sends requests."""
+
+    mode: RoutingMode = RoutingMode.auto
+    """Auto: per request, prefill on the prefill pool or locally on decode, by SLO and load.
+    Disaggregated: always prefill then decode. Aggregated: decode pool only."""
+
+
+class GatewaySpec(ApiModel):
+    """The OpenAI-compatible gateway in front of the pools."""
+
+    replicas: Annotated[int, Field(ge=1, le=100)] = 2
+    """Gateway replicas."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """Port of the gateway Service."""
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Type of the gateway Service."""
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    """Routing policy."""
+    slo: SloSpec = Field(default_factory=SloSpec)
+    """Latency objectives."""
+    api_key_secret_ref: SecretKeyRef | None = None
+    """Secret key holding the API key clients must send as a Bearer token."""
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(
+            requests={"cpu": "250m", "memory": "256Mi"}, limits={"memory": "1Gi"}
+        )
+    )
+    """CPU and memory of the gateway container."""
+
+
+# ---- placement ---------------------------------------------------------------------------------
+class PlacementSpec(ApiModel):
+    """Where pods of every pool may run (passed through to pod specs)."""
+
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels every pod requires."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of every pod."""
+    affinity: PreservedObject | None = None
+    """Pod affinity/anti-affinity and node affinity, as in a pod spec."""
+
+
+# ---- the spec ----------------------------------------------------------------------------------
+class DisaggregatedModelSpec(ApiModel):
+    """A disaggregated vLLM deployment: prefill and decode GPU pools, a CPU render pool and an
+    OpenAI-compatible gateway, kept in parity."""
+
+    model: ModelSpec
+    """The model to serve."""
+    serving: ServingSpec = Field(default_factory=ServingSpec)
+    """The parity set: tokenizer, chat template, parsers and engine-pair invariants."""
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    """Container images."""
+    prefill: EnginePoolSpec | None = None
+    """Prefill pool (KV producer). Absent or replicas 0: aggregated serving on decode."""
+    decode: EnginePoolSpec = Field(default_factory=EnginePoolSpec)
+    """Decode pool (KV consumer, or the whole engine when aggregated)."""
+    render: RenderSpec = Field(default_factory=RenderSpec)
+    """CPU render pool."""
+    kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
+    """Prefill -> decode KV transfer."""
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    """The gateway."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    """Placement shared by every pool."""
+
+    @model_validator(mode="after")
+    def _no_parity_overrides(self) -> DisaggregatedModelSpec:
+        pools: list[tuple[str, EnginePoolSpec | RenderSpec]] = [("decode", self.decode)]
+        if self.prefill is not None:
+            pools.insert(0, ("prefill", self.prefill))
+        pools.append(("render", self.render))
+        for name, pool in pools:
+            check_extra_args(name, pool.extra_args)
+            check_env(name, pool.env)
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when a prefill pool with replicas exists (P/D); False: aggregated on decode."""
+        return self.prefill is not None and self.prefill.replicas > 0

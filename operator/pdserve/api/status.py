@@ -1,0 +1,86 @@
+"""`DisaggregatedModel.status`: written only by the operator."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pdserve.api.base import ApiModel
+
+
+class ConditionType(StrEnum):
+    ready = "Ready"
+    progressing = "Progressing"
+    config_parity = "ConfigParity"
+    degraded = "Degraded"
+    placement = "Placement"
+    transport_verified = "TransportVerified"
+    transport_healthy = "TransportHealthy"
+
+
+class Condition(ApiModel):
+    """A standard Kubernetes condition."""
+
+    type: str
+    """Condition type: Ready, Progressing, ConfigParity, Degraded, ..."""
+    status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
+    reason: Annotated[str, Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
+    """One CamelCase word saying why."""
+    message: str = ""
+    """What happened, for humans."""
+    last_transition_time: str
+    """When status last changed (RFC 3339)."""
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The metadata.generation this condition was computed for."""
+
+
+class Phase(StrEnum):
+    pending = "Pending"
+    progressing = "Progressing"
+    ready = "Ready"
+    degraded = "Degraded"
+    failed = "Failed"
+
+
+class PoolStatus(ApiModel):
+    """Replica counts of one pool."""
+
+    desired: Annotated[int, Field(ge=0)] = 0
+    """Replicas the pool should have (the HPA's choice for render)."""
+    ready: Annotated[int, Field(ge=0)] = 0
+    """Replicas that are ready."""
+    summary: str = "0/0"
+    """ready/desired, for printer columns."""
+
+
+class PoolsStatus(ApiModel):
+    """Replica counts per pool."""
+
+    prefill: PoolStatus | None = None
+    """Prefill pool; absent when serving is aggregated."""
+    decode: PoolStatus = Field(default_factory=PoolStatus)
+    """Decode pool."""
+    render: PoolStatus | None = None
+    """Render pool; absent when disabled."""
+    gateway: PoolStatus = Field(default_factory=PoolStatus)
+    """Gateway."""
+
+
+class DisaggregatedModelStatus(ApiModel):
+    """What the operator observed."""
+
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The metadata.generation last reconciled."""
+    phase: Phase = Phase.pending
+    """Pending, Progressing, Ready, Degraded or Failed."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing, ConfigParity, Degraded, ..."""
+    pools: PoolsStatus = Field(default_factory=PoolsStatus)
+    """Replica counts per pool."""
+    parity_hash: str | None = None
+    """Hash of the parity set stamped on every pod (pdserve.io/parity-hash)."""
+    endpoint: str | None = None
+    """In-cluster URL of the OpenAI API."""
