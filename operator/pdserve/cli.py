@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve import __version__
+from pdserve.api import SpecError
 from pdserve.api.crd import render_crd, write_crds
+from pdserve.manifests import load_resources, render_manifests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="write crds/ and charts/pdserve/crds/ under REPO_ROOT instead of printing",
     )
+    manifests = sub.add_parser(
+        "manifests", help="print every child object of DisaggregatedModel files as YAML"
+    )
+    manifests.add_argument(
+        "-f", "--filename", dest="files", metavar="FILE", type=Path, action="append",
+        required=True, help="a YAML file with one or more DisaggregatedModels (repeatable)",
+    )  # fmt: skip
+    manifests.add_argument(
+        "-n", "--namespace", help="namespace for resources (default: theirs, else 'default')"
+    )
     return parser
 
 
@@ -44,6 +56,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             for path in write_crds(args.write):
                 print(f"wrote {path}")
+        return 0
+    if args.command == "manifests":
+        try:
+            resources = [dm for f in args.files for dm in load_resources(f, args.namespace)]
+        except SpecError as error:
+            for problem in error.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            return 2
+        if not resources:
+            print("error: no DisaggregatedModel found in the given files", file=sys.stderr)
+            return 2
+        sys.stdout.write(render_manifests(resources))
         return 0
     parser.print_help(sys.stderr)
     return 2

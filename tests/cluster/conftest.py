@@ -9,9 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from pdserve.api.crd import build_crd
 from tests.cluster.clitools import Kubectl, ensure_cli_tools
 from tests.cluster.localplane import ControlPlane, running_control_plane, wait_until
 from tests.cluster.nodes import create_nodes, demo_nodes, wait_nodes_ready
@@ -88,3 +90,28 @@ def kubectl(control_plane: ControlPlane) -> Kubectl:
         return proc
 
     return run
+
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+@pytest.fixture(scope="session")
+def dm_crd(control_plane: ControlPlane) -> Iterator[None]:
+    """The generated DisaggregatedModel CRD, applied and Established."""
+    crd = build_crd()
+    name = crd["metadata"]["name"]
+    with control_plane.http() as http:
+        response = http.patch(
+            f"{CRDS}/{name}",
+            params={"fieldManager": "pdserve-tests", "force": "true"},
+            content=yaml.safe_dump(crd),
+            headers={"Content-Type": "application/apply-patch+yaml"},
+        )
+        assert response.is_success, response.text
+
+        def established() -> bool:
+            conditions = http.get(f"{CRDS}/{name}").json().get("status", {}).get("conditions", [])
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        wait_until("the DisaggregatedModel CRD to be Established", established, timeout=30)
+        yield

@@ -3,42 +3,15 @@ schema errors name the field, and what the server stores parses back into the mo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from pdserve.api import parse_resource
-from pdserve.api.crd import build_crd
 from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import ControlPlane, wait_until
 
 pytestmark = pytest.mark.cluster
-
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-@pytest.fixture(scope="module")
-def dm_crd(control_plane: ControlPlane) -> Iterator[None]:
-    crd = build_crd()
-    name = crd["metadata"]["name"]
-    with control_plane.http() as http:
-        response = http.patch(
-            f"{CRDS}/{name}",
-            params={"fieldManager": "pdserve-tests", "force": "true"},
-            content=yaml.safe_dump(crd),
-            headers={"Content-Type": "application/apply-patch+yaml"},
-        )
-        assert response.is_success, response.text
-
-        def established() -> bool:
-            conditions = http.get(f"{CRDS}/{name}").json().get("status", {}).get("conditions", [])
-            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-        wait_until("the DisaggregatedModel CRD to be Established", established, timeout=30)
-        yield
 
 
 def dm(name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -524,18 +524,23 @@ class GatewaySpec(ApiModel):
         )
     )
     """CPU and memory of the gateway container."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the gateway pods require."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the gateway pods."""
 
 
 # ---- placement ---------------------------------------------------------------------------------
 class PlacementSpec(ApiModel):
-    """Where pods of every pool may run (passed through to pod specs)."""
+    """Where the GPU engine pools (prefill and decode) run; render and gateway pods have their
+    own nodeSelector/tolerations. Passed through to the pod specs."""
 
     node_selector: LabelMap = Field(default_factory=dict)
-    """Node labels every pod requires."""
+    """Node labels every engine pod requires (merged with <pool>.nodeSelector)."""
     tolerations: list[PreservedObject] = Field(default_factory=list)
-    """Tolerations of every pod."""
+    """Tolerations of every engine pod (added to <pool>.tolerations)."""
     affinity: PreservedObject | None = None
-    """Pod affinity/anti-affinity and node affinity, as in a pod spec."""
+    """Node affinity and pod (anti-)affinity of every engine pod, as in a pod spec."""
 
 
 # ---- the spec ----------------------------------------------------------------------------------
@@ -560,7 +565,7 @@ class DisaggregatedModelSpec(ApiModel):
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     """The gateway."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
-    """Placement shared by every pool."""
+    """Placement of the GPU engine pools."""
 
     @model_validator(mode="after")
     def _no_parity_overrides(self) -> DisaggregatedModelSpec:

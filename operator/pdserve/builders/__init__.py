@@ -1,0 +1,55 @@
+"""Pure builders: a validated DisaggregatedModel -> the complete desired set of child objects.
+
+No I/O: the same input gives byte-identical output. Owner references and server-side apply are
+the controller's business."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.api import DisaggregatedModel
+from pdserve.builders.engines import engine_pool
+from pdserve.builders.gateway import endpoint, gateway, routing_config
+from pdserve.builders.names import Component, child_name
+from pdserve.builders.parity import content_digest, parity_hash, parity_set
+from pdserve.builders.render import render_pool
+
+# Apply order: identities and config before the workloads that use them.
+KIND_ORDER = [
+    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet", "Deployment",
+    "HorizontalPodAutoscaler", "PodDisruptionBudget",
+]  # fmt: skip
+
+
+def object_key(obj: dict[str, Any]) -> tuple[int, str, str]:
+    return KIND_ORDER.index(obj["kind"]), obj["apiVersion"], obj["metadata"]["name"]
+
+
+def build_all(
+    dm: DisaggregatedModel, *, chat_template_digest: str | None = None
+) -> list[dict[str, Any]]:
+    """Every child object pdserve owns for this resource, in apply order."""
+    parity = parity_hash(dm, chat_template_digest)
+    objects: list[dict[str, Any]] = []
+    if dm.spec.disaggregated:
+        assert dm.spec.prefill is not None
+        objects += engine_pool(dm, Component.prefill, dm.spec.prefill, parity)
+    objects += engine_pool(dm, Component.decode, dm.spec.decode, parity)
+    if dm.spec.render.enabled:
+        objects += render_pool(dm, parity)
+    objects += gateway(dm, parity)
+    return sorted(objects, key=object_key)
+
+
+__all__ = [
+    "KIND_ORDER",
+    "Component",
+    "build_all",
+    "child_name",
+    "content_digest",
+    "endpoint",
+    "object_key",
+    "parity_hash",
+    "parity_set",
+    "routing_config",
+]

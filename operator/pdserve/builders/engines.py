@@ -1,0 +1,112 @@
+"""Prefill and decode engine pools: a StatefulSet, its headless Service and a PDB each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.api import DisaggregatedModel, EnginePoolSpec
+from pdserve.api.spec import NIXL_CONNECTORS
+from pdserve.builders.names import ENGINE_PORT, Component, child_name, meta, selector_labels
+from pdserve.builders.pods import (
+    common_env,
+    env_list,
+    http_probes,
+    model_volumes,
+    pdb,
+    pod_annotations,
+    pod_template,
+    resources,
+)
+from pdserve.builders.vllm_args import engine_args
+
+ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
+
+
+def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
+    """NIXL finds its peer through the side channel on the pod IP (the default, localhost,
+    only works when prefill and decode share a pod)."""
+    kv = dm.spec.kv_transfer
+    env: list[dict[str, Any]] = [
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(kv.side_channel_port)},
+    ]  # fmt: skip
+    if kv.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": kv.ucx_net_devices})
+    return env
+
+
+def engine_pool(
+    dm: DisaggregatedModel, component: Component, pool: EnginePoolSpec, parity: str
+) -> list[dict[str, Any]]:
+    """The objects of one engine pool. Roles: prefill produces KV, decode consumes it; without
+    a prefill pool, decode serves aggregated (no KV transfer)."""
+    name = child_name(dm, component)
+    role = ROLES[component] if dm.spec.disaggregated else None
+    kv = dm.spec.kv_transfer
+    env = common_env(dm)
+    ports: list[dict[str, Any]] = [
+        {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}
+    ]
+    if role is not None and kv.connector in NIXL_CONNECTORS:
+        env += nixl_env(dm)
+        ports.append({"name": "nixl", "containerPort": kv.side_channel_port, "protocol": "TCP"})
+    env += env_list(pool.env)
+    volumes, mounts = model_volumes(dm)
+    if pool.gpus > 1:
+        # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "vllm",
+        "image": dm.spec.image.engine,
+        "imagePullPolicy": dm.spec.image.pull_policy,
+        "command": ["vllm", "serve"],
+        "args": engine_args(dm, pool, role, ENGINE_PORT),
+        "env": env,
+        "ports": ports,
+        "resources": resources(pool.resources, gpus=pool.gpus),
+        **http_probes("/health", slow_start=True),
+        "volumeMounts": mounts,
+    }
+    template = pod_template(
+        dm,
+        component,
+        containers=[container],
+        volumes=volumes,
+        annotations=pod_annotations(parity, pool.pod_annotations),
+        node_selector=pool.node_selector,
+        tolerations=[dict(t) for t in pool.tolerations],
+        # Let in-flight generations finish before the engine goes away.
+        termination_grace_seconds=120,
+        gpu_pool=True,
+    )
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(dm, component),
+        "spec": {
+            "serviceName": name,
+            "replicas": pool.replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(dm, component)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": template,
+        },
+    }
+    service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
+                      "protocol": "TCP"} for p in ports]  # fmt: skip
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(dm, component),
+        "spec": {
+            "clusterIP": "None",
+            # The gateway discovers engines itself and health-checks them; it wants to see pods
+            # that are still starting too.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(dm, component),
+            "ports": service_ports,
+        },
+    }
+    return [statefulset, headless, pdb(dm, component, name)]

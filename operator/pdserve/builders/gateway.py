@@ -1,0 +1,131 @@
+"""The gateway: Deployment, Service, routing ConfigMap, and the identity it discovers pods with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pdserve.api import DisaggregatedModel
+from pdserve.builders.names import (
+    CONFIG_HASH_ANNOTATION,
+    ENGINE_PORT,
+    GATEWAY_CONTAINER_PORT,
+    RENDER_PORT,
+    Component,
+    child_name,
+    meta,
+    selector_labels,
+)
+from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
+
+ROUTING_KEY = "routing.json"
+ROUTING_DIR = "/etc/pdserve/routing"
+
+
+def _pool_ref(dm: DisaggregatedModel, component: Component, port: int) -> dict[str, Any]:
+    return {
+        "service": child_name(dm, component),
+        "port": port,
+        "selector": selector_labels(dm, component),
+    }
+
+
+def routing_config(dm: DisaggregatedModel, parity: str) -> dict[str, Any]:
+    """What the gateway needs to route: pools, the parity hash pods must carry, policies, SLOs."""
+    spec = dm.spec
+    kv = spec.kv_transfer
+    return {
+        "model": dm.served_model_name,
+        "namespace": dm.namespace,
+        "parityHash": parity,
+        "engineApi": "tokens" if spec.render.enabled else "openai",
+        "routing": {
+            "mode": spec.gateway.routing.mode.value,
+            "slo": spec.gateway.slo.model_dump(by_alias=True, exclude_none=True),
+        },
+        "pools": {
+            "render": _pool_ref(dm, Component.render, RENDER_PORT) if spec.render.enabled else None,
+            "prefill": _pool_ref(dm, Component.prefill, ENGINE_PORT)
+            if spec.disaggregated
+            else None,
+            "decode": _pool_ref(dm, Component.decode, ENGINE_PORT),
+        },
+        "kvTransfer": {
+            "connector": kv.connector.value,
+            "leaseDurationSeconds": kv.lease_duration_seconds,
+            "loadFailurePolicy": kv.load_failure_policy,
+            "bidirectional": kv.bidirectional,
+        },
+    }
+
+
+def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
+    spec = dm.spec.gateway
+    name = child_name(dm, Component.gateway)
+    # Indented so a GitOps diff of the ConfigMap shows which setting changed.
+    config_text = json.dumps(routing_config(dm, parity), indent=2, sort_keys=True) + "\n"
+    env: list[dict[str, Any]] = []
+    if spec.api_key_secret_ref is not None:
+        ref = spec.api_key_secret_ref
+        env.append({"name": "PDSERVE_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})  # fmt: skip
+    container = {
+        "name": "gateway",
+        "image": dm.spec.image.gateway,
+        "imagePullPolicy": dm.spec.image.pull_policy,
+        "command": ["pdserve", "gateway"],
+        "args": ["--config", f"{ROUTING_DIR}/{ROUTING_KEY}", "--port", str(GATEWAY_CONTAINER_PORT)],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
+        "resources": resources(spec.resources),
+        **http_probes("/health", slow_start=False),
+        "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
+    }
+    annotations = pod_annotations(parity, {
+        # A routing change rolls the gateway, so no replica serves with an old config.
+        CONFIG_HASH_ANNOTATION: hashlib.sha256(config_text.encode()).hexdigest()[:16],
+    })  # fmt: skip
+    template = pod_template(
+        dm,
+        Component.gateway,
+        containers=[container],
+        volumes=[{"name": "routing", "configMap": {"name": name}}],
+        annotations=annotations,
+        node_selector=spec.node_selector,
+        tolerations=[dict(t) for t in spec.tolerations],
+        service_account=name,
+    )
+    labels_meta = meta(dm, Component.gateway)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": labels_meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": labels_meta,
+         "rules": [
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+              "verbs": ["get", "list", "watch"]},
+         ]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": labels_meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": dm.namespace}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": labels_meta,
+         "data": {ROUTING_KEY: config_text}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": labels_meta,
+         "spec": {"replicas": spec.replicas,
+                  "selector": {"matchLabels": selector_labels(dm, Component.gateway)},
+                  "template": template}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": labels_meta,
+         "spec": {"type": spec.service_type,
+                  "selector": selector_labels(dm, Component.gateway),
+                  "ports": [{"name": "http", "port": spec.port, "targetPort": "http",
+                             "protocol": "TCP"}]}},
+        pdb(dm, Component.gateway, name),
+    ]  # fmt: skip
+
+
+def endpoint(dm: DisaggregatedModel) -> str:
+    """The in-cluster OpenAI base URL."""
+    return (
+        f"http://{child_name(dm, Component.gateway)}.{dm.namespace}.svc:{dm.spec.gateway.port}/v1"
+    )

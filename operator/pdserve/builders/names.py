@@ -1,0 +1,56 @@
+"""Names, labels and selectors of every child object (design.md "Names")."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pdserve.api import DisaggregatedModel
+
+FIELD_MANAGER = "pdserve"
+PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
+CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
+MODEL_LABEL = "pdserve.io/model"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+ENGINE_PORT = 8000
+RENDER_PORT = 8000
+GATEWAY_CONTAINER_PORT = 8000
+
+
+class Component(StrEnum):
+    prefill = "prefill"
+    decode = "decode"
+    render = "render"
+    gateway = "gateway"
+
+
+def child_name(dm: DisaggregatedModel, component: Component) -> str:
+    return f"{dm.name}-{component.value}"
+
+
+def selector_labels(dm: DisaggregatedModel, component: Component) -> dict[str, str]:
+    """The immutable part: what Services, StatefulSets and Deployments select on."""
+    return {INSTANCE_LABEL: dm.name, COMPONENT_LABEL: component.value}
+
+
+def labels(dm: DisaggregatedModel, component: Component) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pdserve",
+        **selector_labels(dm, component),
+        "app.kubernetes.io/managed-by": "pdserve",
+        MODEL_LABEL: dm.name,
+    }
+
+
+def meta(
+    dm: DisaggregatedModel, component: Component, name: str | None = None
+) -> dict[str, object]:
+    return {
+        "name": name or child_name(dm, component),
+        "namespace": dm.namespace,
+        "labels": labels(dm, component),
+    }
+
+
+def service_url(dm: DisaggregatedModel, component: Component, port: int) -> str:
+    return f"http://{child_name(dm, component)}.{dm.namespace}.svc:{port}"

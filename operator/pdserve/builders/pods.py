@@ -1,0 +1,151 @@
+"""Pod-template pieces every pool shares: placement, images, model volume, secrets, probes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.api import DisaggregatedModel
+from pdserve.api.spec import EnvVar, PlacementSpec, ResourceRequirements
+from pdserve.builders.names import (
+    PARITY_HASH_ANNOTATION,
+    Component,
+    labels,
+    meta,
+    selector_labels,
+)
+from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
+
+HF_CACHE = "/root/.cache/huggingface"
+
+
+def env_list(variables: list[EnvVar]) -> list[dict[str, Any]]:
+    return [v.model_dump(by_alias=True, exclude_none=True, mode="json") for v in variables]
+
+
+def common_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
+    """What every vLLM process needs: the hash seed, and the HF token only from its Secret."""
+    env: list[dict[str, Any]] = [
+        {"name": "PYTHONHASHSEED", "value": str(dm.spec.serving.python_hash_seed)}
+    ]
+    source = dm.spec.model.source
+    if source.pvc is not None:
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    elif source.hf is not None and source.hf.token_secret_ref is not None:
+        ref = source.hf.token_secret_ref
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    return env
+
+
+def resources(spec: ResourceRequirements, gpus: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if spec.requests:
+        out["requests"] = dict(spec.requests)
+    limits = dict(spec.limits)
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def http_probes(path: str, *, slow_start: bool) -> dict[str, Any]:
+    """Readiness gates traffic; a startup probe gives model loading up to 30 minutes before
+    liveness may restart the container."""
+    check = {"httpGet": {"path": path, "port": "http"}}
+    probes: dict[str, Any] = {
+        "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**check, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    if slow_start:
+        probes["startupProbe"] = {**check, "periodSeconds": 10, "failureThreshold": 180}
+    return probes
+
+
+def model_volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for weights/tokenizer and the chat template."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    pvc = dm.spec.model.source.pvc
+    if pvc is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    else:
+        volumes.append({"name": "hf-cache", "emptyDir": {}})
+        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
+    template = dm.spec.serving.chat_template
+    if template is not None:
+        volumes.append(
+            {
+                "name": "chat-template",
+                "configMap": {
+                    "name": template.name,
+                    "items": [{"key": template.key, "path": CHAT_TEMPLATE_FILE}],
+                },
+            }
+        )
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def pod_template(
+    dm: DisaggregatedModel,
+    component: Component,
+    *,
+    containers: list[dict[str, Any]],
+    volumes: list[dict[str, Any]],
+    annotations: dict[str, str],
+    node_selector: dict[str, str],
+    tolerations: list[dict[str, Any]],
+    service_account: str | None = None,
+    termination_grace_seconds: int = 30,
+    gpu_pool: bool = False,
+) -> dict[str, Any]:
+    # spec.placement is for the GPU engines; CPU pods (render, gateway) must not be pinned to
+    # GPU nodes by it.
+    placement = dm.spec.placement if gpu_pool else PlacementSpec()
+    spec: dict[str, Any] = {}
+    if service_account is None:
+        spec["automountServiceAccountToken"] = False
+    else:
+        spec["serviceAccountName"] = service_account
+    spec["containers"] = containers
+    selector = {**placement.node_selector, **node_selector}
+    if selector:
+        spec["nodeSelector"] = selector
+    all_tolerations = [dict(t) for t in placement.tolerations] + [dict(t) for t in tolerations]
+    if all_tolerations:
+        spec["tolerations"] = all_tolerations
+    if placement.affinity:
+        spec["affinity"] = dict(placement.affinity)
+    if dm.spec.image.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in dm.spec.image.pull_secrets]
+    spec["terminationGracePeriodSeconds"] = termination_grace_seconds
+    if volumes:
+        spec["volumes"] = volumes
+    return {
+        "metadata": {"labels": labels(dm, component), "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def pod_annotations(parity: str, extra: dict[str, str]) -> dict[str, str]:
+    return {**extra, PARITY_HASH_ANNOTATION: parity}
+
+
+def pdb(dm: DisaggregatedModel, component: Component, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta(dm, component, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(dm, component)}},
+    }

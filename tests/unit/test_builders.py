@@ -1,0 +1,270 @@
+"""Builders: golden manifests for every example, and the behaviour each example promises."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.builders import build_all, parity_hash
+from pdserve.builders.names import PARITY_HASH_ANNOTATION
+from pdserve.manifests import load_resources, render_manifests
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
+
+
+def example(name: str) -> DisaggregatedModel:
+    [dm] = load_resources(REPO / "examples" / f"{name}.yaml")
+    return dm
+
+
+def objects_by_key(dm: DisaggregatedModel) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in build_all(dm)}
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = obj["spec"]["template"]["spec"]["containers"][0]
+    return result
+
+
+def env_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(obj)["env"]}
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_golden_manifests(path: Path) -> None:
+    rendered = render_manifests(load_resources(path))
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if UPDATE:
+        golden.write_text(rendered)
+    assert golden.exists(), f"no golden file: run PDSERVE_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert rendered == golden.read_text(), (
+        f"{path.name} builds differently from {golden.name}; if intended, regenerate with "
+        "PDSERVE_UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+def test_there_are_at_least_four_examples() -> None:
+    assert len(EXAMPLES) >= 4
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_same_spec_gives_byte_identical_output(path: Path) -> None:
+    assert render_manifests(load_resources(path)) == render_manifests(load_resources(path))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_pod_carries_one_parity_hash_and_selectors_match(path: Path) -> None:
+    [dm] = load_resources(path)
+    expected = parity_hash(dm)
+    for obj in build_all(dm):
+        assert obj["metadata"]["namespace"] == dm.namespace
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == dm.name
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            template = obj["spec"]["template"]
+            assert template["metadata"]["annotations"][PARITY_HASH_ANNOTATION] == expected
+            selector = obj["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= template["metadata"]["labels"].items()
+
+
+def test_render_plus_1p1d_wires_tokens_only_engines_and_nixl() -> None:
+    dm = example("qwen2.5-7b-pd")
+    objs = objects_by_key(dm)
+    prefill, decode = (
+        objs[("StatefulSet", "qwen25-7b-prefill")],
+        objs[("StatefulSet", "qwen25-7b-decode")],
+    )
+    render = objs[("Deployment", "qwen25-7b-render")]
+
+    for engine, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        args = container(engine)["args"]
+        assert "--tokens-only" in args
+        assert "--tool-call-parser" not in args  # text parity lives in the render pool
+        assert json.loads(flag_value(args, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector", "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kv_lease_duration": 60},
+        }  # fmt: skip
+        env = env_of(engine)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert env["PYTHONHASHSEED"] == "0"
+        assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert engine["spec"]["template"]["spec"]["nodeSelector"] == {
+            "nvidia.com/gpu.product": "NVIDIA-H200"
+        }
+
+    render_args = container(render)["args"]
+    assert container(render)["command"] == ["vllm", "launch", "render"]
+    assert flag_value(render_args, "--tool-call-parser") == "hermes"
+    assert "--enable-auto-tool-choice" in render_args
+    assert flag_value(render_args, "--renderer-num-workers") == "2"
+    assert "replicas" not in render["spec"]  # the HPA owns it
+    assert "nodeSelector" not in render["spec"]["template"]["spec"]  # placement is for GPUs
+    hpa = objs[("HorizontalPodAutoscaler", "qwen25-7b-render")]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+
+
+def test_pd_without_render_runs_openai_engines_with_the_parity_flags() -> None:
+    dm = example("pd-without-render")
+    objs = objects_by_key(dm)
+    assert not [k for k in objs if k[1].endswith("-render")]
+    for pool in ("prefill", "decode"):
+        engine = objs[("StatefulSet", f"llama-8b-pd-{pool}")]
+        args = container(engine)["args"]
+        assert "--tokens-only" not in args
+        assert flag_value(args, "--tool-call-parser") == "llama3_json"
+        assert env_of(engine)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert objs[("StatefulSet", "llama-8b-pd-prefill")]["spec"]["replicas"] == 2
+    routing = json.loads(objs[("ConfigMap", "llama-8b-pd-gateway")]["data"]["routing.json"])
+    assert routing["engineApi"] == "openai"
+    assert routing["pools"]["render"] is None
+    assert routing["routing"]["mode"] == "Disaggregated"
+
+
+def test_render_with_one_tokens_only_pool_is_aggregated() -> None:
+    dm = example("render-aggregated")
+    objs = objects_by_key(dm)
+    assert ("StatefulSet", "qwen3-8b-prefill") not in objs
+    decode_args = container(objs[("StatefulSet", "qwen3-8b-decode")])["args"]
+    assert "--kv-transfer-config" not in decode_args
+    assert "--tokens-only" in decode_args
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env_of(objs[("StatefulSet", "qwen3-8b-decode")])
+    render = objs[("Deployment", "qwen3-8b-render")]
+    assert render["spec"]["replicas"] == 2
+    assert ("HorizontalPodAutoscaler", "qwen3-8b-render") not in objs
+    render_args = container(render)["args"]
+    assert flag_value(render_args, "--default-chat-template-kwargs") == '{"enable_thinking":false}'
+    assert flag_value(render_args, "--reasoning-parser") == "qwen3"
+
+
+def test_tp2_prefill_with_two_decode_replicas() -> None:
+    dm = example("tp2-prefill-2-decode")
+    objs = objects_by_key(dm)
+    prefill, decode = (
+        objs[("StatefulSet", "qwq-32b-prefill")],
+        objs[("StatefulSet", "qwq-32b-decode")],
+    )
+    assert container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(prefill)["volumeMounts"]
+    assert "dshm" not in [v["name"] for v in decode["spec"]["template"]["spec"]["volumes"]]
+    assert decode["spec"]["replicas"] == 2
+    for engine in (prefill, decode):
+        args = container(engine)["args"]
+        assert args[0] == "/models/qwq-32b"
+        assert flag_value(args, "--served-model-name") == "qwq"
+        assert flag_value(args, "--kv-cache-dtype") == "fp8"
+        assert flag_value(args, "--block-size") == "32"
+        kv = json.loads(flag_value(args, "--kv-transfer-config"))
+        assert kv["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}
+        volume = engine["spec"]["template"]["spec"]["volumes"][0]
+        assert volume == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "model-store", "readOnly": True},
+        }
+        assert env_of(engine)["HF_HUB_OFFLINE"] == "1"
+        assert engine["spec"]["template"]["spec"]["imagePullSecrets"] == [
+            {"name": "registry-creds"}
+        ]
+    render = objs[("Deployment", "qwq-32b-render")]
+    assert container(render)["image"] == "vllm/vllm-cpu:v0.33.0"
+    assert (
+        flag_value(container(render)["args"], "--chat-template")
+        == "/etc/pdserve/chat-template/template.jinja"
+    )
+    assert {"key": "template.jinja", "path": "template.jinja"} in next(
+        v["configMap"]["items"] for v in render["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "chat-template"
+    )  # fmt: skip
+    assert container(decode)["args"][-1] == "--enable-prefix-caching"
+
+
+BASE: dict[str, Any] = {
+    "metadata": {"name": "m", "namespace": "ns"},
+    "spec": {"model": {"name": "org/model"}, "prefill": {}},
+}
+
+
+def with_spec(**changes: Any) -> DisaggregatedModel:
+    body = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node = body["spec"]
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_resource(body)
+
+
+def test_parity_hash_is_stable_for_the_same_set() -> None:
+    assert parity_hash(with_spec()) == parity_hash(with_spec())
+    # Pinned: a change here re-rolls every pod of every user on upgrade; do it on purpose only.
+    assert parity_hash(with_spec()) == "539e698abfee1c34"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model__revision": "v2"},
+        {"model__name": "org/other"},
+        {"serving__tokenizer": "org/tok"},
+        {"serving__tokenizerRevision": "r1"},
+        {"serving__chatTemplate": {"name": "tpl", "key": "t.jinja"}},
+        {"serving__defaultChatTemplateKwargs": {"enable_thinking": True}},
+        {"serving__reasoningParser": "qwen3"},
+        {"serving__toolCallParser": "hermes"},
+        {"serving__blockSize": 32},
+        {"serving__kvCacheDtype": "fp8"},
+        {"serving__pythonHashSeed": 7},
+        {"kvTransfer__connector": "LMCacheConnectorV1"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_any_parity_change_gives_a_new_hash(change: dict[str, Any]) -> None:
+    assert parity_hash(with_spec(**change)) != parity_hash(with_spec())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"decode__replicas": 4}, {"image__engine": "vllm/vllm-openai:v0.34.0"},
+     {"gateway__replicas": 3}, {"render__workers": 8}],
+    ids=lambda c: next(iter(c)),
+)  # fmt: skip
+def test_non_parity_changes_keep_the_hash(change: dict[str, Any]) -> None:
+    assert parity_hash(with_spec(**change)) == parity_hash(with_spec())
+
+
+def test_chat_template_content_is_part_of_the_hash() -> None:
+    dm = with_spec(serving__chatTemplate={"name": "tpl", "key": "t.jinja"})
+    assert parity_hash(dm, "digest-a") != parity_hash(dm, "digest-b")
+
+
+def test_manifests_cli_prints_yaml_and_names_bad_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve.cli import main
+
+    assert main(["manifests", "-f", str(EXAMPLES[0])]) == 0
+    documents = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert {d["kind"] for d in documents} >= {"StatefulSet", "Service", "Deployment"}
+
+    bad = tmp_path / "bad.yaml"
+    spec = {"model": {"name": "m"}, "decode": {"replicas": -2}}
+    bad.write_text(yaml.safe_dump({**BASE, "kind": "DisaggregatedModel", "spec": spec}))
+    assert main(["manifests", "-f", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml (document 1, m): spec.decode.replicas: Input should be greater" in err
