@@ -11,6 +11,8 @@ from pathlib import Path
 from pdserve import __version__
 from pdserve.api import SpecError
 from pdserve.api.crd import render_crd, write_crds
+from pdserve.controller.settings import add_arguments as add_operator_arguments
+from pdserve.controller.settings import from_arguments as operator_settings
 from pdserve.manifests import load_resources, render_manifests
 
 
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     manifests.add_argument(
         "-n", "--namespace", help="namespace for resources (default: theirs, else 'default')"
     )
+    operator = sub.add_parser("operator", help="run the operator (kopf) against the cluster")
+    add_operator_arguments(operator)
     return parser
 
 
@@ -50,6 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(__version__)
         return 0
+    if args.command == "operator":
+        try:
+            settings = operator_settings(args)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        from pdserve.controller.main import main as run_operator
+
+        return run_operator(settings)
     if args.command == "crd":
         if args.write is None:
             sys.stdout.write(render_crd())

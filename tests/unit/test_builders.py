@@ -103,7 +103,7 @@ def test_render_plus_1p1d_wires_tokens_only_engines_and_nixl() -> None:
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
         assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
         assert env["PYTHONHASHSEED"] == "0"
-        assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container(engine)["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert engine["spec"]["template"]["spec"]["nodeSelector"] == {
             "nvidia.com/gpu.product": "NVIDIA-H200"
         }
@@ -159,7 +159,7 @@ def test_tp2_prefill_with_two_decode_replicas() -> None:
         objs[("StatefulSet", "qwq-32b-prefill")],
         objs[("StatefulSet", "qwq-32b-decode")],
     )
-    assert container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(prefill)["volumeMounts"]
     assert "dshm" not in [v["name"] for v in decode["spec"]["template"]["spec"]["volumes"]]
     assert decode["spec"]["replicas"] == 2

@@ -70,18 +70,19 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
         ref = spec.api_key_secret_ref
         env.append({"name": "PDSERVE_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})  # fmt: skip
-    container = {
+    container: dict[str, Any] = {
         "name": "gateway",
         "image": dm.spec.image.gateway,
         "imagePullPolicy": dm.spec.image.pull_policy,
         "command": ["pdserve", "gateway"],
         "args": ["--config", f"{ROUTING_DIR}/{ROUTING_KEY}", "--port", str(GATEWAY_CONTAINER_PORT)],
-        "env": env,
         "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": resources(spec.resources),
         **http_probes("/health", slow_start=False),
         "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
     }
+    if env:
+        container["env"] = env
     annotations = pod_annotations(parity, {
         # A routing change rolls the gateway, so no replica serves with an old config.
         CONFIG_HASH_ANNOTATION: hashlib.sha256(config_text.encode()).hexdigest()[:16],

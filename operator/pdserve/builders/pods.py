@@ -42,12 +42,13 @@ def common_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
 
 
 def resources(spec: ResourceRequirements, gpus: int = 0) -> dict[str, Any]:
+    """Quantities as strings, the form the API server stores, so desired and live compare equal."""
     out: dict[str, Any] = {}
     if spec.requests:
-        out["requests"] = dict(spec.requests)
-    limits = dict(spec.limits)
+        out["requests"] = {k: str(v) for k, v in spec.requests.items()}
+    limits = {k: str(v) for k, v in spec.limits.items()}
     if gpus:
-        limits["nvidia.com/gpu"] = gpus
+        limits["nvidia.com/gpu"] = str(gpus)
     if limits:
         out["limits"] = limits
     return out

@@ -78,9 +78,27 @@ SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 @dataclass(frozen=True)
 class Credentials:
     server: str
-    ssl_context: ssl.SSLContext
+    ca_path: str | None = None
+    insecure: bool = False
     token: str | None = None
     token_file: str | None = None  # re-read per request: in-cluster tokens rotate
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def current_token(self) -> str | None:
+        if self.token_file:
+            with open(self.token_file) as handle:
+                return handle.read().strip()
+        return self.token.removeprefix("Bearer ") if self.token else None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_path)
+        if self.insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if self.cert_file and self.key_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 class _BearerAuth(httpx.Auth):
@@ -88,12 +106,9 @@ class _BearerAuth(httpx.Auth):
         self.credentials = credentials
 
     def auth_flow(self, request: httpx.Request) -> Any:
-        token = self.credentials.token
-        if self.credentials.token_file:
-            with open(self.credentials.token_file) as handle:
-                token = handle.read().strip()
+        token = self.credentials.current_token()
         if token:
-            request.headers["Authorization"] = f"Bearer {token.removeprefix('Bearer ')}"
+            request.headers["Authorization"] = f"Bearer {token}"
         yield request
 
 
@@ -111,15 +126,15 @@ def load_credentials(kubeconfig: str | None = None) -> Credentials:
         config.load_kube_config(  # type: ignore[no-untyped-call]
             config_file=kubeconfig, client_configuration=configuration
         )
-    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
-    if not configuration.verify_ssl:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    if configuration.cert_file and configuration.key_file:
-        context.load_cert_chain(configuration.cert_file, configuration.key_file)
     token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")
     return Credentials(
-        server=configuration.host, ssl_context=context, token=token, token_file=token_file
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert or None,
+        insecure=not configuration.verify_ssl,
+        token=token,
+        token_file=token_file,
+        cert_file=configuration.cert_file or None,
+        key_file=configuration.key_file or None,
     )
 
 
@@ -130,7 +145,7 @@ class Kube:
         self.client = httpx.AsyncClient(
             base_url=credentials.server,
             auth=_BearerAuth(credentials),
-            verify=credentials.ssl_context,
+            verify=credentials.ssl_context(),
             timeout=timeout,
         )
 

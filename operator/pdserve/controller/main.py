@@ -1,0 +1,67 @@
+"""`pdserve operator`: run the kopf operator with pdserve's handlers and settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import kopf
+
+from pdserve.controller.handlers import build_registry
+from pdserve.controller.kube import load_credentials
+from pdserve.controller.settings import OperatorSettings
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(log_format: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("pdserve").setLevel(level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+async def run_operator(settings: OperatorSettings) -> None:
+    credentials = load_credentials(settings.kubeconfig)
+    registry, _ = build_registry(credentials, settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await kopf.operator(
+        registry=registry,
+        standalone=True,  # no KopfPeering CRDs needed; run one replica (or leader-elect later)
+        clusterwide=not settings.namespaces,
+        namespaces=settings.namespaces,
+        liveness_endpoint=settings.liveness_endpoint,
+        stop_flag=stop,
+    )
+
+
+def main(settings: OperatorSettings) -> int:
+    configure_logging(settings.log_format, settings.log_level)
+    logging.getLogger("pdserve.operator").info(
+        "starting: namespaces=%s resync=%ss", list(settings.namespaces) or "all",
+        settings.resync_seconds,
+    )  # fmt: skip
+    asyncio.run(run_operator(settings))
+    return 0

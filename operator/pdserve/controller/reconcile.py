@@ -1,0 +1,289 @@
+"""One level-based reconcile of one DisaggregatedModel: read, build, apply what differs, prune,
+write status only when it changed. Running it twice on an unchanged world writes nothing."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.api import (
+    API_VERSION,
+    KIND,
+    PARITY_ENV,
+    PARITY_FLAGS,
+    DisaggregatedModel,
+    SpecError,
+    parse_resource,
+)
+from pdserve.api.spec import normalize_flag
+from pdserve.api.status import DisaggregatedModelStatus
+from pdserve.builders import KIND_ORDER, Component, build_all, content_digest
+from pdserve.builders.names import (
+    COMPONENT_LABEL,
+    FIELD_MANAGER,
+    INSTANCE_LABEL,
+    PARITY_HASH_ANNOTATION,
+)
+from pdserve.builders.parity import parity_hash
+from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
+from pdserve.controller.kube import KINDS, Kind, Kube, kind_of
+from pdserve.controller.status import Observation, compute_status
+
+log = logging.getLogger("pdserve.reconcile")
+
+ChildKey = tuple[str, str, str]  # apiVersion, kind, name
+MANAGED_KINDS: list[Kind] = sorted(
+    (k for k in KINDS.values() if k.kind in KIND_ORDER), key=lambda k: KIND_ORDER.index(k.kind)
+)
+DM_KIND = KINDS[(API_VERSION, KIND)]
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
+POD = KINDS[("v1", "Pod")]
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    applied: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    status_written: bool = False
+    problems: list[str] = field(default_factory=list)
+    status: DisaggregatedModelStatus | None = None
+    events: list[Event] = field(default_factory=list)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append(Event(type_, reason, message))
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def key_of(obj: Mapping[str, Any]) -> ChildKey:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+def describe(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def owned(dm_body: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The desired object with its owner reference and the hash of what pdserve applies."""
+    meta = dm_body["metadata"]
+    obj = copy.deepcopy(dict(desired))
+    obj["metadata"]["ownerReferences"] = [{
+        "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }]  # fmt: skip
+    stamp = applied_hash(obj)
+    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH_ANNOTATION] = stamp
+    return obj
+
+
+def _flag_values(args: list[str]) -> dict[str, str]:
+    """Normalized flag -> its value ("" for a bare switch; "false" for --no-<switch>)."""
+    values: dict[str, str] = {}
+    for index, arg in enumerate(args):
+        flag = normalize_flag(arg)
+        if flag is None:
+            continue
+        if "=" in arg:
+            values[flag] = arg.split("=", 1)[1]
+        elif arg.lower().startswith("--no-"):
+            values[flag] = "false"
+        elif index + 1 < len(args) and not args[index + 1].startswith("--"):
+            values[flag] = args[index + 1]
+        else:
+            values[flag] = ""
+    return values
+
+
+def _container(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    containers = obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    return containers[0] if containers else {}
+
+
+def parity_drift(
+    desired: list[dict[str, Any]], live: Mapping[ChildKey, Mapping[str, Any]]
+) -> list[str]:
+    """Parity flags, env and hashes of live workloads that differ from what the spec says."""
+    found: list[str] = []
+    for want in desired:
+        if want["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        have = live.get(key_of(want))
+        component = want["metadata"]["labels"].get(COMPONENT_LABEL)
+        if have is None or component == Component.gateway.value:
+            continue
+        where = f"{component} {describe(want)}"
+        wanted_flags = _flag_values(list(_container(want).get("args", [])))
+        live_flags = _flag_values(list(_container(have).get("args", [])))
+        for flag in sorted(PARITY_FLAGS):
+            if wanted_flags.get(flag) != live_flags.get(flag):
+                found.append(
+                    f"{where}: {flag} is {live_flags.get(flag)!r}, spec says "
+                    f"{wanted_flags.get(flag)!r}"
+                )
+        wanted_env = {e["name"]: e.get("value") for e in _container(want).get("env", [])}
+        live_env = {e["name"]: e.get("value") for e in _container(have).get("env", [])}
+        for name in sorted(PARITY_ENV):
+            if wanted_env.get(name) != live_env.get(name):
+                found.append(
+                    f"{where}: {name} is {live_env.get(name)!r}, spec says {wanted_env.get(name)!r}"
+                )
+        want_hash = want["spec"]["template"]["metadata"]["annotations"][PARITY_HASH_ANNOTATION]
+        have_hash = (
+            have.get("spec", {})
+            .get("template", {})
+            .get("metadata", {})
+            .get("annotations", {})
+            .get(PARITY_HASH_ANNOTATION)
+        )
+        if have_hash != want_hash and not found:
+            found.append(
+                f"{where}: pod template parity hash is {have_hash!r}, spec says {want_hash!r}"
+            )
+    return found
+
+
+async def chat_template_digest(kube: Kube, dm: DisaggregatedModel) -> tuple[str | None, list[str]]:
+    ref = dm.spec.serving.chat_template
+    if ref is None:
+        return None, []
+    config_map = await kube.get(CONFIGMAP, dm.namespace, ref.name)
+    if config_map is None:
+        return None, [
+            f"spec.serving.chatTemplate: ConfigMap {ref.name} not found in {dm.namespace}"
+        ]
+    text = config_map.get("data", {}).get(ref.key)
+    if text is None:
+        return None, [f"spec.serving.chatTemplate: ConfigMap {ref.name} has no key {ref.key!r}"]
+    return content_digest(text), []
+
+
+async def list_children(kube: Kube, namespace: str, name: str) -> dict[ChildKey, dict[str, Any]]:
+    selector = f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by=pdserve"
+    children: dict[ChildKey, dict[str, Any]] = {}
+    for kind in MANAGED_KINDS:
+        for item in await kube.list(kind, namespace, label_selector=selector):
+            item.setdefault("apiVersion", kind.api_version)
+            item.setdefault("kind", kind.kind)
+            children[key_of(item)] = item
+    return children
+
+
+def previous_status(body: Mapping[str, Any]) -> DisaggregatedModelStatus | None:
+    try:
+        return DisaggregatedModelStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        return None  # a status written by something else: recompute from scratch
+
+
+async def write_status(
+    kube: Kube, body: Mapping[str, Any], status: DisaggregatedModelStatus
+) -> bool:
+    old = body.get("status") or {}
+    new = status.to_json()
+    if old == new:
+        return False
+    meta = body["metadata"]
+    await kube.patch_status(DM_KIND, meta["namespace"], meta["name"], merge_patch(old, new))
+    return True
+
+
+def transition_events(
+    before: DisaggregatedModelStatus | None, after: DisaggregatedModelStatus, outcome: Outcome
+) -> None:
+    old = {c.type: c for c in (before.conditions if before else [])}
+    for cond in after.conditions:
+        prior = old.get(cond.type)
+        if prior is not None and prior.status == cond.status and prior.reason == cond.reason:
+            continue
+        if cond.type == "Ready" and (prior is not None or cond.status == "True"):
+            outcome.event("Normal" if cond.status == "True" else "Warning", cond.reason,
+                          cond.message)  # fmt: skip
+        elif cond.type == "Degraded" and cond.status == "True":
+            outcome.event("Warning", cond.reason, cond.message)
+        elif cond.type == "Degraded" and prior is not None and prior.status == "True":
+            outcome.event("Normal", "Recovered", cond.message)
+
+
+async def reconcile(
+    kube: Kube,
+    body: Mapping[str, Any],
+    *,
+    now: Callable[[], str] = utc_now,
+) -> Outcome:
+    """Converge the children of `body`; events to post are returned in the outcome."""
+    meta = body["metadata"]
+    generation = meta.get("generation")
+    before = previous_status(body)
+    outcome = Outcome()
+    try:
+        dm = parse_resource(dict(body))
+    except SpecError as error:
+        outcome.problems = error.problems
+        status = compute_status(
+            None, Observation(problems=error.problems), before,
+            generation=generation, parity=None, now=now(),
+        )  # fmt: skip
+        outcome.status = status
+        outcome.status_written = await write_status(kube, body, status)
+        if outcome.status_written:
+            outcome.event("Warning", "InvalidSpec", "; ".join(error.problems))
+        return outcome
+
+    digest, warnings = await chat_template_digest(kube, dm)
+    desired = [owned(body, obj) for obj in build_all(dm, chat_template_digest=digest)]
+    live = await list_children(kube, dm.namespace, dm.name)
+    drift = parity_drift(desired, live)
+    if drift:
+        outcome.event("Warning", "ParityDrift", "repairing: " + "; ".join(drift))
+
+    results: dict[ChildKey, Mapping[str, Any]] = dict(live)  # live state after this pass
+    for obj in desired:
+        if is_current(live.get(key_of(obj)), obj):
+            continue
+        results[key_of(obj)] = await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        outcome.applied.append(describe(obj))
+    wanted = {key_of(obj) for obj in desired}
+    for key, obj in live.items():
+        owners = obj["metadata"].get("ownerReferences", [])
+        if key not in wanted and any(o.get("uid") == meta["uid"] for o in owners):
+            await kube.delete(kind_of(obj), dm.namespace, obj["metadata"]["name"])
+            outcome.pruned.append(describe(obj))
+            results.pop(key, None)
+    if outcome.applied or outcome.pruned:
+        log.info("%s/%s: applied %s; pruned %s", dm.namespace, dm.name, outcome.applied or "-",
+                 outcome.pruned or "-")  # fmt: skip
+    else:
+        log.debug("%s/%s: children in sync", dm.namespace, dm.name)
+
+    workloads: dict[Component, Mapping[str, Any]] = {}
+    components = {c.value for c in Component}
+    for key, result in results.items():
+        component = result["metadata"].get("labels", {}).get(COMPONENT_LABEL)
+        if key[1] in ("StatefulSet", "Deployment") and component in components:
+            workloads[Component(component)] = result
+    selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
+    pods = await kube.list(POD, dm.namespace, label_selector=selector)
+    seen = Observation(workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings)
+    status = compute_status(
+        dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()
+    )
+    outcome.status = status
+    outcome.status_written = await write_status(kube, body, status)
+    if outcome.status_written:
+        transition_events(before, status, outcome)
+    return outcome

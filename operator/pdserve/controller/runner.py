@@ -1,0 +1,76 @@
+"""Coalescing reconcile scheduler: one worker per DisaggregatedModel, bursts of events collapse
+into one pass, failures retry with capped exponential backoff, and a resync loop reconciles
+every known resource periodically so drift is repaired even without events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from pdserve.controller.events import post_event
+from pdserve.controller.kube import Kube, KubeError
+from pdserve.controller.reconcile import DM_KIND, reconcile
+from pdserve.controller.settings import OperatorSettings
+
+log = logging.getLogger("pdserve.runner")
+
+Key = tuple[str, str]  # namespace, name
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, settings: OperatorSettings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.known: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._workers: dict[Key, asyncio.Task[None]] = {}
+        self._failures: dict[Key, int] = {}
+
+    def trigger(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self.known.add(key)
+        self._dirty.add(key)
+        worker = self._workers.get(key)
+        if worker is None or worker.done():
+            self._workers[key] = asyncio.create_task(self._work(key), name=f"reconcile {key}")
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.known.discard((namespace, name))
+
+    async def _work(self, key: Key) -> None:
+        while key in self._dirty:
+            self._dirty.discard(key)
+            try:
+                await self._reconcile_once(key)
+                self._failures.pop(key, None)
+            except (KubeError, httpx.HTTPError) as error:
+                failures = self._failures.get(key, 0) + 1
+                self._failures[key] = failures
+                delay = min(self.settings.retry_max_seconds, 0.5 * 2**failures)
+                log.warning("%s/%s: reconcile failed (%s); retrying in %.1fs", *key, error, delay)
+                await asyncio.sleep(delay)  # backoff before the retry, not synchronization
+                self._dirty.add(key)
+            except Exception:
+                log.exception("%s/%s: reconcile crashed; the next event or resync retries", *key)
+
+    async def _reconcile_once(self, key: Key) -> None:
+        body = await self.kube.get(DM_KIND, *key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(*key)
+            return
+        outcome = await reconcile(self.kube, body)
+        for event in outcome.events:
+            await post_event(self.kube, body, event)
+
+    async def resync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            for namespace, name in sorted(self.known):
+                self.trigger(namespace, name)
+
+    async def drain(self) -> None:
+        """Wait for in-flight reconciles (shutdown and tests)."""
+        while running := [w for w in self._workers.values() if not w.done()]:
+            await asyncio.gather(*running, return_exceptions=True)
