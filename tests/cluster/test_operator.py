@@ -1,0 +1,303 @@
+"""The operator against the real control plane: children, scheduling, status, updates, pruning,
+drift repair, autoscaler-owned replicas, zero-write resyncs, invalid specs, deletion."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.cluster.clitools import Kubectl
+from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
+
+RESYNC_SECONDS = 2
+GPU_NODES = {"gpu-r0-0", "gpu-r0-1", "gpu-r1-0", "gpu-r1-1"}
+APPLY = {"Content-Type": "application/apply-patch+yaml"}
+
+
+@dataclass
+class RunningOperator:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def in_sync_count(self, namespace: str, name: str) -> int:
+        return self.log.read_text().count(f"{namespace}/{name}: children in sync")
+
+
+@pytest.fixture(scope="module")
+def operator(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningOperator]:
+    """`pdserve operator` as its own process, with its own identity (audit-log attributable)."""
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "operator",
+             f"--kubeconfig={control_plane.kubeconfig(OPERATOR_USER)}",
+             f"--resync-seconds={RESYNC_SECONDS}", "--log-level=DEBUG"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    running = RunningOperator(process, log)
+    wait_until("the operator to start", lambda: "Initial authentication has finished" in
+               log.read_text() or process.poll() is not None, timeout=30)  # fmt: skip
+    assert process.poll() is None, log.read_text()
+    yield running
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def dm_url(namespace: str, name: str = "") -> str:
+    base = f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/disaggregatedmodels"
+    return f"{base}/{name}" if name else base
+
+
+def apply_dm(http: httpx.Client, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
+    response = http.patch(dm_url(namespace, name), params={"fieldManager": "user"},
+                          content=yaml.safe_dump(body), headers=APPLY)  # fmt: skip
+    assert response.is_success, response.text
+
+
+def get(http: httpx.Client, path: str) -> dict[str, Any] | None:
+    response = http.get(path)
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def conditions(dm: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in ((dm or {}).get("status") or {}).get("conditions", [])}
+
+
+def wait_ready(
+    http: httpx.Client, namespace: str, name: str, timeout: float = 90
+) -> dict[str, Any]:
+    def ready() -> bool:
+        dm = get(http, dm_url(namespace, name))
+        return (
+            conditions(dm).get("Ready", {}).get("status") == "True"
+            and (dm or {})["status"].get("observedGeneration")
+            == (dm or {})["metadata"]["generation"]
+        )
+
+    wait_until(f"{namespace}/{name} to be Ready", ready, timeout=timeout)
+    dm = get(http, dm_url(namespace, name))
+    assert dm is not None
+    return dm
+
+
+def events_for(http: httpx.Client, namespace: str, name: str) -> list[dict[str, Any]]:
+    selector = {"fieldSelector": f"involvedObject.name={name}"}
+    items = http.get(f"/api/v1/namespaces/{namespace}/events", params=selector).json()["items"]
+    return list(items)
+
+
+SPEC: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "serving": {"toolCallParser": "hermes", "enableAutoToolChoice": True},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+    "gateway": {"replicas": 1},
+    "placement": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
+}
+
+
+@pytest.mark.usefixtures("operator")
+def test_create_builds_every_child_schedules_on_gpus_and_reports_ready(
+    control_plane: ControlPlane, http_api: httpx.Client, namespace: str, kubectl: Kubectl
+) -> None:
+    phases: list[str] = []
+    with (
+        control_plane.http() as watcher,
+        watcher.stream(
+            "GET", dm_url(namespace), params={"watch": "1", "timeoutSeconds": "90"}, timeout=100
+        ) as stream,
+    ):
+        apply_dm(http_api, namespace, "qwen", SPEC)
+        for line in stream.iter_lines():
+            status = json.loads(line)["object"].get("status") or {}
+            if status.get("phase") and (not phases or phases[-1] != status["phase"]):
+                phases.append(status["phase"])
+            if status.get("phase") == "Ready":
+                break
+    assert phases[0] == "Progressing"
+    assert phases[-1] == "Ready"
+
+    waited = kubectl("wait", "-n", namespace, "--for=condition=Ready", "dm/qwen", "--timeout=60s")
+    assert waited.returncode == 0, waited.stderr
+    table = kubectl("get", "-n", namespace, "dm", check=True).stdout.split()
+    assert table[:7] == ["NAME", "READY", "PREFILL", "DECODE", "RENDER", "PARITY", "AGE"]
+    assert table[7:13] == ["qwen", "True", "1/1", "1/1", "1/1", "True"]
+
+    dm = get(http_api, dm_url(namespace, "qwen"))
+    assert dm is not None
+    uid = dm["metadata"]["uid"]
+    for path in (f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-prefill",
+                 f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-decode",
+                 f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-render",
+                 f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-gateway",
+                 f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/qwen-render",
+                 f"/api/v1/namespaces/{namespace}/configmaps/qwen-gateway",
+                 f"/api/v1/namespaces/{namespace}/services/qwen-gateway"):  # fmt: skip
+        child = get(http_api, path)
+        assert child is not None, path
+        [owner] = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["uid"], owner["controller"]) == (
+            "DisaggregatedModel",
+            uid,
+            True,
+        )
+
+    pods = http_api.get(f"/api/v1/namespaces/{namespace}/pods").json()["items"]
+    engines = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"]
+               in ("prefill", "decode")]  # fmt: skip
+    assert len(engines) == 2
+    assert {p["spec"]["nodeName"] for p in engines} <= GPU_NODES
+    hashes = {p["metadata"]["annotations"]["pdserve.io/parity-hash"] for p in pods}
+    assert hashes == {dm["status"]["parityHash"]}
+    assert dm["status"]["endpoint"] == f"http://qwen-gateway.{namespace}.svc:8000/v1"
+
+
+@pytest.mark.usefixtures("operator")
+def test_spec_changes_are_applied_and_dropped_pools_pruned(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    apply_dm(http_api, namespace, "qwen", SPEC)
+    wait_ready(http_api, namespace, "qwen")
+
+    apply_dm(http_api, namespace, "qwen", {**SPEC, "decode": {"replicas": 2}})
+    dm = wait_ready(http_api, namespace, "qwen")
+    assert dm["status"]["pools"]["decode"]["summary"] == "2/2"
+    sts = get(http_api, f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-decode")
+    assert sts is not None
+    assert sts["spec"]["replicas"] == 2
+
+    apply_dm(http_api, namespace, "qwen", {**SPEC, "render": {"enabled": False}})
+    render_paths = [
+        f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-render",
+        f"/api/v1/namespaces/{namespace}/services/qwen-render",
+        f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/qwen-render",
+        f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/qwen-render",
+    ]
+    wait_until("the render pool to be pruned",
+               lambda: all(get(http_api, p) is None for p in render_paths), timeout=60)  # fmt: skip
+    dm = wait_ready(http_api, namespace, "qwen")
+    assert "render" not in dm["status"]["pools"]
+    engine = get(http_api, f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-decode")
+    assert engine is not None
+    args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--tokens-only" not in args  # engines speak OpenAI themselves now
+    assert "--tool-call-parser" in args
+
+
+@pytest.mark.usefixtures("operator")
+def test_hand_edited_parity_flag_is_reported_and_repaired(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    apply_dm(http_api, namespace, "qwen", SPEC)
+    wait_ready(http_api, namespace, "qwen")
+    path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-prefill"
+    sts = get(http_api, path)
+    assert sts is not None
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    index = args.index("--block-size") + 1
+    edit = [{"op": "replace", "path": f"/spec/template/spec/containers/0/args/{index}",
+             "value": "32"}]  # fmt: skip
+    json_patch = {"Content-Type": "application/json-patch+json"}
+    http_api.patch(path, json=edit, headers=json_patch).raise_for_status()
+
+    def repaired() -> bool:
+        live = get(http_api, path)
+        return (
+            live is not None
+            and live["spec"]["template"]["spec"]["containers"][0]["args"][index] == "16"
+        )
+
+    wait_until("the operator to repair --block-size", repaired, timeout=30)
+    drift = [e for e in events_for(http_api, namespace, "qwen") if e["reason"] == "ParityDrift"]
+    assert drift, "no ParityDrift event"
+    assert "--block-size is '32', spec says '16'" in drift[0]["message"]
+    assert drift[0]["type"] == "Warning"
+
+
+@pytest.mark.usefixtures("operator")
+def test_resync_of_a_settled_resource_writes_nothing_and_leaves_hpa_replicas_alone(
+    control_plane: ControlPlane, operator: RunningOperator, http_api: httpx.Client, namespace: str
+) -> None:
+    apply_dm(http_api, namespace, "qwen", SPEC)
+    wait_ready(http_api, namespace, "qwen")
+    # The HPA (simulated here) scales render; the operator must not fight it.
+    scale = f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-render/scale"
+    merge_patch = {"Content-Type": "application/merge-patch+json"}
+    http_api.patch(scale, json={"spec": {"replicas": 3}}, headers=merge_patch).raise_for_status()
+    wait_ready(http_api, namespace, "qwen")  # status catches up to 3/3 render replicas
+
+    def writes() -> list[dict[str, Any]]:
+        return [e for e in control_plane.audit_events(user=OPERATOR_USER)
+                if e["objectRef"].get("namespace") == namespace]  # fmt: skip
+
+    wait_until("status to settle", lambda: _settled(http_api, namespace), timeout=30)
+    before, seen = len(writes()), operator.in_sync_count(namespace, "qwen")
+    wait_until("two resync passes", lambda: operator.in_sync_count(namespace, "qwen") >= seen + 2,
+               timeout=10 * RESYNC_SECONDS)  # fmt: skip
+    assert writes()[before:] == []
+    render = get(http_api, f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-render")
+    assert render is not None
+    assert render["spec"]["replicas"] == 3
+
+
+def _settled(http: httpx.Client, namespace: str) -> bool:
+    dm = get(http, dm_url(namespace, "qwen"))
+    return bool(dm and dm["status"]["pools"].get("render", {}).get("summary") == "3/3")
+
+
+@pytest.mark.usefixtures("operator")
+def test_spec_the_schema_cannot_catch_is_reported_in_status_and_events(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    spec = {**SPEC, "decode": {"extraArgs": ["--block-size", "32"]}}
+    apply_dm(http_api, namespace, "bad", spec)
+
+    def failed() -> bool:
+        dm = get(http_api, dm_url(namespace, "bad"))
+        return ((dm or {}).get("status") or {}).get("phase") == "Failed"
+
+    wait_until("status phase Failed", failed, timeout=30)
+    dm = get(http_api, dm_url(namespace, "bad"))
+    ready = conditions(dm)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "spec.decode.extraArgs[0] sets parity flag --block-size" in ready["message"]
+    reasons = [e["reason"] for e in events_for(http_api, namespace, "bad")]
+    assert "InvalidSpec" in reasons
+    assert get(http_api, f"/apis/apps/v1/namespaces/{namespace}/statefulsets/bad-decode") is None
+
+
+@pytest.mark.usefixtures("operator")
+def test_deleting_the_resource_garbage_collects_its_children(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    apply_dm(http_api, namespace, "qwen", SPEC)
+    wait_ready(http_api, namespace, "qwen")
+    http_api.delete(dm_url(namespace, "qwen")).raise_for_status()
+    children = [f"/apis/apps/v1/namespaces/{namespace}/statefulsets/qwen-decode",
+                f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen-gateway",
+                f"/api/v1/namespaces/{namespace}/configmaps/qwen-gateway"]  # fmt: skip
+    wait_until("children to be garbage-collected",
+               lambda: all(get(http_api, p) is None for p in children), timeout=60)  # fmt: skip
