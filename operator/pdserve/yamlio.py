@@ -16,8 +16,25 @@ class ReadableDumper(yaml.SafeDumper):
         return True
 
 
+def looks_numeric(value: str) -> bool:
+    """Would a YAML 1.2 reader (kubectl, Argo CD, Flux: all Go) take this string for a number?
+    PyYAML (YAML 1.1) leaves e.g. a hash like "123e4567" unquoted, and Go reads a float."""
+    try:
+        float(value.replace("_", ""))
+    except ValueError:
+        try:
+            int(value, 0)
+        except ValueError:
+            return False
+    return True
+
+
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
+    style: str | None = None
+    if "\n" in value:
+        style = "|"
+    elif looks_numeric(value):
+        style = "'"
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

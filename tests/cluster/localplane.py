@@ -420,87 +420,44 @@ class ControlPlane:
 
 
 # Every name the API server is reached by: loopback for us, the service names for pods.
-APISERVER_SANS = ",".join(
-    [
-        "IP:127.0.0.1",
-        "IP:10.96.0.1",
-        "DNS:localhost",
-        "DNS:kubernetes",
-        "DNS:kubernetes.default",
-        "DNS:kubernetes.default.svc",
-        "DNS:kubernetes.default.svc.cluster.local",
-    ]
-)
+APISERVER_SANS = (
+    "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+    "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
+)  # fmt: skip
 
 
 def _write_pki(pki: Path) -> None:
     """A CA, an API server serving cert signed by it, and the service-account key pair."""
-    ca_key, ca_crt = pki / "ca.key", pki / "ca.crt"
-    _run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "3650",
-            "-keyout",
-            str(ca_key),
-            "-out",
-            str(ca_crt),
-            "-subj",
-            "/CN=pdserve-local-ca",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ]
-    )
-    csr = pki / "apiserver.csr"
-    _run(
-        [
-            "openssl",
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(pki / "apiserver.key"),
-            "-out",
-            str(csr),
-            "-subj",
-            "/CN=kube-apiserver",
-        ]
-    )
-    extensions = pki / "apiserver.ext"
-    extensions.write_text(
-        f"subjectAltName={APISERVER_SANS}\nbasicConstraints=CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
-    )
-    _run(
-        [
-            "openssl",
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(ca_crt),
-            "-CAkey",
-            str(ca_key),
-            "-CAcreateserial",
-            "-days",
-            "3650",
-            "-extfile",
-            str(extensions),
-            "-out",
-            str(pki / "apiserver.crt"),
-        ]
-    )
+    # fmt: off
+    _run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+          "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"),
+          "-subj", "/CN=pdserve-local-ca",
+          "-addext", "basicConstraints=critical,CA:TRUE",
+          "-addext", "keyUsage=critical,keyCertSign,cRLSign"])
+    # fmt: on
+    issue_serving_cert(pki, "apiserver", "kube-apiserver", APISERVER_SANS)
     _run(["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"])
     _run(["openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub")])
+
+
+def issue_serving_cert(
+    pki: Path, name: str, common_name: str, sans: Sequence[str]
+) -> tuple[Path, Path]:
+    """<name>.crt/<name>.key for a TLS server, signed by the plane's CA in `pki`."""
+    key, csr, crt = pki / f"{name}.key", pki / f"{name}.csr", pki / f"{name}.crt"
+    extensions = pki / f"{name}.ext"
+    extensions.write_text(
+        f"subjectAltName={','.join(sans)}\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+    )
+    # fmt: off
+    _run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+          "-subj", f"/CN={common_name}"])
+    _run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"),
+          "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
+          "-extfile", str(extensions), "-out", str(crt)])
+    # fmt: on
+    return crt, key
 
 
 def _run(args: list[str]) -> None:

@@ -4,108 +4,31 @@ drift repair, autoscaler-owned replicas, zero-write resyncs, invalid specs, dele
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
+from tests.cluster.operator_proc import RunningOperator, running_operator
+from tests.cluster.resources import apply_dm, conditions, dm_url, events_for, get, wait_ready
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
 RESYNC_SECONDS = 2
 GPU_NODES = {"gpu-r0-0", "gpu-r0-1", "gpu-r1-0", "gpu-r1-1"}
-APPLY = {"Content-Type": "application/apply-patch+yaml"}
-
-
-@dataclass
-class RunningOperator:
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def in_sync_count(self, namespace: str, name: str) -> int:
-        return self.log.read_text().count(f"{namespace}/{name}: children in sync")
 
 
 @pytest.fixture(scope="module")
 def operator(
     control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningOperator]:
-    """`pdserve operator` as its own process, with its own identity (audit-log attributable)."""
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "operator",
-             f"--kubeconfig={control_plane.kubeconfig(OPERATOR_USER)}",
-             f"--resync-seconds={RESYNC_SECONDS}", "--log-level=DEBUG"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    running = RunningOperator(process, log)
-    wait_until("the operator to start", lambda: "Initial authentication has finished" in
-               log.read_text() or process.poll() is not None, timeout=30)  # fmt: skip
-    assert process.poll() is None, log.read_text()
-    yield running
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-
-
-def dm_url(namespace: str, name: str = "") -> str:
-    base = f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/disaggregatedmodels"
-    return f"{base}/{name}" if name else base
-
-
-def apply_dm(http: httpx.Client, namespace: str, name: str, spec: dict[str, Any]) -> None:
-    body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
-            "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
-    response = http.patch(dm_url(namespace, name), params={"fieldManager": "user"},
-                          content=yaml.safe_dump(body), headers=APPLY)  # fmt: skip
-    assert response.is_success, response.text
-
-
-def get(http: httpx.Client, path: str) -> dict[str, Any] | None:
-    response = http.get(path)
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    result: dict[str, Any] = response.json()
-    return result
-
-
-def conditions(dm: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in ((dm or {}).get("status") or {}).get("conditions", [])}
-
-
-def wait_ready(
-    http: httpx.Client, namespace: str, name: str, timeout: float = 90
-) -> dict[str, Any]:
-    def ready() -> bool:
-        dm = get(http, dm_url(namespace, name))
-        return (
-            conditions(dm).get("Ready", {}).get("status") == "True"
-            and (dm or {})["status"].get("observedGeneration")
-            == (dm or {})["metadata"]["generation"]
-        )
-
-    wait_until(f"{namespace}/{name} to be Ready", ready, timeout=timeout)
-    dm = get(http, dm_url(namespace, name))
-    assert dm is not None
-    return dm
-
-
-def events_for(http: httpx.Client, namespace: str, name: str) -> list[dict[str, Any]]:
-    selector = {"fieldSelector": f"involvedObject.name={name}"}
-    items = http.get(f"/api/v1/namespaces/{namespace}/events", params=selector).json()["items"]
-    return list(items)
+    with running_operator(
+        control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=RESYNC_SECONDS
+    ) as running:
+        yield running
 
 
 SPEC: dict[str, Any] = {

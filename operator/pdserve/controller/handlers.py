@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from pdserve.api import GROUP, PLURAL, VERSION
+from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_resource
 from pdserve.builders.names import INSTANCE_LABEL
 from pdserve.controller.kube import Credentials, Kube
 from pdserve.controller.runner import Reconciler
@@ -17,6 +17,7 @@ from pdserve.controller.settings import OperatorSettings
 
 log = logging.getLogger("pdserve.operator")
 MANAGED = {"app.kubernetes.io/managed-by": "pdserve"}
+WEBHOOK_CONFIGURATION = "validate.pdserve.io"
 
 
 def build_registry(
@@ -41,6 +42,14 @@ def build_registry(
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
+        hook = operator_settings.webhook
+        if hook is not None:
+            settings.admission.server = kopf.WebhookServer(
+                addr=hook.listen, port=hook.port, host=hook.host, certfile=hook.cert_file,
+                pkeyfile=hook.key_file, cafile=hook.ca_file,
+            )  # fmt: skip
+            if hook.manage:
+                settings.admission.managed = WEBHOOK_CONFIGURATION
         reconciler = Reconciler(Kube(credentials), operator_settings)
         state["reconciler"] = reconciler
         state["resync"] = asyncio.create_task(reconciler.resync_forever(), name="resync")
@@ -69,6 +78,18 @@ def build_registry(
         owner = labels.get(INSTANCE_LABEL)
         if owner and namespace:
             state["reconciler"].trigger(namespace, owner)
+
+    if operator_settings.webhook is not None:
+        # kopf refuses to start with admission handlers but no webhook server.
+        @kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"],
+                          registry=registry)  # fmt: skip
+        def validate(body: Mapping[str, Any], **_: Any) -> None:
+            """Reject at apply time what the CRD schema cannot express (parity flags in extraArgs,
+            names too long for child objects, ...), naming every field."""
+            try:
+                parse_resource(dict(body))
+            except SpecError as error:
+                raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
 
     for group_version, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments")):
         kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)

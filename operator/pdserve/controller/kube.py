@@ -4,6 +4,7 @@ list by label, delete, status patch. Credentials come from the official client's
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 from collections.abc import Mapping
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import yaml
 
 from pdserve.api import GROUP, PLURAL, VERSION
 
@@ -173,7 +173,9 @@ class Kube:
             params["dryRun"] = "All"
         result = await self._send(
             "PATCH", kind.item(meta.get("namespace"), meta["name"]), params=params,
-            content=yaml.safe_dump(dict(obj)),
+            # JSON, not YAML: the server's YAML 1.2 parser reads an unquoted "123e4567" (which
+            # PyYAML leaves unquoted) as a number.
+            content=json.dumps(obj),
             headers={"Content-Type": "application/apply-patch+yaml"},
         )  # fmt: skip
         assert result is not None

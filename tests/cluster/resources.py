@@ -1,0 +1,61 @@
+"""Helpers for DisaggregatedModels and their children on the local plane (raw API calls)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from tests.cluster.localplane import wait_until
+
+APPLY = {"Content-Type": "application/apply-patch+yaml"}
+
+
+def dm_url(namespace: str, name: str = "") -> str:
+    base = f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/disaggregatedmodels"
+    return f"{base}/{name}" if name else base
+
+
+def apply_dm(http: httpx.Client, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
+    response = http.patch(dm_url(namespace, name), params={"fieldManager": "user"},
+                          content=json.dumps(body), headers=APPLY)  # fmt: skip
+    assert response.is_success, response.text
+
+
+def get(http: httpx.Client, path: str) -> dict[str, Any] | None:
+    response = http.get(path)
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def conditions(dm: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in ((dm or {}).get("status") or {}).get("conditions", [])}
+
+
+def wait_ready(
+    http: httpx.Client, namespace: str, name: str, timeout: float = 90
+) -> dict[str, Any]:
+    def ready() -> bool:
+        dm = get(http, dm_url(namespace, name))
+        return (
+            conditions(dm).get("Ready", {}).get("status") == "True"
+            and (dm or {})["status"].get("observedGeneration")
+            == (dm or {})["metadata"]["generation"]
+        )
+
+    wait_until(f"{namespace}/{name} to be Ready", ready, timeout=timeout)
+    dm = get(http, dm_url(namespace, name))
+    assert dm is not None
+    return dm
+
+
+def events_for(http: httpx.Client, namespace: str, name: str) -> list[dict[str, Any]]:
+    selector = {"fieldSelector": f"involvedObject.name={name}"}
+    items = http.get(f"/api/v1/namespaces/{namespace}/events", params=selector).json()["items"]
+    return list(items)
