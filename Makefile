@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down clean
+.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -43,8 +43,17 @@ test-cluster: install cluster-build ## only the tests on the real local control 
 cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG
 	$(LOCALPLANE) up
 
-cluster-down: install ## stop the local control plane
+cluster-down: install ## stop the local control plane (and the demo's operator)
 	$(LOCALPLANE) down
+
+demo: install cluster-build ## local plane + pdserve operator + examples/qwen2.5-7b-pd.yaml, then kubectl get dm
+	$(PY) -m tests.cluster.demo
+
+measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once
+	$(PY) -m tests.cluster.measure_ready --count 1 --count 50
+
+crd: install ## regenerate crds/ and charts/pdserve/crds/ from the API models
+	$(VENV)/bin/pdserve crd --write .
 
 clean: ## remove the virtualenv and caches (not the built binaries)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

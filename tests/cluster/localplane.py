@@ -515,14 +515,29 @@ def running_control_plane(workdir: Path, *, timeout: float = 120.0) -> Iterator[
 
 
 # ---- command line (make cluster-up / cluster-down) ----------------------------------------------
-def _cmd_up(state_dir: Path) -> int:
-    if (state_dir / "state.json").exists():
-        state = json.loads((state_dir / "state.json").read_text())
-        if all(_pid_alive(pid) for pid in state["pids"].values()):
-            print(f"already running at {state['server']}")
-            print(f"export KUBECONFIG={state['kubeconfig']}")
-            return 0
-        _cmd_down(state_dir)
+def load_state(state_dir: Path) -> dict[str, Any] | None:
+    """The state of a plane started by `up`, if every one of its processes is alive."""
+    state_file = state_dir / "state.json"
+    if not state_file.exists():
+        return None
+    state: dict[str, Any] = json.loads(state_file.read_text())
+    return state if all(_pid_alive(pid) for pid in state["pids"].values()) else None
+
+
+def record_process(state_dir: Path, name: str, pid: int) -> None:
+    """Add a process (e.g. the demo's operator) for `down` to stop with the plane."""
+    state_file = state_dir / "state.json"
+    state = json.loads(state_file.read_text())
+    state["pids"][name] = pid
+    state_file.write_text(json.dumps(state, indent=2))
+
+
+def bring_up(state_dir: Path) -> dict[str, Any]:
+    """Start a detached plane with the demo nodes (or reuse a running one); returns its state."""
+    if (state := load_state(state_dir)) is not None:
+        print(f"control plane already running at {state['server']}")
+        return state
+    _cmd_down(state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     started = time.monotonic()
     plane = ControlPlane(workdir=state_dir, binaries=build_binaries())
@@ -535,8 +550,15 @@ def _cmd_up(state_dir: Path) -> int:
     print(f"control plane up in {time.monotonic() - started:.1f}s at {plane.server}")
     print(f"fake nodes: {', '.join(names)}")
     print(f"logs: {plane.logs}")
+    state = load_state(state_dir)
+    assert state is not None
+    return state
+
+
+def _cmd_up(state_dir: Path) -> int:
+    state = bring_up(state_dir)
     print(f"kubectl: {ensure_cli_tools().kubectl}")
-    print(f"export KUBECONFIG={plane.kubeconfig(ADMIN_USER)}")
+    print(f"export KUBECONFIG={state['kubeconfig']}")
     return 0
 
 

@@ -93,6 +93,8 @@ def test_create_builds_every_child_schedules_on_gpus_and_reports_ready(
                in ("prefill", "decode")]  # fmt: skip
     assert len(engines) == 2
     assert {p["spec"]["nodeName"] for p in engines} <= GPU_NODES
+    cpu_pods = [p for p in pods if p not in engines]
+    assert {p["spec"]["nodeName"] for p in cpu_pods} <= {"cpu-0", "cpu-1"}  # kept off GPU nodes
     hashes = {p["metadata"]["annotations"]["pdserve.io/parity-hash"] for p in pods}
     assert hashes == {dm["status"]["parityHash"]}
     assert dm["status"]["endpoint"] == f"http://qwen-gateway.{namespace}.svc:8000/v1"

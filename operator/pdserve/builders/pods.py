@@ -16,6 +16,18 @@ from pdserve.builders.names import (
 from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
 
 HF_CACHE = "/root/.cache/huggingface"
+# Render and gateway pods need no GPU: keep them off GPU nodes when other nodes have room
+# (NVIDIA GPU feature discovery labels GPU nodes nvidia.com/gpu.present=true).
+CPU_POOL_AFFINITY: dict[str, Any] = {
+    "nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "preference": {"matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"},
+            ]},
+        }],
+    },
+}  # fmt: skip
 
 
 def env_list(variables: list[EnvVar]) -> list[dict[str, Any]]:
@@ -128,6 +140,8 @@ def pod_template(
         spec["tolerations"] = all_tolerations
     if placement.affinity:
         spec["affinity"] = dict(placement.affinity)
+    elif not gpu_pool:
+        spec["affinity"] = CPU_POOL_AFFINITY
     if dm.spec.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": n} for n in dm.spec.image.pull_secrets]
     spec["terminationGracePeriodSeconds"] = termination_grace_seconds

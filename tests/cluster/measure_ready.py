@@ -1,0 +1,117 @@
+"""Measure the time from DisaggregatedModel creation to Ready on the local control plane.
+
+    python -m tests.cluster.measure_ready --count 1 --count 50
+
+For each count: a fresh plane (its own fake GPU nodes, enough for every pool), the CRD, the
+operator as its own process; N resources created at once; each one's Ready time is taken from a
+watch (status.conditions Ready=True for the current generation). Prints p50/p95/max per count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.api.crd import build_crd
+from tests.cluster.localplane import running_control_plane, wait_until
+from tests.cluster.nodes import cpu_node, create_nodes, gpu_node, wait_nodes_ready
+from tests.cluster.operator_proc import running_operator
+from tests.cluster.resources import APPLY, dm_url
+
+SPEC: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "serving": {"toolCallParser": "hermes", "enableAutoToolChoice": True},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+    "gateway": {"replicas": 1},
+}
+NAMESPACE = "bench"
+
+
+def measure(count: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp, running_control_plane(Path(tmp) / "plane") as plane:
+        gpu_nodes = max(2, (2 * count + 7) // 8)  # 2 GPUs per resource, 8 per node
+        with plane.http() as http:
+            nodes = [gpu_node(f"gpu-{i}", rack=f"rack-{i % 4}") for i in range(gpu_nodes)]
+            nodes += [cpu_node(f"cpu-{i}") for i in range(max(2, count // 10))]
+            wait_nodes_ready(http, create_nodes(http, nodes), timeout=120)
+            crd = build_crd()
+            http.patch(
+                f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
+                params={"fieldManager": "bench", "force": "true"}, content=json.dumps(crd),
+                headers=APPLY,
+            ).raise_for_status()  # fmt: skip
+            wait_until("the CRD", lambda: http.get(dm_url("default")).status_code == 200,
+                       timeout=30)  # fmt: skip
+            http.post("/api/v1/namespaces", json={"metadata": {"name": NAMESPACE}})
+            account = f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default"
+            wait_until("the default ServiceAccount", lambda: http.get(account).is_success,
+                       timeout=30)  # fmt: skip
+
+        with running_operator(plane, Path(tmp), resync_seconds=60):
+            created: dict[str, float] = {}
+            ready: dict[str, float] = {}
+            done = threading.Event()
+
+            def watch() -> None:
+                with plane.http() as watcher, watcher.stream(
+                    "GET", dm_url(NAMESPACE), params={"watch": "1", "timeoutSeconds": "600"},
+                    timeout=620,
+                ) as stream:  # fmt: skip
+                    for line in stream.iter_lines():
+                        obj = json.loads(line)["object"]
+                        name = obj["metadata"]["name"]
+                        status = obj.get("status") or {}
+                        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+                        if conditions.get("Ready") == "True" and name not in ready:
+                            ready[name] = time.monotonic()
+                            if len(ready) == count:
+                                done.set()
+                                return
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            time.sleep(0.5)  # let the watch open before the first create (measurement only)
+            with plane.http() as http:
+                for index in range(count):
+                    name = f"model-{index:03d}"
+                    meta = {"name": name, "namespace": NAMESPACE}
+                    body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
+                            "metadata": meta, "spec": SPEC}  # fmt: skip
+                    created[name] = time.monotonic()
+                    http.post(dm_url(NAMESPACE), json=body).raise_for_status()
+            if not done.wait(timeout=600):
+                print(f"only {len(ready)}/{count} became Ready within 600 s", file=sys.stderr)
+            return sorted(ready[n] - created[n] for n in ready)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--count", type=int, action="append", help="resources per run (repeatable)")
+    args = parser.parse_args()
+    for count in args.count or [1, 50]:
+        started = time.monotonic()
+        seconds = measure(count)
+        total = time.monotonic() - started
+        p95 = seconds[max(0, round(0.95 * len(seconds)) - 1)] if seconds else float("nan")
+        print(
+            f"{count:>3} DisaggregatedModels: {len(seconds)} Ready; creation -> Ready "
+            f"p50 {statistics.median(seconds):.2f}s, p95 {p95:.2f}s, max {max(seconds):.2f}s "
+            f"(run incl. plane start {total:.0f}s)",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
