@@ -17,22 +17,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from pdserve.api.crd import build_crd
 from tests.cluster.localplane import running_control_plane, wait_until
 from tests.cluster.nodes import cpu_node, create_nodes, gpu_node, wait_nodes_ready
 from tests.cluster.operator_proc import running_operator
-from tests.cluster.resources import APPLY, dm_url
+from tests.cluster.resources import APPLY, SMALL_PD_SPEC, dm_url
 
-SPEC: dict[str, Any] = {
-    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
-    "serving": {"toolCallParser": "hermes", "enableAutoToolChoice": True},
-    "prefill": {"replicas": 1},
-    "decode": {"replicas": 1},
-    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
-    "gateway": {"replicas": 1},
-}
 NAMESPACE = "bench"
 
 
@@ -85,7 +76,7 @@ def measure(count: int) -> list[float]:
                     name = f"model-{index:03d}"
                     meta = {"name": name, "namespace": NAMESPACE}
                     body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
-                            "metadata": meta, "spec": SPEC}  # fmt: skip
+                            "metadata": meta, "spec": SMALL_PD_SPEC}  # fmt: skip
                     created[name] = time.monotonic()
                     http.post(dm_url(NAMESPACE), json=body).raise_for_status()
             if not done.wait(timeout=600):

@@ -10,6 +10,15 @@ import httpx
 from tests.cluster.localplane import wait_until
 
 APPLY = {"Content-Type": "application/apply-patch+yaml"}
+# 1 prefill + 1 decode + render (HPA) + 1 gateway: the smallest complete P/D deployment.
+SMALL_PD_SPEC: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "serving": {"toolCallParser": "hermes", "enableAutoToolChoice": True},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+    "gateway": {"replicas": 1},
+}
 
 
 def dm_url(namespace: str, name: str = "") -> str:

@@ -13,7 +13,15 @@ import pytest
 from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
 from tests.cluster.operator_proc import RunningOperator, running_operator
-from tests.cluster.resources import apply_dm, conditions, dm_url, events_for, get, wait_ready
+from tests.cluster.resources import (
+    SMALL_PD_SPEC,
+    apply_dm,
+    conditions,
+    dm_url,
+    events_for,
+    get,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
@@ -31,13 +39,9 @@ def operator(
         yield running
 
 
+# Engines pinned to H200 nodes by placement; one replica per pool keeps the tests quick.
 SPEC: dict[str, Any] = {
-    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
-    "serving": {"toolCallParser": "hermes", "enableAutoToolChoice": True},
-    "prefill": {"replicas": 1},
-    "decode": {"replicas": 1},
-    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
-    "gateway": {"replicas": 1},
+    **SMALL_PD_SPEC,
     "placement": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
 }
 

@@ -295,7 +295,25 @@ def check_env(pool: str, env: list[EnvVar]) -> None:
             )
 
 
-class EnginePoolSpec(ApiModel):
+class VllmPoolFields(ApiModel):
+    """What every pool running a vLLM process has: its extra arguments, environment and
+    where its pods go."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra arguments of the pool's vLLM command. Parity flags and flags pdserve derives from
+    other fields are refused, naming the field to use instead."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables (PYTHONHASHSEED and the NIXL/UCX/HF_TOKEN variables pdserve
+    derives are refused)."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the pool's pods require (for engines: merged with spec.placement)."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the pool's pods (for engines: added to spec.placement's)."""
+    pod_annotations: LabelMap = Field(default_factory=dict)
+    """Annotations on the pool's pods."""
+
+
+class EnginePoolSpec(VllmPoolFields):
     """A pool of GPU engines (prefill or decode), one StatefulSet."""
 
     replicas: Annotated[int, Field(ge=0, le=1024)] = 1
@@ -311,16 +329,6 @@ class EnginePoolSpec(ApiModel):
     """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     """Scheduler knobs."""
-    extra_args: list[str] = Field(default_factory=list)
-    """Extra vLLM arguments. Parity flags and flags derived from other fields are refused."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables (PYTHONHASHSEED and the NIXL/UCX variables are refused)."""
-    node_selector: LabelMap = Field(default_factory=dict)
-    """Node labels the pool's pods require (added to spec.placement.nodeSelector)."""
-    tolerations: list[PreservedObject] = Field(default_factory=list)
-    """Tolerations of the pool's pods (added to spec.placement.tolerations)."""
-    pod_annotations: LabelMap = Field(default_factory=dict)
-    """Annotations on the pool's pods."""
 
     @field_validator("resources")
     @classmethod
@@ -372,7 +380,7 @@ class RenderAutoscalingSpec(ApiModel):
         return self
 
 
-class RenderSpec(ApiModel):
+class RenderSpec(VllmPoolFields):
     """The CPU render pool (`vllm launch render`): chat templates, tokenizing, reasoning and
     tool-call parsing, for both /render and /derender."""
 
@@ -390,16 +398,6 @@ class RenderSpec(ApiModel):
     """CPU and memory of the render container (CPU requests drive the HPA)."""
     autoscaling: RenderAutoscalingSpec = Field(default_factory=RenderAutoscalingSpec)
     """CPU-based autoscaling."""
-    extra_args: list[str] = Field(default_factory=list)
-    """Extra `vllm launch render` arguments; parity flags are refused."""
-    env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment variables."""
-    node_selector: LabelMap = Field(default_factory=dict)
-    """Node labels the render pods require."""
-    tolerations: list[PreservedObject] = Field(default_factory=list)
-    """Tolerations of the render pods."""
-    pod_annotations: LabelMap = Field(default_factory=dict)
-    """Annotations on the render pods."""
 
 
 # ---- KV transfer -------------------------------------------------------------------------------
@@ -569,7 +567,7 @@ class DisaggregatedModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _no_parity_overrides(self) -> DisaggregatedModelSpec:
-        pools: list[tuple[str, EnginePoolSpec | RenderSpec]] = [("decode", self.decode)]
+        pools: list[tuple[str, VllmPoolFields]] = [("decode", self.decode)]
         if self.prefill is not None:
             pools.insert(0, ("prefill", self.prefill))
         pools.append(("render", self.render))
