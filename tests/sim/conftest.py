@@ -1,0 +1,27 @@
+"""Simulated vLLM servers on real loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from tests.cluster.localplane import free_port
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Run an aiohttp app on a free loopback port; yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+AppFactory = Callable[[], web.Application]
