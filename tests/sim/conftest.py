@@ -11,11 +11,11 @@ from tests.cluster.localplane import free_port
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """Run an aiohttp app on a free loopback port; yields its base URL."""
+async def serving(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
+    """Run an aiohttp app on a loopback port (a free one by default); yields its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
+    port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
