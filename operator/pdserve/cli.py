@@ -14,7 +14,6 @@ from pdserve.api.crd import render_crd, write_crds
 from pdserve.controller.settings import add_arguments as add_operator_arguments
 from pdserve.controller.settings import from_arguments as operator_settings
 from pdserve.manifests import load_resources, render_manifests
-from pdserve.sim.cli import add_arguments as add_sim_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,14 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     manifests.add_argument(
         "-n", "--namespace", help="namespace for resources (default: theirs, else 'default')"
     )
-    sim = sub.add_parser("sim", help="run a simulated vLLM server (render or engine)")
-    add_sim_arguments(sim)
+    sub.add_parser("sim", help="run a simulated vLLM server: pdserve sim {render,engine,vllm} ...")
     operator = sub.add_parser("operator", help="run the operator (kopf) against the cluster")
     add_operator_arguments(operator)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:  # the simulators parse vLLM's own command lines
+        from pdserve.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -66,10 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.controller.main import main as run_operator
 
         return run_operator(settings)
-    if args.command == "sim":
-        from pdserve.sim.cli import run as run_sim
-
-        return run_sim(args)
     if args.command == "crd":
         if args.write is None:
             sys.stdout.write(render_crd())

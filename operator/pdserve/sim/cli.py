@@ -1,54 +1,209 @@
-"""`pdserve sim render|engine ...`: run a simulated vLLM server."""
+"""`pdserve sim render|engine|vllm ...`: run a simulated vLLM server.
+
+The simulators take vLLM's own flags, so the exact command lines pdserve's operator builds work
+unchanged: `pdserve sim vllm serve MODEL --tokens-only --kv-transfer-config ...` and
+`pdserve sim vllm launch render MODEL ...` (the simulator image installs this as `vllm`).
+vLLM flags the simulator has no use for are accepted and listed on startup."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from pdserve.sim.chat import BUILTIN_TEMPLATES, ChatError
+from pdserve.sim.engine_core import SchedulerConfig
+from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
+from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig, RenderServer
 
+log = logging.getLogger("pdserve.sim")
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="sim_command", metavar="SERVER", required=True)
-    render = sub.add_parser("render", help="simulated `vllm launch render` (render/derender)")
-    render.add_argument("model", nargs="?", default="sim-model", help="model name (as vLLM's)")
-    render.add_argument("--host", default="0.0.0.0")
-    render.add_argument("--port", type=int, default=8000)
-    render.add_argument("--served-model-name")
-    render.add_argument("--max-model-len", type=int, default=32768)
-    render.add_argument(
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="sim-model", help="model name, as for vLLM")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument(
         "--chat-template",
         help=f"a Jinja file, or a built-in name ({', '.join(BUILTIN_TEMPLATES)}); default qwen3",
     )
-    render.add_argument("--default-chat-template-kwargs", type=json.loads, default={})
-    render.add_argument("--reasoning-parser")
-    render.add_argument("--tool-call-parser")
-    render.add_argument("--enable-auto-tool-choice", action="store_true")
-    render.add_argument("--renderer-num-workers", type=int, default=1, help="accepted, unused")
+    parser.add_argument("--default-chat-template-kwargs", type=_json_object, default={})
+    parser.add_argument("--reasoning-parser")
+    parser.add_argument("--tool-call-parser")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.sim_command == "render":
-        template = BUILTIN_TEMPLATES["qwen3"]
-        if args.chat_template:
-            template = (
-                BUILTIN_TEMPLATES.get(args.chat_template) or Path(args.chat_template).read_text()
-            )
-        try:
-            server = RenderServer(RenderConfig(
-                model=args.model, served_model_name=args.served_model_name,
-                max_model_len=args.max_model_len, chat_template=template,
-                default_chat_template_kwargs=args.default_chat_template_kwargs,
-                reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                enable_auto_tool_choice=args.enable_auto_tool_choice,
-            ))  # fmt: skip
-        except ChatError as error:
-            print(f"error: {error}")
+def render_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve sim render", add_help=True)
+    _common(parser)
+    parser.add_argument("--renderer-num-workers", type=int, default=1)
+    return parser
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve sim engine", add_help=True)
+    _common(parser)
+    parser.add_argument("--tokens-only", action="store_true", help="serve token ids only")
+    parser.add_argument("--kv-transfer-config", type=_json_object)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    sim = parser.add_argument_group("simulator (not vLLM flags)")
+    # Env defaults let a pod running the operator's exact vLLM command line be tuned.
+    sim.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=float(os.environ.get("PDSERVE_SIM_TIME_SCALE", "1.0")),
+        help="real seconds per simulated second (0.1 = ten times faster); env "
+        "PDSERVE_SIM_TIME_SCALE",
+    )
+    sim.add_argument(
+        "--sim-reasoning",
+        action="store_true",
+        default=os.environ.get("PDSERVE_SIM_REASONING") == "1",
+        help="think in <think> first; env PDSERVE_SIM_REASONING=1",
+    )
+    sim.add_argument("--sim-step-base-ms", type=float, default=20.0)
+    sim.add_argument("--sim-per-prefill-token-ms", type=float, default=0.07)
+    sim.add_argument("--sim-per-decode-seq-ms", type=float, default=0.1)
+    sim.add_argument("--sim-num-gpu-blocks", type=int, default=20000)
+    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=56 * 1024)
+    sim.add_argument("--sim-kv-bandwidth-gb-s", type=float, default=0.4)
+    sim.add_argument("--sim-kv-overhead-ms", type=float, default=100.0)
+    return parser
+
+
+USAGE = """usage: pdserve sim {render,engine,vllm} ...
+
+  render MODEL [flags]          simulated `vllm launch render` (render/derender)
+  engine MODEL [flags]          simulated `vllm serve` (generate, KV handoff, faults, metrics)
+  vllm serve|launch render ...  the same, from a vLLM command line (the sim image's `vllm`)
+
+`pdserve sim render --help` and `pdserve sim engine --help` list the flags."""
+
+
+def _template(name: str | None) -> str:
+    if not name:
+        return BUILTIN_TEMPLATES["qwen3"]
+    return BUILTIN_TEMPLATES.get(name) or Path(name).read_text()
+
+
+def _render_config(args: argparse.Namespace) -> RenderConfig:
+    return RenderConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        chat_template=_template(args.chat_template),
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    kv = args.kv_transfer_config or {}
+    role = ROLES.get(kv.get("kv_role", "kv_both"))
+    if role is None:
+        raise ValueError(
+            f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
+        )
+    extra = kv.get("kv_connector_extra_config") or {}
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        role=role,
+        api="tokens" if args.tokens_only else "openai",
+        max_model_len=args.max_model_len,
+        advertise_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
+        port=args.port,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            block_size=args.block_size,
+            num_gpu_blocks=args.sim_num_gpu_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            step_base_ms=args.sim_step_base_ms,
+            per_prefill_token_ms=args.sim_per_prefill_token_ms,
+            per_decode_seq_ms=args.sim_per_decode_seq_ms,
+            time_scale=args.sim_time_scale,
+        ),
+        transfer=TransferConfig(
+            bytes_per_token=args.sim_kv_bytes_per_token,
+            bandwidth_gb_s=args.sim_kv_bandwidth_gb_s,
+            overhead_ms=args.sim_kv_overhead_ms,
+            lease_seconds=float(extra.get("kv_lease_duration", 30)),
+            load_failure_policy=kv.get("kv_load_failure_policy", "fail"),
+        ),
+        behaviour=ModelBehaviour(reasoning=args.sim_reasoning),
+        render=_render_config(args),
+    )
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    args, ignored = parser.parse_known_args(argv)
+    if ignored:
+        log.warning("simulator ignores these vLLM arguments: %s", " ".join(ignored))
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    """`pdserve sim ARGV...` (argv without `pdserve sim`)."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not argv or argv[0] not in ("render", "engine", "vllm"):
+        asked = list(argv[:1]) in (["-h"], ["--help"])
+        print(USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    command, argv = argv[0], list(argv[1:])
+    if command == "vllm":
+        if argv[:1] == ["serve"]:
+            command, argv = "engine", argv[1:]
+        elif argv[:2] == ["launch", "render"]:
+            command, argv = "render", argv[2:]
+        else:
+            print("error: expected `vllm serve ...` or `vllm launch render ...`", file=sys.stderr)
             return 2
-        web.run_app(server.app(), host=args.host, port=args.port, print=None)
-        return 0
-    return 2
+    try:
+        if command == "render":
+            render_args = _parse(render_parser(), argv)
+            app = RenderServer(_render_config(render_args)).app()
+            host, port = render_args.host, render_args.port
+        else:
+            engine_args = _parse(engine_parser(), argv)
+            app = EngineServer(engine_config(engine_args)).app()
+            host, port = engine_args.host, engine_args.port
+    except (ChatError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    log.info("pdserve sim %s listening on %s:%s", command, host, port)
+    web.run_app(app, host=host, port=port, print=None)
+    return 0
