@@ -79,7 +79,7 @@ def test_camel_case_json_round_trips() -> None:
         ({"kvTransfer": {"connector": "MooncakeConnector", "bidirectional": True}}, "spec.kvTransfer: bidirectional needs a NIXL connector"),
         ({"kvTransfer": {"extraConfig": {"kv_lease_duration": 5}}}, "spec.kvTransfer: extraConfig.kv_lease_duration is set by kvTransfer.leaseDurationSeconds"),
         ({"kvTransfer": {"connector": "TcpConnector"}}, "spec.kvTransfer.connector: Input should be 'NixlConnector'"),
-        ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}, "spec.decode.resources: limits[nvidia.com/gpu] is derived from tensorParallelSize x dataParallelSize; remove it"),
+        ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}, "spec.decode.resources.limits[nvidia.com/gpu] is derived from tensorParallelSize x dataParallelSize; remove it"),
         ({"model": {"name": "m", "source": {"hf": {}, "pvc": {"claimName": "w"}}}}, "spec.model.source: set only one of hf and pvc"),
         ({"gateway": {"serviceType": "Ingress"}}, "spec.gateway.serviceType: Input should be 'ClusterIP', 'NodePort' or 'LoadBalancer'"),
         ({"decode": {"replica": 2}}, "spec.decode.replica: unknown field; check its spelling"),

@@ -268,3 +268,20 @@ def test_manifests_cli_prints_yaml_and_names_bad_fields(
     assert main(["manifests", "-f", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.yaml (document 1, m): spec.decode.replicas: Input should be greater" in err
+
+
+def test_simulator_example_requests_no_accelerator() -> None:
+    dm = example("sim-qwen3")
+    for obj in build_all(dm):
+        if obj["kind"] == "StatefulSet":
+            limits = container(obj)["resources"].get("limits", {})
+            assert "nvidia.com/gpu" not in limits
+            assert env_of(obj)["PDSERVE_SIM_REASONING"] == "1"
+            assert container(obj)["image"] == "ghcr.io/pdserve/pdserve-sim:0.1.0"
+
+
+def test_other_accelerators_are_requested_by_name() -> None:
+    dm = with_spec(placement={"acceleratorResource": "amd.com/gpu"},
+                   decode={"tensorParallelSize": 2})  # fmt: skip
+    decode = objects_by_key(dm)[("StatefulSet", "m-decode")]
+    assert container(decode)["resources"]["limits"] == {"amd.com/gpu": "2"}

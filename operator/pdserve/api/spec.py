@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, JsonValue, field_validator, model_validator
+from pydantic import Field, JsonValue, model_validator
 
 from pdserve.api.base import ApiModel, rule, with_rules
 
@@ -330,17 +330,6 @@ class EnginePoolSpec(VllmPoolFields):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     """Scheduler knobs."""
 
-    @field_validator("resources")
-    @classmethod
-    def _gpus_are_derived(cls, value: ResourceRequirements) -> ResourceRequirements:
-        for kind in ("requests", "limits"):
-            if GPU_RESOURCE in getattr(value, kind):
-                raise ValueError(
-                    f"{kind}[{GPU_RESOURCE}] is derived from tensorParallelSize x "
-                    "dataParallelSize; remove it"
-                )
-        return value
-
     @property
     def gpus(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
@@ -539,6 +528,11 @@ class PlacementSpec(ApiModel):
     """Tolerations of every engine pod (added to <pool>.tolerations)."""
     affinity: PreservedObject | None = None
     """Node affinity and pod (anti-)affinity of every engine pod, as in a pod spec."""
+    accelerator_resource: Annotated[
+        str, Field(pattern=r"^([a-z0-9.-]+/[A-Za-z0-9._-]+)?$", max_length=253)
+    ] = GPU_RESOURCE
+    """Extended resource each engine pod requests tensorParallelSize x dataParallelSize of
+    (e.g. amd.com/gpu). Empty: request none (simulator pools in kind or CI)."""
 
 
 # ---- the spec ----------------------------------------------------------------------------------
@@ -574,6 +568,16 @@ class DisaggregatedModelSpec(ApiModel):
         for name, pool in pools:
             check_extra_args(name, pool.extra_args)
             check_env(name, pool.env)
+        accelerator = self.placement.accelerator_resource
+        for name, engine in (("prefill", self.prefill), ("decode", self.decode)):
+            if engine is None or not accelerator:
+                continue
+            for kind in ("requests", "limits"):
+                if accelerator in getattr(engine.resources, kind):
+                    raise ValueError(
+                        f"spec.{name}.resources.{kind}[{accelerator}] is derived from "
+                        "tensorParallelSize x dataParallelSize; remove it"
+                    )
         return self
 
     @property

@@ -65,7 +65,9 @@ def engine_pool(
         "args": engine_args(dm, pool, role, ENGINE_PORT),
         "env": env,
         "ports": ports,
-        "resources": resources(pool.resources, gpus=pool.gpus),
+        "resources": resources(
+            pool.resources, gpus=pool.gpus, accelerator=dm.spec.placement.accelerator_resource
+        ),
         **http_probes("/health", slow_start=True),
         "volumeMounts": mounts,
     }

@@ -53,14 +53,16 @@ def common_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
     return env
 
 
-def resources(spec: ResourceRequirements, gpus: int = 0) -> dict[str, Any]:
+def resources(
+    spec: ResourceRequirements, gpus: int = 0, accelerator: str = "nvidia.com/gpu"
+) -> dict[str, Any]:
     """Quantities as strings, the form the API server stores, so desired and live compare equal."""
     out: dict[str, Any] = {}
     if spec.requests:
         out["requests"] = {k: str(v) for k, v in spec.requests.items()}
     limits = {k: str(v) for k, v in spec.limits.items()}
-    if gpus:
-        limits["nvidia.com/gpu"] = str(gpus)
+    if gpus and accelerator:
+        limits[accelerator] = str(gpus)
     if limits:
         out["limits"] = limits
     return out
