@@ -103,6 +103,7 @@ USAGE = """usage: pdserve sim {render,engine,vllm} ...
   render MODEL [flags]          simulated `vllm launch render` (render/derender)
   engine MODEL [flags]          simulated `vllm serve` (generate, KV handoff, faults, metrics)
   vllm serve|launch render ...  the same, from a vLLM command line (the sim image's `vllm`)
+  experiment article            the seed article's DP=2 vs 1P1D experiment on simulated engines
 
 `pdserve sim render --help` and `pdserve sim engine --help` list the flags."""
 
@@ -179,6 +180,13 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if argv[:1] == ["experiment"]:
+        if argv[1:2] != ["article"]:
+            print("usage: pdserve sim experiment article [flags]", file=sys.stderr)
+            return 2
+        from pdserve.sim.experiment import main as experiment
+
+        return experiment(argv[2:])
     if not argv or argv[0] not in ("render", "engine", "vllm"):
         asked = list(argv[:1]) in (["-h"], ["--help"])
         print(USAGE, file=sys.stdout if asked else sys.stderr)

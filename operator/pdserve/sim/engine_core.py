@@ -56,6 +56,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     cached_tokens: int = 0
+    sim_times: list[float] = field(default_factory=list)  # simulated time of each token
 
     @property
     def prefilled(self) -> bool:
@@ -96,6 +97,9 @@ class EngineCore:
         self.prefix_hits = 0
         self.held_blocks = 0  # prefill-side blocks kept for remote decode
         self.steps: list[StepRecord] = []
+        # Simulated time: steps run back to back while busy, whatever the event loop's lag, and
+        # re-anchor to the (scaled) real clock after idling. Token times come from it.
+        self.virtual_end = 0.0
         self._wake = asyncio.Event()
         self._on_token = on_token
         self._on_finish = on_finish
@@ -184,7 +188,10 @@ class EngineCore:
             + config.per_decode_seq_ms * len(decodes)
         ) / 1000
         self.steps.append(StepRecord(prefill_tokens, len(decodes), seconds))
-        await asyncio.sleep(seconds * config.time_scale)
+        scale = config.time_scale
+        start = max(self.virtual_end, self.clock() / scale) if scale > 0 else self.virtual_end
+        self.virtual_end = start + seconds
+        await asyncio.sleep(max(0.0, self.virtual_end * scale - self.clock()) if scale > 0 else 0)
         now = self.clock()
         for seq in decodes:
             if seq.state is State.running:
@@ -201,6 +208,7 @@ class EngineCore:
     def _emit(self, seq: Sequence, now: float) -> None:
         token = seq.output_ids[seq.emitted]
         seq.emitted += 1
+        seq.sim_times.append(self.virtual_end)
         if seq.first_token_at is None:
             seq.first_token_at = now
         if self._on_token is not None:

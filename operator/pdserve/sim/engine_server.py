@@ -555,6 +555,9 @@ class EngineServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
+        # Opt-in extension for benchmarks: each event carries the token's simulated time.
+        timing = request.headers.get("X-PDServe-Sim-Timing") == "1"
+        counts = [0] * len(sequences)
         drop_after = self.faults.drop_stream_after
         self.faults.drop_stream_after = None
         sent = 0
@@ -568,7 +571,7 @@ class EngineServer:
                     index = pending.pop(future)
                     token, finish = future.result()
                     if token is not None or finish is not None:
-                        event = {
+                        event: dict[str, Any] = {
                             "request_id": request_id,
                             "choices": [
                                 {
@@ -579,6 +582,10 @@ class EngineServer:
                                 }
                             ],
                         }
+                        if token is not None and timing:
+                            seq_times = sequences[index].sim_times
+                            event["sim_time"] = seq_times[min(counts[index], len(seq_times) - 1)]
+                            counts[index] += 1
                         if token is not None or finish not in (None, "abort"):
                             await response.write(f"data: {json.dumps(event)}\n\n".encode())
                             sent += 1
