@@ -91,6 +91,7 @@ def engine_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-step-base-ms", type=float, default=20.0)
     sim.add_argument("--sim-per-prefill-token-ms", type=float, default=0.07)
     sim.add_argument("--sim-per-decode-seq-ms", type=float, default=0.1)
+    sim.add_argument("--sim-per-decode-context-token-us", type=float, default=0.05)
     sim.add_argument("--sim-num-gpu-blocks", type=int, default=20000)
     sim.add_argument("--sim-kv-bytes-per-token", type=int, default=56 * 1024)
     sim.add_argument("--sim-kv-bandwidth-gb-s", type=float, default=0.4)
@@ -154,6 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             step_base_ms=args.sim_step_base_ms,
             per_prefill_token_ms=args.sim_per_prefill_token_ms,
             per_decode_seq_ms=args.sim_per_decode_seq_ms,
+            per_decode_context_token_us=args.sim_per_decode_context_token_us,
             time_scale=args.sim_time_scale,
         ),
         transfer=TransferConfig(

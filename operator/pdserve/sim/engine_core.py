@@ -4,7 +4,8 @@ Each step gives every running decode one token and fills the rest of the token b
 (max_num_batched_tokens) with prefill chunks (chunked prefill, long_prefill_token_threshold),
 admitting waiting requests while fewer than max_num_seqs run. A step lasts
 base + per-prefill-token x prefill tokens + per-sequence x decodes, so a long prefill visibly
-stalls the decodes batched with it. Defaults are calibrated to the article's setup (Qwen2.5-7B,
+stalls the decodes batched with it; each decode also pays for reading its context's KV.
+Defaults are calibrated to the article's setup (Qwen2.5-7B,
 L40S, 2048-token budget): ~21 ms decode steps, ~0.65 s for an 8k-token prefill.
 `time_scale` < 1 runs faster than real time; every duration (steps, transfers, leases) scales."""
 
@@ -32,6 +33,8 @@ class SchedulerConfig:
     step_base_ms: float = 20.0
     per_prefill_token_ms: float = 0.07
     per_decode_seq_ms: float = 0.1
+    # Each decode reads its whole KV every step: ~56 KiB/token of Qwen2.5-7B at ~1 TB/s.
+    per_decode_context_token_us: float = 0.05
     time_scale: float = 1.0
 
 
@@ -157,6 +160,7 @@ class EngineCore:
 
     async def step(self) -> None:
         config = self.config
+        was_busy = bool(self.running)
         budget = config.max_num_batched_tokens
         decodes = [s for s in self.running if s.prefilled]
         budget -= len(decodes)
@@ -182,14 +186,21 @@ class EngineCore:
             chunks.append((seq, chunk))
             budget -= chunk
         prefill_tokens = sum(c for _, c in chunks)
+        context = sum(len(s.prompt_ids) + s.emitted for s in decodes)
         seconds = (
             config.step_base_ms
             + config.per_prefill_token_ms * prefill_tokens
             + config.per_decode_seq_ms * len(decodes)
+            + config.per_decode_context_token_us * context / 1000
         ) / 1000
         self.steps.append(StepRecord(prefill_tokens, len(decodes), seconds))
         scale = config.time_scale
-        start = max(self.virtual_end, self.clock() / scale) if scale > 0 else self.virtual_end
+        # Busy: this step follows the previous one directly. Idle before it: catch up with the
+        # scaled real clock. (Re-anchoring while busy would turn the event loop's own lag into
+        # simulated inter-token gaps.)
+        start = self.virtual_end
+        if scale > 0 and not was_busy:
+            start = max(start, self.clock() / scale)
         self.virtual_end = start + seconds
         await asyncio.sleep(max(0.0, self.virtual_end * scale - self.clock()) if scale > 0 else 0)
         now = self.clock()
