@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready crd clean
+.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ demo: install cluster-build ## local plane + pdserve operator + examples/qwen2.5
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once
 	$(PY) -m tests.cluster.measure_ready --count 1 --count 50
+
+sim-experiment: install ## the seed article's DP=2 vs 1P1D experiment on simulated engines (~3 min)
+	$(VENV)/bin/pdserve sim experiment article
 
 crd: install ## regenerate crds/ and charts/pdserve/crds/ from the API models
 	$(VENV)/bin/pdserve crd --write .

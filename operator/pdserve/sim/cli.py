@@ -74,6 +74,16 @@ def engine_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     sim = parser.add_argument_group("simulator (not vLLM flags)")
+    sim.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        help="KV role; default: from --kv-transfer-config kv_role, else both",
+    )
+    sim.add_argument(
+        "--api",
+        choices=["tokens", "openai"],
+        help="tokens (= --tokens-only) or openai; default: openai unless --tokens-only",
+    )
     # Env defaults let a pod running the operator's exact vLLM command line be tuned.
     sim.add_argument(
         "--sim-time-scale",
@@ -130,7 +140,7 @@ def _render_config(args: argparse.Namespace) -> RenderConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     kv = args.kv_transfer_config or {}
-    role = ROLES.get(kv.get("kv_role", "kv_both"))
+    role = args.role or ROLES.get(kv.get("kv_role", "kv_both"))
     if role is None:
         raise ValueError(
             f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
@@ -140,7 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         role=role,
-        api="tokens" if args.tokens_only else "openai",
+        api=args.api or ("tokens" if args.tokens_only else "openai"),
         max_model_len=args.max_model_len,
         advertise_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
         port=args.port,
@@ -164,6 +174,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             overhead_ms=args.sim_kv_overhead_ms,
             lease_seconds=float(extra.get("kv_lease_duration", 30)),
             load_failure_policy=kv.get("kv_load_failure_policy", "fail"),
+            bidirectional=bool(extra.get("bidirectional_kv_xfer", False)),
+            decoder_kv_ttl_seconds=float(extra.get("decoder_kv_blocks_ttl", 480)),
         ),
         behaviour=ModelBehaviour(reasoning=args.sim_reasoning),
         render=_render_config(args),

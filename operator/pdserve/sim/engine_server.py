@@ -63,6 +63,8 @@ class TransferConfig:
     poll_ms: float = 5.0  # the consumer notices finished transfers on its next poll
     lease_seconds: float = 30.0
     load_failure_policy: str = "fail"
+    bidirectional: bool = False  # bidirectional_kv_xfer: decode's KV flows back for next turns
+    decoder_kv_ttl_seconds: float = 480.0  # decoder_kv_blocks_ttl
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Faults:
 class HeldBlocks:
     num_tokens: int
     expires_at: float
+    token_ids: list[int] | None = None  # decode-side (bidirectional) holds know their tokens
 
 
 class EngineMetrics:
@@ -151,6 +154,10 @@ class EngineMetrics:
             "vllm:nixl_num_failed_notifications", "Failed transfer notifications"
         )
         self.expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV lease expired")
+        self.reused = counter(
+            "pdserve_sim_bidirectional_reused_tokens",
+            "Prompt tokens whose KV came back from decode (bidirectional)",
+        )
 
 
 class EngineServer:
@@ -281,15 +288,20 @@ class EngineServer:
         if held is not None:
             self.core.held_blocks -= -(-held.num_tokens // self.config.scheduler.block_size)
 
-    def _hold(self, request_id: str, num_tokens: int) -> dict[str, Any]:
-        lease = self.config.transfer.lease_seconds
+    def _hold(
+        self, request_id: str, num_tokens: int, *, token_ids: list[int] | None = None,
+        lease: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Keep KV blocks for a peer to pull; returns the kv_transfer_params that point at them."""
+        lease = self.config.transfer.lease_seconds if lease is None else lease
+        self._release(request_id)
         self.held[request_id] = HeldBlocks(
-            num_tokens, time.monotonic() + lease * self.config.scheduler.time_scale
+            num_tokens, time.monotonic() + lease * self.config.scheduler.time_scale, token_ids
         )
         blocks = -(-num_tokens // self.config.scheduler.block_size)
         self.core.held_blocks += blocks
         return {
-            "do_remote_prefill": True,
+            "do_remote_prefill": token_ids is None,
             "do_remote_decode": False,
             "remote_block_ids": list(range(blocks)),
             "remote_engine_id": self.config.engine_id,
@@ -318,11 +330,17 @@ class EngineServer:
             {
                 "num_tokens": held.num_tokens,
                 "bytes": held.num_tokens * self.config.transfer.bytes_per_token,
+                "token_ids": held.token_ids,
             }
         )
 
-    async def pull_kv(self, params: Mapping[str, Any], prompt_len: int) -> str | None:
-        """Fetch the prompt's KV from the producer; None on success, else why it failed."""
+    async def pull_kv(
+        self, params: Mapping[str, Any], prompt_ids: list[int], *, whole_prompt: bool
+    ) -> tuple[int, str | None]:
+        """Pull KV from a peer: (prompt tokens whose KV arrived, why it failed or None).
+        whole_prompt: decode pulling prefill's KV (it must cover the prompt); otherwise prefill
+        reusing decode's KV of an earlier turn (bidirectional), which only helps as far as the
+        token ids agree: a template that strips <think> from history breaks the match early."""
         transfer = self.config.transfer
         labels = self.metrics.labels
         started = time.monotonic()
@@ -331,35 +349,43 @@ class EngineServer:
                 self.faults.fail_transfers -= 1
                 raise RuntimeError("injected transfer failure")
             url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/sim/kv/pull"
-            response = await self._client.post(
-                url,
-                json={
-                    "remote_request_id": params.get("remote_request_id"),
-                    "remote_block_ids": params.get("remote_block_ids"),
-                },
-            )
+            response = await self._client.post(url, json={
+                "remote_request_id": params.get("remote_request_id"),
+                "remote_block_ids": params.get("remote_block_ids"),
+            })  # fmt: skip
             if response.status_code != 200:
                 message = response.json().get("error", {}).get("message", response.text)
-                raise RuntimeError(f"producer refused: {message}")
+                raise RuntimeError(f"peer refused: {message}")
             pulled = response.json()
-            if pulled["num_tokens"] < prompt_len - 1:
-                raise RuntimeError("producer holds fewer tokens than the prompt")
-            seconds = (
-                pulled["bytes"] / (transfer.bandwidth_gb_s * 1e9) + transfer.overhead_ms / 1000
-            )
+            if whole_prompt:
+                if pulled["num_tokens"] < len(prompt_ids) - 1:
+                    raise RuntimeError("producer holds fewer tokens than the prompt")
+                usable = len(prompt_ids)
+            else:
+                held = list(pulled.get("token_ids") or [])
+                common = 0
+                for mine, theirs in zip(prompt_ids, held, strict=False):
+                    if mine != theirs:
+                        break
+                    common += 1
+                block = self.config.scheduler.block_size
+                usable = min(common - common % block, len(prompt_ids) - 1)
+                self.metrics.reused.labels(**labels).inc(usable)
+            seconds = usable * transfer.bytes_per_token / (transfer.bandwidth_gb_s * 1e9)
+            seconds += transfer.overhead_ms / 1000 + transfer.poll_ms / 1000
             if self.faults.delay_transfers > 0:
                 self.faults.delay_transfers -= 1
                 seconds += self.faults.delay_ms / 1000
-            await self.sim_sleep(seconds + transfer.poll_ms / 1000)
+            await self.sim_sleep(seconds)
             self.metrics.xfer_time.labels(**labels).observe(
                 self.sim_seconds(time.monotonic() - started)
             )
-            self.metrics.xfer_bytes.labels(**labels).observe(pulled["bytes"])
-            return None
+            self.metrics.xfer_bytes.labels(**labels).observe(usable * transfer.bytes_per_token)
+            return usable, None
         except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as error:
             self.metrics.failed_transfers.labels(**labels).inc()
             peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
-            return f"KV transfer from {peer} failed: {error}"
+            return 0, f"KV transfer from {peer} failed: {error}"
 
     # ---- generate ------------------------------------------------------------------------------
     def _plan(
@@ -453,12 +479,18 @@ class EngineServer:
         computed = 0
         if remote_prefill:
             assert kv_params is not None
-            failure = await self.pull_kv(kv_params, len(prompt_ids))
-            if failure is None:
-                computed = len(prompt_ids)
-            elif self.config.transfer.load_failure_policy == "fail":
+            computed, failure = await self.pull_kv(kv_params, prompt_ids, whole_prompt=True)
+            if failure is not None and self.config.transfer.load_failure_policy == "fail":
                 raise HttpError(500, failure + " (kv_load_failure_policy=fail)")
             # recompute: prefill locally, slower but it answers
+        elif (
+            remote_decode
+            and self.config.transfer.bidirectional
+            and kv_params is not None
+            and kv_params.get("remote_request_id")
+        ):
+            # An earlier turn's KV held by decode: reuse what still matches, compute the rest.
+            computed, _ = await self.pull_kv(kv_params, prompt_ids, whole_prompt=False)
         sequences = []
         for index in range(n):
             output, finish = self._plan(prompt_ids, params, index)
@@ -515,7 +547,22 @@ class EngineServer:
         except asyncio.CancelledError:
             self._abort(sequences)  # the client went away
             raise
-        kv_out = self._hold(request_id, len(prompt_ids)) if remote_decode else None
+        kv_out = None
+        if remote_decode:
+            kv_out = self._hold(request_id, len(prompt_ids))
+        elif (
+            self.config.transfer.bidirectional
+            and self.config.role == "decode"
+            and len(sequences) == 1
+        ):
+            # Keep this turn's KV (prompt + answer) for the next turn's prefill to pull back.
+            tokens = [*prompt_ids, *sequences[0].output_ids[: sequences[0].emitted]]
+            kv_out = self._hold(
+                request_id,
+                len(tokens),
+                token_ids=tokens,
+                lease=self.config.transfer.decoder_kv_ttl_seconds,
+            )
         return web.json_response(
             {
                 "request_id": request_id,
