@@ -17,6 +17,7 @@ from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm_protocol import prefill_handoff_params
 from tests.cluster.localplane import free_port
 from tests.sim.conftest import serving
 
@@ -147,14 +148,7 @@ async def test_bad_token_ids_are_refused_naming_the_position(engines: Engines) -
 async def prefill_then_decode(
     prefill: httpx.AsyncClient, decode: httpx.AsyncClient, **decode_overrides: Any
 ) -> tuple[dict[str, Any], httpx.Response]:
-    handoff = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    handoff = prefill_handoff_params()
     first = (
         await prefill.post(
             "/inference/v1/generate",

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.builders import build_all
 from pdserve.manifests import load_resources
+from pdserve.vllm_protocol import prefill_handoff_params
 from tests.cluster.localplane import free_port, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-7b-pd.yaml"
@@ -100,14 +101,7 @@ def test_four_stage_request_through_the_operators_pools(pods: dict[str, str]) ->
     }
     with httpx.Client(timeout=30) as http:
         generate = http.post(f"{pods['render']}/v1/chat/completions/render", json=chat).json()
-        handoff = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        handoff = prefill_handoff_params()
         prefill_body = {
             **generate,
             "kv_transfer_params": handoff,

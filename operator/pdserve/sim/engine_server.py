@@ -31,6 +31,7 @@ from pdserve.sim.render_server import (
     read_json,
 )
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm_protocol import usage
 
 LATENCY_BUCKETS = (
     0.001,
@@ -569,11 +570,7 @@ class EngineServer:
                 "model": self.config.name,
                 "created": int(time.time()),
                 "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(prompt_ids),
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": len(prompt_ids) + completion_tokens,
-                },
+                "usage": usage(len(prompt_ids), completion_tokens),
                 "kv_transfer_params": kv_out,
                 "prompt_logprobs": None,
             }
@@ -644,16 +641,12 @@ class EngineServer:
                         pending[asyncio.ensure_future(sequences[index].queue.get())] = index
             if include_usage:
                 completion = sum(s.emitted for s in sequences)
-                usage = {
+                final = {
                     "request_id": request_id,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": len(prompt_ids),
-                        "completion_tokens": completion,
-                        "total_tokens": len(prompt_ids) + completion,
-                    },
+                    "usage": usage(len(prompt_ids), completion),
                 }
-                await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+                await response.write(f"data: {json.dumps(final)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self._abort(sequences)  # the client went away: stop generating for it

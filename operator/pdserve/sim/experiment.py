@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm_protocol import prefill_handoff_params
 
 # The article's figures (2x L40S, Qwen2.5-7B, ~8k in / 256 out): (rate, metric) -> (DP=2, 1P1D)
 ARTICLE = {
@@ -157,7 +158,7 @@ async def one_request(
             **body,
             "stream": False,
             "sampling_params": {**params, "max_tokens": 1},
-            "kv_transfer_params": {"do_remote_decode": True},
+            "kv_transfer_params": prefill_handoff_params(),
         },
     )
     prefill.raise_for_status()

@@ -25,6 +25,7 @@ from pdserve.sim.chat import (
     ToolParser,
 )
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm_protocol import usage
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1,
@@ -386,11 +387,7 @@ class RenderServer:
             "created": int(time.time()),
             "model": body.get("model") or self.config.name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage(prompt_tokens, completion_tokens),
         }
 
     def _chat_derender_chunk(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -520,10 +517,6 @@ class RenderServer:
                 "created": int(time.time()),
                 "model": body.get("model") or self.config.name,
                 "choices": choices,
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                "usage": usage(prompt_tokens, completion_tokens),
             }
         )
