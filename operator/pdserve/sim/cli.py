@@ -100,6 +100,12 @@ def engine_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--sim-step-base-ms", type=float, default=20.0)
     sim.add_argument("--sim-per-prefill-token-ms", type=float, default=0.07)
+    sim.add_argument(
+        "--sim-faults",
+        type=_json_object,
+        default=None,
+        help='faults from the start, as POST /sim/faults takes them, e.g. {"http_5xx": 2}',
+    )
     sim.add_argument("--sim-per-decode-seq-ms", type=float, default=0.1)
     sim.add_argument("--sim-per-decode-context-token-us", type=float, default=0.05)
     sim.add_argument("--sim-num-gpu-blocks", type=int, default=20000)
@@ -221,7 +227,9 @@ def main(argv: Sequence[str]) -> int:
             host, port = render_args.host, render_args.port
         else:
             engine_args = _parse(engine_parser(), argv)
-            app = EngineServer(engine_config(engine_args)).app()
+            server = EngineServer(engine_config(engine_args))
+            server.set_faults_from(engine_args.sim_faults or {})
+            app = server.app()
             host, port = engine_args.host, engine_args.port
     except (ChatError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

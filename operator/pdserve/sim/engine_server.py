@@ -181,6 +181,7 @@ class EngineServer:
         self._client = httpx.AsyncClient(timeout=30.0)
         self._loop_task: asyncio.Task[None] | None = None
         self._emitted_total = 0
+        self._shutting_down = asyncio.Event()
 
     # ---- time ----------------------------------------------------------------------------------
     def sim_seconds(self, real: float) -> float:
@@ -234,6 +235,7 @@ class EngineServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024**2)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._stop)
         app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_post("/abort_requests", self.abort_requests)
@@ -250,6 +252,9 @@ class EngineServer:
     async def _start(self, _: web.Application) -> None:
         self._loop_task = asyncio.create_task(self.core.run(), name="engine-loop")
 
+    async def _shutdown(self, _: web.Application) -> None:
+        self._shutting_down.set()  # releases hung requests so shutdown does not wait on them
+
     async def _stop(self, _: web.Application) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -264,16 +269,20 @@ class EngineServer:
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )
 
-    async def set_faults(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
+    def set_faults_from(self, faults: Mapping[str, Any]) -> None:
+        """Apply faults by name; ValueError names unknown ones."""
         known = set(Faults.__dataclass_fields__)
-        unknown = set(body) - known
+        unknown = set(faults) - known
         if unknown:
-            return error_response(
-                400, f"unknown fault(s) {sorted(unknown)}; known: {sorted(known)}"
-            )
-        for key, value in body.items():
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {sorted(known)}")
+        for key, value in faults.items():
             setattr(self.faults, key, value)
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            self.set_faults_from(await read_json(request))
+        except (HttpError, ValueError) as error:
+            return error_response(400, str(error))
         return web.json_response(self.faults.__dict__)
 
     # ---- KV handoff ------------------------------------------------------------------------------
@@ -455,7 +464,8 @@ class EngineServer:
             raise HttpError(500, "injected engine failure")
         if self.faults.hang > 0:
             self.faults.hang -= 1
-            await asyncio.Event().wait()  # fault injection: never answers
+            await self._shutting_down.wait()  # fault injection: no answer until shutdown
+            raise HttpError(503, "engine shutting down")
         n = int(params.get("n") or 1)
         if n < 1 or n > self.config.scheduler.max_num_seqs:
             raise HttpError(
