@@ -13,6 +13,7 @@ from pdserve.api import SpecError
 from pdserve.api.crd import render_crd, write_crds
 from pdserve.controller.settings import add_arguments as add_operator_arguments
 from pdserve.controller.settings import from_arguments as operator_settings
+from pdserve.gateway.main import add_arguments as add_gateway_arguments
 from pdserve.manifests import load_resources, render_manifests
 
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--namespace", help="namespace for resources (default: theirs, else 'default')"
     )
     sub.add_parser("sim", help="run a simulated vLLM server: pdserve sim {render,engine,vllm} ...")
+    gateway = sub.add_parser("gateway", help="serve the OpenAI API over the model's pools")
+    add_gateway_arguments(gateway)
     operator = sub.add_parser("operator", help="run the operator (kopf) against the cluster")
     add_operator_arguments(operator)
     return parser
@@ -69,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.controller.main import main as run_operator
 
         return run_operator(settings)
+    if args.command == "gateway":
+        from pdserve.gateway.main import run as run_gateway
+
+        return run_gateway(args)
     if args.command == "crd":
         if args.write is None:
             sys.stdout.write(render_crd())

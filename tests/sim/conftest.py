@@ -13,7 +13,7 @@ from tests.cluster.localplane import free_port
 @asynccontextmanager
 async def serving(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
     """Run an aiohttp app on a loopback port (a free one by default); yields its base URL."""
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)

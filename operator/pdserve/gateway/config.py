@@ -1,0 +1,88 @@
+"""Gateway configuration: the routing ConfigMap the operator writes (pools, parity hash, policy,
+SLOs), plus, outside a cluster, a static list of endpoints with their parity hashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from pdserve.api.resource import format_validation_error
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+
+class PoolRef(_Model):
+    service: str
+    port: int
+    selector: dict[str, str] = Field(default_factory=dict)
+
+
+class Pools(_Model):
+    render: PoolRef | None = None
+    prefill: PoolRef | None = None
+    decode: PoolRef
+
+
+class Slo(_Model):
+    ttft_ms: int | None = None
+    itl_ms: int | None = None
+
+
+class Routing(_Model):
+    mode: Literal["Auto", "Disaggregated", "Aggregated"] = "Auto"
+    slo: Slo = Field(default_factory=Slo)
+
+
+class KvTransfer(_Model):
+    connector: str = "NixlConnector"
+    lease_duration_seconds: int | None = None
+    load_failure_policy: str | None = None
+    bidirectional: bool = False
+
+
+class StaticEndpoint(_Model):
+    url: str
+    parity_hash: str | None = None
+
+
+class StaticEndpoints(_Model):
+    """Endpoints outside a cluster (tests, demos): the same parity gating applies."""
+
+    render: list[StaticEndpoint] = Field(default_factory=list)
+    prefill: list[StaticEndpoint] = Field(default_factory=list)
+    decode: list[StaticEndpoint] = Field(default_factory=list)
+
+
+class GatewayConfig(_Model):
+    model: str
+    namespace: str = "default"
+    parity_hash: str | None = None
+    engine_api: Literal["tokens", "openai"] = "tokens"
+    routing: Routing = Field(default_factory=Routing)
+    pools: Pools
+    kv_transfer: KvTransfer = Field(default_factory=KvTransfer)
+    endpoints: StaticEndpoints | None = None
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Parse the routing file; ConfigError names the file and every bad field."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path}: {error}") from None
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(f"{path}: " + "; ".join(format_validation_error(error))) from None

@@ -1,0 +1,94 @@
+"""Endpoints per pool and parity gating: a request only combines render, prefill and decode
+endpoints that carry the same parity hash, so a rollout never mixes an old chat template with a
+new parser. During a rollout the newest complete set wins; with no complete set the gateway
+answers 503 rather than mixing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.gateway.config import GatewayConfig
+
+
+@dataclass
+class Endpoint:
+    url: str
+    parity_hash: str | None = None
+    inflight: int = 0
+    down_until: float = 0.0
+
+    def healthy(self, now: float) -> bool:
+        return self.down_until <= now
+
+
+class NoEndpoints(Exception):
+    """No complete, parity-consistent set of endpoints: the message says what is missing."""
+
+
+@dataclass
+class Selection:
+    parity_hash: str | None
+    pools: dict[str, list[Endpoint]] = field(default_factory=dict)
+
+
+class Endpoints:
+    def __init__(self, config: GatewayConfig, *, down_seconds: float = 5.0) -> None:
+        self.config = config
+        self.down_seconds = down_seconds
+        self.pools: dict[str, list[Endpoint]] = {"render": [], "prefill": [], "decode": []}
+        if config.endpoints is not None:
+            for pool in self.pools:
+                self.pools[pool] = [
+                    Endpoint(e.url.rstrip("/"), e.parity_hash)
+                    for e in getattr(config.endpoints, pool)
+                ]
+
+    def replace(self, pool: str, endpoints: Iterable[Endpoint]) -> None:
+        """Discovery updates a pool, keeping in-flight counts of endpoints that stay."""
+        current = {e.url: e for e in self.pools[pool]}
+        updated = []
+        for endpoint in endpoints:
+            kept = current.get(endpoint.url)
+            if kept is not None:
+                kept.parity_hash = endpoint.parity_hash
+                updated.append(kept)
+            else:
+                updated.append(endpoint)
+        self.pools[pool] = updated
+
+    def select(self, needed: Iterable[str], optional: Iterable[str] = ()) -> Selection:
+        """The newest complete parity-consistent set covering every needed pool."""
+        needed, optional = list(needed), list(optional)
+        now = time.monotonic()
+        healthy = {p: [e for e in self.pools[p] if e.healthy(now)] for p in (*needed, *optional)}
+        hashes = {e.parity_hash for p in needed for e in healthy[p]}
+        preferred = [self.config.parity_hash] if self.config.parity_hash in hashes else []
+        candidates = preferred + sorted(h for h in hashes if h not in preferred and h is not None)
+        if None in hashes or not candidates:
+            candidates.append(None)  # endpoints that carry no hash (static lists) match any
+        for parity in candidates:
+            chosen = {
+                p: [e for e in healthy[p] if parity is None or e.parity_hash in (parity, None)]
+                for p in (*needed, *optional)
+            }
+            if all(chosen[p] for p in needed):
+                return Selection(parity, chosen)
+        missing = [p for p in needed if not healthy[p]]
+        if missing:
+            raise NoEndpoints(f"no healthy {' or '.join(missing)} endpoint")
+        raise NoEndpoints(
+            "no complete set of render/prefill/decode endpoints with one parity hash "
+            f"(seen: {sorted(h for h in hashes if h)}); refusing to mix chat templates or parsers"
+        )
+
+    @staticmethod
+    def pick(candidates: list[Endpoint], exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+        """Least in-flight, skipping ones that already failed this request."""
+        skipped = list(exclude)
+        pool = [e for e in candidates if all(e is not x for x in skipped)]
+        return min(pool, key=lambda e: e.inflight) if pool else None
+
+    def mark_down(self, endpoint: Endpoint) -> None:
+        endpoint.down_until = time.monotonic() + self.down_seconds

@@ -1,0 +1,65 @@
+"""`pdserve gateway`: serve the OpenAI API for one DisaggregatedModel."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.gateway.config import ConfigError, load_config
+from pdserve.gateway.service import Gateway, GatewaySettings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="routing.json written by the operator (or by hand, with endpoints)",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-inflight", type=int, default=256, help="requests in flight before 429 + Retry-After"
+    )
+    parser.add_argument(
+        "--max-tokens-cap", type=int, help="largest max_tokens a client may ask for"
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="file with one API key per line (default: env PDSERVE_API_KEY)",
+    )
+
+
+def api_keys(path: Path | None) -> tuple[str, ...]:
+    if path is not None:
+        return tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    key = os.environ.get("PDSERVE_API_KEY", "").strip()
+    return (key,) if key else ()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config)
+        settings = GatewaySettings(
+            max_inflight=args.max_inflight,
+            max_tokens_cap=args.max_tokens_cap,
+            api_keys=api_keys(args.api_key_file),
+        )
+    except (ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    gateway = Gateway(config, settings)
+    # A client that disconnects cancels its handler, which aborts the engines' work.
+    web.run_app(
+        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
+    )
+    return 0

@@ -1,0 +1,70 @@
+"""Gateway Prometheus metrics (its own registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_gateway_requests",
+            "Requests by route and outcome",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in flight", registry=r)
+        self.ttft = Histogram(
+            "pdserve_gateway_ttft_seconds",
+            "Time to first token seen by clients",
+            ["route"],
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_gateway_itl_seconds",
+            "Gap between chunks sent to clients",
+            ["route"],
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_gateway_e2e_seconds", "Request latency", ["route"], buckets=LATENCY, registry=r
+        )
+        self.stage = Histogram(
+            "pdserve_gateway_stage_seconds",
+            "Latency per stage (render, prefill, kv_handoff, decode_first_token, derender)",
+            ["stage"],
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.derender_calls = Histogram(
+            "pdserve_gateway_derender_calls_per_stream",
+            "Derender calls per streamed choice",
+            buckets=COUNTS,
+            registry=r,
+        )
+        self.tokens_per_derender = Histogram(
+            "pdserve_gateway_tokens_per_derender_call",
+            "Tokens merged into one derender call",
+            buckets=COUNTS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_gateway_retries", "Retries on another replica", ["stage", "reason"], registry=r
+        )
+        self.fallbacks = Counter(
+            "pdserve_gateway_fallbacks",
+            "Requests served by local prefill on decode instead of P/D",
+            ["reason"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pdserve_gateway_upstream_aborts",
+            "abort_requests sent after a client went away",
+            registry=r,
+        )

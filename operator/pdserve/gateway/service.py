@@ -1,0 +1,841 @@
+"""The OpenAI-compatible gateway: render -> prefill -> decode -> derender, streaming, failures.
+
+Routes (chosen by the model's config):
+1. render + P/D: render, prefill (max_tokens=1, do_remote_decode), decode with prefill's
+   kv_transfer_params, derender.
+2. P/D without render: the OpenAI-level handoff against engines that speak OpenAI.
+3. render + one engine pool: render, generate, derender.
+4. aggregated: straight to the decode pool; also the fallback when P/D cannot serve a request.
+Every request ends in a correct answer or a clear OpenAI-style error, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.vllm_protocol import prefill_handoff_params
+
+log = logging.getLogger("pdserve.gateway")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    max_inflight: int = 256
+    max_body_bytes: int = 16 * 1024**2
+    max_tokens_cap: int | None = None
+    api_keys: tuple[str, ...] = ()
+    connect_timeout: float = 2.0
+    render_timeout: float = 30.0
+    prefill_timeout: float = 300.0
+    decode_timeout: float = 300.0
+    # vLLM closes idle connections after ~5 s: reuse only younger ones, or requests reset.
+    keepalive_expiry: float = 4.0
+    lease_margin_seconds: float = 1.0
+
+
+class GatewayError(Exception):
+    """Ends the request with an OpenAI-style error."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {
+            400: "BadRequestError",
+            401: "AuthenticationError",
+            404: "NotFoundError",
+            429: "RateLimitError",
+            503: "ServiceUnavailableError",
+        }.get(status, "APIError")
+
+
+class UpstreamFailed(Exception):
+    """A hop failed in a way another replica (or local prefill) may fix."""
+
+    def __init__(self, stage: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.stage, self.status = stage, status
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(error: GatewayError) -> web.Response:
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    body = error_body(error.status, error.message, error.kind, error.param)
+    return web.json_response(body, status=error.status, headers=headers)
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, settings: GatewaySettings | None = None) -> None:
+        self.config = config
+        self.settings = settings or GatewaySettings()
+        self.endpoints = Endpoints(config)
+        self.metrics = GatewayMetrics()
+        self._slots = asyncio.Semaphore(self.settings.max_inflight)
+        s = self.settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.decode_timeout, connect=s.connect_timeout),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=256,
+                keepalive_expiry=s.keepalive_expiry,
+            ),
+        )
+
+    # ---- app -----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _: web.Application) -> None:
+        await self.client.aclose()
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def ready(self, _: web.Request) -> web.Response:
+        try:
+            self.endpoints.select(self.needed_pools())
+        except NoEndpoints as error:
+            return web.json_response({"ready": False, "reason": str(error)}, status=503)
+        return web.json_response({"ready": True})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                    }
+                ],
+            }
+        )
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    # ---- request intake --------------------------------------------------------------------------
+    def authorize(self, request: web.Request) -> None:
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        # Compare against every key so the time taken says nothing about which one is close.
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(token.encode(), key.encode())
+        if not matched:
+            raise GatewayError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as error:
+            raise GatewayError(400, f"request body is not valid JSON: {error}") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise GatewayError(
+                413,
+                f"request body exceeds {self.settings.max_body_bytes} bytes",
+                kind="RequestTooLarge",
+            ) from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+        body["model"] = self.config.model
+        for field in ("max_tokens", "max_completion_tokens", "n"):
+            value = body.get(field)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise GatewayError(400, f"{field} must be a positive integer", param=field)
+        cap = self.settings.max_tokens_cap
+        if cap is not None:
+            for field in ("max_tokens", "max_completion_tokens"):
+                if (body.get(field) or 0) > cap:
+                    raise GatewayError(400, f"{field} may be at most {cap}", param=field)
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                body["max_tokens"] = cap
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise GatewayError(400, "stream must be true or false", param="stream")
+        return body
+
+    def needed_pools(self) -> list[str]:
+        pools = ["decode"]
+        if self.config.engine_api == "tokens":
+            pools.insert(0, "render")
+        return pools
+
+    def wants_pd(self, selection: Selection) -> bool:
+        mode = self.config.routing.mode
+        if mode == "Aggregated" or self.config.pools.prefill is None:
+            return False
+        return bool(selection.pools.get("prefill"))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, chat=False)
+
+    async def handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        route = "unknown"
+        if self._slots.locked():
+            self.metrics.requests.labels(route, "rejected").inc()
+            return error_response(
+                GatewayError(
+                    429,
+                    f"the gateway is at its limit of {self.settings.max_inflight} requests in "
+                    "flight; retry shortly",
+                )
+            )
+        async with self._slots:
+            self.metrics.inflight.inc()
+            try:
+                self.authorize(request)
+                body = await self.read_body(request)
+                request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
+                selection = self.endpoints.select(self.needed_pools(), optional=["prefill"])
+                pd = self.wants_pd(selection)
+                if (
+                    self.config.routing.mode == "Disaggregated"
+                    and not pd
+                    and self.config.pools.prefill
+                ):
+                    raise NoEndpoints("routing mode Disaggregated but no healthy prefill endpoint")
+                context = Context(self, request, body, chat, request_id, selection, pd, started)
+                route = context.route
+                response = await context.run()
+                self.metrics.requests.labels(route, "ok").inc()
+                self.metrics.e2e.labels(route).observe(time.monotonic() - started)
+                return response
+            except GatewayError as error:
+                self.metrics.requests.labels(route, f"error_{error.status}").inc()
+                return error_response(error)
+            except NoEndpoints as error:
+                self.metrics.requests.labels(route, "no_endpoints").inc()
+                return error_response(GatewayError(503, str(error)))
+            finally:
+                self.metrics.inflight.dec()
+
+    # ---- upstream calls --------------------------------------------------------------------------
+    def headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        if "Authorization" in request.headers and not self.settings.api_keys:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    async def post_json(
+        self,
+        stage: str,
+        candidates: list[Endpoint],
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout: float,  # noqa: ASYNC109 - a per-hop httpx timeout, not a cancel scope
+        *,
+        retry: bool = True,
+    ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
+        """POST to one replica of a pool; on connection errors or 5xx try the next one."""
+        tried: list[Endpoint] = []
+        last = "no endpoint"
+        while (endpoint := self.endpoints.pick(candidates, tried)) is not None:
+            tried.append(endpoint)
+            endpoint.inflight += 1
+            begun = time.monotonic()
+            try:
+                response = await self.client.post(
+                    f"{endpoint.url}{path}", json=body, headers=dict(headers), timeout=timeout
+                )
+            except httpx.HTTPError as error:
+                last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
+                self.endpoints.mark_down(endpoint)
+            else:
+                if response.status_code < 500:
+                    self.metrics.stage.labels(stage).observe(time.monotonic() - begun)
+                    if response.status_code >= 400:
+                        raise GatewayError(
+                            response.status_code, upstream_message(response), kind="UpstreamError"
+                        )
+                    return endpoint, response.json()
+                message = upstream_message(response)
+                last = f"{stage} at {endpoint.url}: HTTP {response.status_code}: {message}"
+                if "KV transfer" in last:
+                    raise UpstreamFailed(stage, last, response.status_code)
+            finally:
+                endpoint.inflight -= 1
+            if not retry:
+                break
+            self.metrics.retries.labels(stage, "upstream_error").inc()
+            log.warning("%s; trying another replica", last)
+        raise UpstreamFailed(stage, last)
+
+    async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
+        if endpoint is None:
+            return
+        self.metrics.aborts.inc()
+        with suppress(httpx.HTTPError):
+            await self.client.post(
+                f"{endpoint.url}/abort_requests", json={"request_ids": request_ids}, timeout=5.0
+            )
+
+
+def upstream_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    return response.text[:500]
+
+
+class Context:
+    """One client request on its way through the pools."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        request_id: str,
+        selection: Selection,
+        pd: bool,
+        started: float,
+    ) -> None:
+        self.gw, self.request, self.body, self.chat = gateway, request, body, chat
+        self.request_id, self.selection, self.pd, self.started = request_id, selection, pd, started
+        self.stream = bool(body.get("stream"))
+        tokens = gateway.config.engine_api == "tokens"
+        self.route = (
+            ("render_pd" if pd else "render") if tokens else ("openai_pd" if pd else "aggregated")
+        )
+        self.headers = gateway.headers(request, request_id)
+        self.first_token_at: float | None = None
+        self.last_chunk_at: float | None = None
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self.gw.settings
+
+    async def run(self) -> web.StreamResponse:
+        if self.gw.config.engine_api == "tokens":
+            return await self.tokens_route()
+        return await self.openai_route()
+
+    # ---- prefill -> KV handoff (both APIs) -------------------------------------------------------
+    async def prefill(
+        self, path: str, body: dict[str, Any]
+    ) -> tuple[Endpoint, dict[str, Any]] | None:
+        """Run prefill; None when no prefill replica could (the caller prefills on decode)."""
+        try:
+            endpoint, answer = await self.gw.post_json(
+                "prefill",
+                self.selection.pools["prefill"],
+                path,
+                body,
+                self.headers,
+                self.settings.prefill_timeout,
+            )
+        except UpstreamFailed as error:
+            log.warning("%s: prefill failed (%s); prefilling on decode", self.request_id, error)
+            self.gw.metrics.fallbacks.labels("prefill_failed").inc()
+            return None
+        assert isinstance(answer, dict)
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            self.gw.metrics.fallbacks.labels("no_kv_params").inc()
+            return None
+        expiry = params.get("remote_blocks_expiry_time")
+        if (
+            isinstance(expiry, int | float)
+            and expiry - time.time() < self.settings.lease_margin_seconds
+        ):
+            # The lease would run out before decode starts pulling: recompute instead.
+            self.gw.metrics.fallbacks.labels("lease_expiring").inc()
+            await self.gw.abort(endpoint, [self.request_id])
+            return None
+        return endpoint, params
+
+    # ---- route 1 and 3: render + tokens engines --------------------------------------------
+    async def tokens_route(self) -> web.StreamResponse:
+        gw = self.gw
+        path = "/v1/chat/completions/render" if self.chat else "/v1/completions/render"
+        _, rendered = await gw.post_json(
+            "render",
+            self.selection.pools["render"],
+            path,
+            self.body,
+            self.headers,
+            self.settings.render_timeout,
+        )
+        generates = rendered if isinstance(rendered, list) else [rendered]
+        if len(generates) != 1:
+            raise GatewayError(400, "send one prompt per request", param="prompt")
+        generate = generates[0]
+        generate["request_id"] = self.request_id
+        prefill_endpoint: Endpoint | None = None
+        kv: dict[str, Any] | None = None
+        if self.pd:
+            prefill_body = copy.deepcopy(generate)
+            prefill_body["stream"] = False
+            prefill_body["stream_options"] = None
+            params = prefill_body["sampling_params"]
+            params.update({"max_tokens": 1, "min_tokens": 0, "n": 1})
+            handoff = prefill_handoff_params()
+            prefill_body["kv_transfer_params"] = handoff
+            params["extra_args"] = {
+                **(params.get("extra_args") or {}),
+                "kv_transfer_params": handoff,
+            }
+            prefilled = await self.prefill("/inference/v1/generate", prefill_body)
+            if prefilled is not None:
+                prefill_endpoint, kv = prefilled
+        if self.stream:
+            return await self.stream_generate(generate, kv, prefill_endpoint)
+        return await self.generate_once(generate, kv, prefill_endpoint)
+
+    def decode_body(
+        self, generate: Mapping[str, Any], kv: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        body = copy.deepcopy(dict(generate))
+        if kv is not None:
+            body["kv_transfer_params"] = dict(kv)
+            params = body["sampling_params"]
+            # Older engines read it only from extra_args.
+            params["extra_args"] = {
+                **(params.get("extra_args") or {}),
+                "kv_transfer_params": dict(kv),
+            }
+        return body
+
+    async def generate_once(
+        self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
+    ) -> web.Response:
+        gw = self.gw
+        try:
+            _, answer = await gw.post_json(
+                "decode",
+                self.selection.pools["decode"],
+                "/inference/v1/generate",
+                self.decode_body(generate, kv),
+                self.headers,
+                self.settings.decode_timeout,
+            )
+        except UpstreamFailed as error:
+            if kv is None:
+                raise GatewayError(502, str(error), kind="UpstreamError") from None
+            gw.metrics.fallbacks.labels("kv_load_failed").inc()
+            await gw.abort(prefill_endpoint, [self.request_id])
+            _, answer = await gw.post_json(
+                "decode",
+                self.selection.pools["decode"],
+                "/inference/v1/generate",
+                self.decode_body(generate, None),
+                self.headers,
+                self.settings.decode_timeout,
+            )
+        assert isinstance(answer, dict)
+        path = "/v1/chat/completions/derender" if self.chat else "/v1/completions/derender"
+        _, result = await gw.post_json(
+            "derender",
+            self.selection.pools["render"],
+            path,
+            {
+                "stream": False,
+                "model": gw.config.model,
+                "generate_response": answer,
+                "prompt_tokens": len(generate["token_ids"]),
+                "prompt_token_ids": generate["token_ids"],
+                "chat_request": self.body if self.chat else None,
+            },
+            self.headers,
+            self.settings.render_timeout,
+        )
+        assert isinstance(result, dict)
+        result["model"] = gw.config.model
+        result["id"] = self.request_id
+        gw.metrics.ttft.labels(self.route).observe(time.monotonic() - self.started)
+        return web.json_response(result)
+
+    @asynccontextmanager
+    async def open_decode_stream(
+        self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
+    ) -> AsyncIterator[tuple[Endpoint, httpx.Response]]:
+        """Open the decode SSE stream; a KV load failure before any token is retried once with
+        local prefill on decode."""
+        gw = self.gw
+        attempts: list[dict[str, Any] | None] = [kv, None] if kv is not None else [None]
+        tried: list[Endpoint] = []
+        failure = "no decode endpoint"
+        for attempt_kv in attempts:
+            while (
+                endpoint := gw.endpoints.pick(self.selection.pools["decode"], tried)
+            ) is not None:
+                body = self.decode_body(generate, attempt_kv)
+                try:
+                    request = gw.client.build_request(
+                        "POST",
+                        f"{endpoint.url}/inference/v1/generate",
+                        json=body,
+                        headers=self.headers,
+                    )
+                    response = await gw.client.send(request, stream=True)
+                except httpx.HTTPError as error:
+                    tried.append(endpoint)
+                    gw.endpoints.mark_down(endpoint)
+                    gw.metrics.retries.labels("decode", "connect").inc()
+                    failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                    continue
+                if response.status_code == 200:
+                    endpoint.inflight += 1
+                    try:
+                        yield endpoint, response
+                    finally:
+                        endpoint.inflight -= 1
+                        await response.aclose()
+                    return
+                await response.aread()
+                message = upstream_message(response)
+                await response.aclose()
+                if 400 <= response.status_code < 500:
+                    raise GatewayError(response.status_code, message, kind="UpstreamError")
+                failure = f"decode at {endpoint.url}: HTTP {response.status_code}: {message}"
+                if attempt_kv is not None and "KV transfer" in message:
+                    gw.metrics.fallbacks.labels("kv_load_failed").inc()
+                    await gw.abort(prefill_endpoint, [self.request_id])
+                    tried = []
+                    break  # next attempt: local prefill
+                tried.append(endpoint)
+                gw.metrics.retries.labels("decode", "upstream_error").inc()
+        raise GatewayError(502, failure, kind="UpstreamError")
+
+    async def stream_generate(
+        self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
+    ) -> web.StreamResponse:
+        gw = self.gw
+        async with self.open_decode_stream(generate, kv, prefill_endpoint) as (decode, upstream):
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(self.request)
+            writer = ClientWriter(response, self)
+            pipelines: dict[int, DerenderPipeline] = {}
+            usage: dict[str, Any] | None = None
+            finished = False
+            broke = ""
+            try:
+                try:
+                    async for line in upstream.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line.removeprefix("data: ")
+                        if data == "[DONE]":
+                            finished = True
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            broke = f"decode reported: {event['error']}"
+                            break
+                        if event.get("usage") is not None:
+                            usage = event["usage"]
+                        for choice in event.get("choices") or []:
+                            index = int(choice.get("index", 0))
+                            if index not in pipelines:
+                                pipelines[index] = DerenderPipeline(self, generate, index, writer)
+                            pipelines[index].push(
+                                list(choice.get("token_ids") or []), choice.get("finish_reason")
+                            )
+                except httpx.HTTPError as error:
+                    broke = f"decode stream broke ({type(error).__name__})"
+                # Flush what was generated before reporting anything, so chunks stay in order.
+                results = await asyncio.gather(
+                    *(p.close(complete=finished) for p in pipelines.values()),
+                    return_exceptions=True,
+                )
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    await writer.error(502, f"derender failed: {failed[0]}")
+                elif not finished:
+                    # The engine went away mid-stream: say so instead of truncating silently.
+                    reason = f": {broke}" if broke else ""
+                    await writer.error(
+                        502, f"decode stream ended before the answer was complete{reason}"
+                    )
+                options = self.body.get("stream_options") or {}
+                if finished and not failed and usage is not None and options.get("include_usage"):
+                    await writer.send(
+                        {
+                            "id": self.request_id,
+                            "object": writer.object_name,
+                            "created": int(time.time()),
+                            "model": gw.config.model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+                await writer.done()
+            except (ConnectionResetError, asyncio.CancelledError):
+                # The client went away: stop the engines working for it.
+                for pipeline in pipelines.values():
+                    pipeline.cancel()
+                await asyncio.shield(gw.abort(decode, [self.request_id]))
+                raise
+            return response
+
+    # ---- route 2 and 4: engines speaking OpenAI --------------------------------------------
+    async def openai_route(self) -> web.StreamResponse:
+        gw = self.gw
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        kv: dict[str, Any] | None = None
+        prefill_endpoint: Endpoint | None = None
+        if self.pd:
+            prefill_body = {**self.body, "stream": False, "max_tokens": 1, "n": 1}
+            if "max_completion_tokens" in prefill_body:
+                prefill_body["max_completion_tokens"] = 1
+            for field in ("stream_options", "min_tokens"):
+                prefill_body.pop(field, None)
+            prefill_body["kv_transfer_params"] = prefill_handoff_params()
+            prefilled = await self.prefill(path, prefill_body)
+            if prefilled is not None:
+                prefill_endpoint, kv = prefilled
+        body = {**self.body, **({"kv_transfer_params": kv} if kv else {})}
+        if not self.stream:
+            try:
+                _, answer = await gw.post_json(
+                    "decode",
+                    self.selection.pools["decode"],
+                    path,
+                    body,
+                    self.headers,
+                    self.settings.decode_timeout,
+                )
+            except UpstreamFailed as error:
+                if kv is None:
+                    raise GatewayError(502, str(error), kind="UpstreamError") from None
+                gw.metrics.fallbacks.labels("kv_load_failed").inc()
+                await gw.abort(prefill_endpoint, [self.request_id])
+                _, answer = await gw.post_json(
+                    "decode",
+                    self.selection.pools["decode"],
+                    path,
+                    self.body,
+                    self.headers,
+                    self.settings.decode_timeout,
+                )
+            assert isinstance(answer, dict)
+            answer.pop("kv_transfer_params", None)
+            return web.json_response(answer)
+        return await self.proxy_stream(path, body)
+
+    async def proxy_stream(self, path: str, body: dict[str, Any]) -> web.StreamResponse:
+        gw = self.gw
+        endpoint = gw.endpoints.pick(self.selection.pools["decode"])
+        if endpoint is None:
+            raise GatewayError(503, "no healthy decode endpoint")
+        try:
+            request = gw.client.build_request(
+                "POST", f"{endpoint.url}{path}", json=body, headers=self.headers
+            )
+            upstream = await gw.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            gw.endpoints.mark_down(endpoint)
+            raise GatewayError(
+                502, f"decode at {endpoint.url}: {error}", kind="UpstreamError"
+            ) from None
+        try:
+            if upstream.status_code != 200:
+                await upstream.aread()
+                raise GatewayError(
+                    upstream.status_code if upstream.status_code < 500 else 502,
+                    upstream_message(upstream),
+                    kind="UpstreamError",
+                )
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(self.request)
+            writer = ClientWriter(response, self)
+            done = False
+            try:
+                async for line in upstream.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    writer.note_token()
+                    await response.write(f"{line}\n\n".encode())
+                if not done:
+                    await writer.error(502, "decode stream ended before the answer was complete")
+                await writer.done()
+            except (ConnectionResetError, asyncio.CancelledError):
+                await asyncio.shield(gw.abort(endpoint, [self.request_id]))
+                raise
+            except httpx.HTTPError as error:
+                await writer.error(502, f"decode stream broke: {type(error).__name__}")
+                await writer.done()
+            return response
+        finally:
+            await upstream.aclose()
+
+
+class ClientWriter:
+    """Serializes writes to the client and records TTFT/ITL as the client sees them."""
+
+    def __init__(self, response: web.StreamResponse, context: Context) -> None:
+        self.response, self.context = response, context
+        self.lock = asyncio.Lock()
+        self.object_name = "chat.completion.chunk" if context.chat else "text_completion"
+
+    def note_token(self) -> None:
+        ctx, now = self.context, time.monotonic()
+        if ctx.first_token_at is None:
+            ctx.first_token_at = now
+            ctx.gw.metrics.ttft.labels(ctx.route).observe(now - ctx.started)
+        elif ctx.last_chunk_at is not None:
+            ctx.gw.metrics.itl.labels(ctx.route).observe(now - ctx.last_chunk_at)
+        ctx.last_chunk_at = now
+
+    async def send(self, chunk: Any) -> None:
+        async with self.lock:
+            await self.response.write(sse(chunk))
+
+    async def error(self, status: int, message: str) -> None:
+        await self.send(error_body(status, message, "UpstreamError"))
+
+    async def done(self) -> None:
+        async with self.lock:
+            await self.response.write(b"data: [DONE]\n\n")
+
+
+class DerenderPipeline:
+    """At most one derender call in flight per choice: tokens that arrive meanwhile are merged
+    into the next call, so light load is per-token (TTFT untouched) and heavy load batches
+    itself, cutting render CPU."""
+
+    def __init__(
+        self, context: Context, generate: Mapping[str, Any], index: int, writer: ClientWriter
+    ) -> None:
+        self.context, self.generate, self.index, self.writer = context, generate, index, writer
+        self.queue: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
+        self.task = asyncio.create_task(self.run())
+        self.calls = 0
+
+    def push(self, token_ids: list[int], finish: str | None) -> None:
+        self.queue.put_nowait((token_ids, finish))
+
+    async def close(self, *, complete: bool) -> None:
+        if not complete:
+            self.queue.put_nowait(([], "__abandoned__"))
+        await self.task
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+    async def run(self) -> None:
+        ctx = self.context
+        gw = ctx.gw
+        state: Any = None
+        path = "/v1/chat/completions/derender" if ctx.chat else "/v1/completions/derender"
+        prompt_ids = self.generate["token_ids"]
+        while True:
+            token_ids, finish = await self.queue.get()
+            while finish is None and not self.queue.empty():
+                more, finish = self.queue.get_nowait()
+                token_ids = token_ids + more
+            if finish == "__abandoned__":
+                finish = None
+                if not token_ids:
+                    break
+            self.calls += 1
+            gw.metrics.tokens_per_derender.observe(len(token_ids))
+            _, result = await gw.post_json(
+                "derender",
+                ctx.selection.pools["render"],
+                path,
+                {
+                    "stream": True,
+                    "model": gw.config.model,
+                    "stream_state": state,
+                    "generate_chunk": {
+                        "request_id": ctx.request_id,
+                        "choices": [
+                            {
+                                "index": self.index,
+                                "token_ids": token_ids,
+                                "finish_reason": finish,
+                                "logprobs": None,
+                            }
+                        ],
+                    },
+                    "prompt_tokens": len(prompt_ids),
+                    "prompt_token_ids": prompt_ids,
+                    "chat_request": ctx.body if ctx.chat else None,
+                },
+                ctx.headers,
+                ctx.settings.render_timeout,
+            )
+            assert isinstance(result, dict)
+            state = result.get("stream_state")
+            chunk = result["chunk"]
+            chunk["id"] = ctx.request_id
+            chunk["model"] = gw.config.model
+            choices = chunk.get("choices") or []
+            if any(_has_content(c) or c.get("finish_reason") for c in choices):
+                self.writer.note_token()
+                await self.writer.send(chunk)
+            if finish is not None:
+                break
+        gw.metrics.derender_calls.observe(self.calls)
+
+
+def _has_content(choice: Mapping[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, Mapping):
+        return any(
+            delta.get(k)
+            for k in ("role", "content", "reasoning", "reasoning_content", "tool_calls")
+        )
+    return bool(choice.get("text"))

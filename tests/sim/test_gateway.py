@@ -1,0 +1,411 @@
+"""The gateway over simulated render servers and engines on loopback: every route, streaming,
+failures injected through the simulators, parity gating, bad input, auth, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.sim.engine_core import SchedulerConfig
+from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
+from pdserve.sim.generation import ModelBehaviour
+from pdserve.sim.render_server import RenderConfig, RenderServer
+from tests.cluster.localplane import free_port
+from tests.sim.conftest import serving
+
+MODEL = "qwen"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "tools": TOOLS,
+    "tool_choice": "auto",
+    "max_tokens": 200,
+}
+PLAIN: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me a story"}],
+    "max_tokens": 200,
+}
+RENDER = RenderConfig(
+    model="Qwen/Qwen3-8B",
+    served_model_name=MODEL,
+    reasoning_parser="qwen3",
+    tool_call_parser="hermes",
+    enable_auto_tool_choice=True,
+)
+
+
+def engine(role: str, *, api: str = "tokens", policy: str = "fail") -> EngineConfig:
+    return EngineConfig(
+        model="Qwen/Qwen3-8B",
+        served_model_name=MODEL,
+        role=role,
+        api=api,
+        port=free_port(),
+        scheduler=SchedulerConfig(time_scale=0.01),
+        transfer=TransferConfig(load_failure_policy=policy),
+        behaviour=ModelBehaviour(reasoning=True),
+        render=RENDER,
+    )
+
+
+class Stack:
+    """Simulators plus a gateway, all on loopback ports."""
+
+    def __init__(self, exits: AsyncExitStack) -> None:
+        self.exits = exits
+        self.engines: dict[str, EngineServer] = {}
+        self.renders: list[RenderServer] = []
+
+    async def start(self, server: Any, port: int | None = None) -> str:
+        return await self.exits.enter_async_context(serving(server.app(), port=port))
+
+    async def engine(self, name: str, config: EngineConfig) -> str:
+        server = EngineServer(config)
+        self.engines[name] = server
+        return await self.start(server, config.port)
+
+    async def render(self, config: RenderConfig = RENDER) -> str:
+        server = RenderServer(config)
+        self.renders.append(server)
+        return await self.start(server)
+
+    async def gateway(self, config: dict[str, Any], **settings: Any) -> httpx.AsyncClient:
+        gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
+        self.gateway_server = gateway
+        url = await self.start(gateway)
+        return await self.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[Stack]:
+    async with AsyncExitStack() as exits:
+        yield Stack(exits)
+
+
+def routing(
+    engine_api: str = "tokens",
+    *,
+    prefill: bool = True,
+    render: bool = True,
+    mode: str = "Auto",
+    endpoints: dict[str, list[Any]] | None = None,
+) -> dict[str, Any]:
+    pool = {"service": "x", "port": 8000}
+    return {
+        "model": MODEL,
+        "engineApi": engine_api,
+        "parityHash": "p1",
+        "routing": {"mode": mode},
+        "pools": {
+            "render": pool if render else None,
+            "prefill": pool if prefill else None,
+            "decode": pool,
+        },
+        "endpoints": endpoints or {},
+    }
+
+
+def ep(url: str, parity: str | None = "p1") -> dict[str, Any]:
+    return {"url": url, "parityHash": parity}
+
+
+async def pd_stack(stack: Stack, **engine_overrides: Any) -> httpx.AsyncClient:
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode", **engine_overrides))
+    return await stack.gateway(
+        routing(
+            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+        )
+    )
+
+
+async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
+        assert response.status_code == 200, await response.aread()
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    return [
+        line.removeprefix("data: ")
+        if line == "data: [DONE]"
+        else json.loads(line.removeprefix("data: "))
+        for line in lines
+    ]
+
+
+async def test_route1_pd_non_stream_splits_reasoning_and_tool_calls(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    answer = (await client.post("/v1/chat/completions", json=CHAT)).json()
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning"]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert answer["model"] == MODEL
+    assert stack.engines["decode"].core.prefix_queries == 0  # decode pulled KV, did not prefill
+
+
+async def test_answers_match_the_aggregated_path_token_for_token(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    render = await stack.render()
+    aggregated = await stack.engine("both", engine("both"))
+    other = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(aggregated)]})
+    )
+    pd = (await client.post("/v1/chat/completions", json=PLAIN)).json()
+    local = (await other.post("/v1/chat/completions", json=PLAIN)).json()
+    assert pd["choices"][0]["message"] == local["choices"][0]["message"]
+    assert pd["usage"] == local["usage"]
+
+
+async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    whole = (await client.post("/v1/chat/completions", json=PLAIN)).json()["choices"][0]["message"]
+    events = await sse_events(client, {**PLAIN, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] > 0
+    chunks = events[:-2]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0].get("role") == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == whole["reasoning"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+
+
+async def test_streamed_tool_call_arrives_whole(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    events = await sse_events(client, CHAT)
+    calls = [t for e in events[:-1] for t in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_route3_render_and_one_pool(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]})
+    )
+    answer = (await client.post("/v1/chat/completions", json=CHAT)).json()
+    assert answer["choices"][0]["message"]["tool_calls"]
+    events = await sse_events(client, PLAIN)
+    assert events[-1] == "[DONE]"
+
+
+async def test_route2_openai_pd_and_route4_aggregated(stack: Stack) -> None:
+    prefill = await stack.engine("prefill", engine("prefill", api="openai"))
+    decode = await stack.engine("decode", engine("decode", api="openai"))
+    client = await stack.gateway(
+        routing(
+            "openai", render=False, endpoints={"prefill": [ep(prefill)], "decode": [ep(decode)]}
+        )
+    )
+    answer = (await client.post("/v1/chat/completions", json=CHAT)).json()
+    assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "kv_transfer_params" not in answer
+    assert stack.engines["decode"].core.prefix_queries == 0
+    events = await sse_events(client, PLAIN)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+
+    aggregated = await stack.gateway(
+        routing(
+            "openai",
+            render=False,
+            mode="Aggregated",
+            endpoints={"prefill": [ep(prefill)], "decode": [ep(decode)]},
+        )
+    )
+    before = stack.engines["decode"].core.prefix_queries
+    assert (await aggregated.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert stack.engines["decode"].core.prefix_queries > before  # prefilled on decode itself
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_failed_kv_transfer_still_answers(stack: Stack, policy: str) -> None:
+    client = await pd_stack(stack, policy=policy)
+    await httpx.AsyncClient().post(
+        f"http://127.0.0.1:{stack.engines['decode'].config.port}/sim/faults",
+        json={"fail_transfers": 2},
+    )
+    for body in (PLAIN, {**PLAIN, "stream": True}):
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+    metrics = (await client.get("/metrics")).text
+    if policy == "fail":
+        assert 'pdserve_gateway_fallbacks_total{reason="kv_load_failed"} 2.0' in metrics
+
+
+async def test_prefill_down_falls_back_to_local_prefill(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("decode", engine("both"))
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = await stack.gateway(
+        routing(endpoints={"render": [ep(render)], "prefill": [ep(dead)], "decode": [ep(decode)]})
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert 'reason="prefill_failed"' in (await client.get("/metrics")).text
+
+
+async def test_render_replica_down_is_retried_on_another(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(dead), ep(render)], "decode": [ep(decode)]})
+    )
+    for _ in range(2):
+        assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+
+
+async def test_decode_crash_mid_stream_gives_an_error_event_and_done(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    decode_port = stack.engines["decode"].config.port
+    await httpx.AsyncClient().post(
+        f"http://127.0.0.1:{decode_port}/sim/faults", json={"drop_stream_after": 3}
+    )
+    events = await sse_events(client, {**PLAIN, "max_tokens": 100})
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2]
+    assert "ended before the answer was complete" in events[-2]["error"]["message"]
+
+
+async def test_client_disconnect_aborts_the_engine_work(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    decode = stack.engines["decode"]
+    body = {**PLAIN, "stream": True, "max_tokens": 5000, "ignore_eos": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                break  # the client goes away after the first chunk
+
+    async def idle() -> None:
+        while decode.core.running or decode.core.waiting:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(idle(), timeout=10)
+    assert "pdserve_gateway_upstream_aborts_total 1.0" in (await client.get("/metrics")).text
+
+
+async def test_parity_gating_never_mixes_templates(stack: Stack) -> None:
+    render_a = await stack.render()
+    render_b = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    only_b = await stack.gateway(
+        routing(
+            prefill=False,
+            endpoints={
+                "render": [ep(render_a, "old"), ep(render_b, "p1")],
+                "decode": [ep(decode, "p1")],
+            },
+        )
+    )
+    assert (await only_b.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert stack.renders[0].metrics.requests._metrics == {}  # the old-template replica idles
+    mixed = await stack.gateway(
+        routing(
+            prefill=False, endpoints={"render": [ep(render_a, "old")], "decode": [ep(decode, "p1")]}
+        )
+    )
+    response = await mixed.post("/v1/chat/completions", json=PLAIN)
+    assert response.status_code == 503
+    assert "refusing to mix chat templates or parsers" in response.json()["error"]["message"]
+    assert (await mixed.get("/ready")).status_code == 503
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "request body is not valid JSON"),
+        (
+            json.dumps({**PLAIN, "model": "gpt-4"}).encode(),
+            404,
+            "The model `gpt-4` does not exist.",
+        ),
+        (
+            json.dumps({**PLAIN, "max_tokens": 0}).encode(),
+            400,
+            "max_tokens must be a positive integer",
+        ),
+        (
+            json.dumps({**PLAIN, "max_tokens": 100000}).encode(),
+            400,
+            "max_tokens may be at most 4096",
+        ),
+        (json.dumps({**PLAIN, "stream": "yes"}).encode(), 400, "stream must be true or false"),
+        (json.dumps({**PLAIN, "messages": []}).encode(), 400, "messages: must be a non-empty list"),
+    ],
+)
+async def test_bad_requests_get_clear_errors(
+    stack: Stack, body: bytes, status: int, message: str
+) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        max_tokens_cap=4096,
+    )
+    response = await client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == status
+    assert response.json()["error"]["message"].startswith(message)
+
+
+async def test_api_keys_are_required_when_configured(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        api_keys=("secret-1", "secret-2"),
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 401
+    wrong = await client.post(
+        "/v1/chat/completions", json=PLAIN, headers={"Authorization": "Bearer nope"}
+    )
+    assert wrong.status_code == 401
+    ok = await client.post(
+        "/v1/chat/completions", json=PLAIN, headers={"Authorization": "Bearer secret-2"}
+    )
+    assert ok.status_code == 200
+
+
+async def test_full_gateway_answers_429_with_retry_after(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        max_inflight=1,
+    )
+    slow = asyncio.create_task(
+        client.post("/v1/chat/completions", json={**PLAIN, "max_tokens": 3000, "ignore_eos": True})
+    )
+    gateway = stack.gateway_server
+    while not gateway._slots.locked():  # noqa: ASYNC110 - polling another task's state
+        await asyncio.sleep(0.005)
+    response = await client.post("/v1/chat/completions", json=PLAIN)
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "1"
+    assert (await slow).status_code == 200
