@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pdserve.controller.kube import Kube, load_credentials
 from pdserve.gateway.config import ConfigError, load_config
 from pdserve.gateway.service import Gateway, GatewaySettings
 
@@ -58,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     gateway = Gateway(config, settings)
+    if config.endpoints is None:
+        try:
+            gateway.discover_pods(Kube(load_credentials(args.kubeconfig)))
+        except Exception as error:  # the kubernetes loaders raise their own exception types
+            print(f"error: pod discovery needs cluster credentials: {error}", file=sys.stderr)
+            return 2
     # A client that disconnects cancels its handler, which aborts the engines' work.
     web.run_app(
         gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None

@@ -26,7 +26,9 @@ import httpx
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from pdserve.controller.kube import Kube
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.vllm_protocol import prefill_handoff_params
@@ -96,6 +98,8 @@ class Gateway:
         self.endpoints = Endpoints(config)
         self.metrics = GatewayMetrics()
         self._slots = asyncio.Semaphore(self.settings.max_inflight)
+        self._discovery: PodDiscovery | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
         s = self.settings
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(s.decode_timeout, connect=s.connect_timeout),
@@ -115,10 +119,23 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.on_startup.append(self._start_discovery)
         app.on_cleanup.append(self._close)
         return app
 
+    def discover_pods(self, kube: Kube) -> None:
+        """Find endpoints by watching the model's pods (in a cluster) instead of a static list."""
+        self._discovery = PodDiscovery(kube, self.config, self.endpoints)
+
+    async def _start_discovery(self, _: web.Application) -> None:
+        if self._discovery is not None:
+            self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
+
     async def _close(self, _: web.Application) -> None:
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+        if self._discovery is not None:
+            await self._discovery.kube.close()
         await self.client.aclose()
 
     async def health(self, _: web.Request) -> web.Response:
