@@ -409,3 +409,18 @@ async def test_full_gateway_answers_429_with_retry_after(stack: Stack) -> None:
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert (await slow).status_code == 200
+
+
+async def test_n_choices_stream_and_not(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    body = {**PLAIN, "n": 2, "seed": 3}
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    events = await sse_events(client, body)
+    assert events[-1] == "[DONE]"
+    by_index: dict[int, str] = {0: "", 1: ""}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            by_index[choice["index"]] += choice["delta"].get("content") or ""
+    assert by_index[0] == answer["choices"][0]["message"]["content"]
+    assert by_index[1] == answer["choices"][1]["message"]["content"]

@@ -23,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="routing.json written by the operator (or by hand, with endpoints)",
     )
     parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--no-derender-pipelining",
+        dest="pipelining",
+        action="store_false",
+        help="one derender call per engine event (for comparison only)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--max-inflight", type=int, default=256, help="requests in flight before 429 + Retry-After"
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             max_tokens_cap=args.max_tokens_cap,
             api_keys=api_keys(args.api_key_file),
+            derender_pipelining=args.pipelining,
         )
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

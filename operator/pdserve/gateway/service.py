@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
@@ -50,6 +50,9 @@ class GatewaySettings:
     # vLLM closes idle connections after ~5 s: reuse only younger ones, or requests reset.
     keepalive_expiry: float = 4.0
     lease_margin_seconds: float = 1.0
+    # Merge tokens that arrive during a derender call into the next one. False: one derender
+    # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
+    derender_pipelining: bool = True
 
 
 class GatewayError(Exception):
@@ -100,15 +103,7 @@ class Gateway:
         self._slots = asyncio.Semaphore(self.settings.max_inflight)
         self._discovery: PodDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
-        s = self.settings
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.decode_timeout, connect=s.connect_timeout),
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=256,
-                keepalive_expiry=s.keepalive_expiry,
-            ),
-        )
+        self._session: aiohttp.ClientSession | None = None
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -127,6 +122,18 @@ class Gateway:
         """Find endpoints by watching the model's pods (in a cluster) instead of a static list."""
         self._discovery = PodDiscovery(kube, self.config, self.endpoints)
 
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        """aiohttp, not httpx, upstream: per request it costs a fraction of the CPU."""
+        if self._session is None:
+            s = self.settings
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=s.keepalive_expiry),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
+                json_serialize=json.dumps,
+            )
+        return self._session
+
     async def _start_discovery(self, _: web.Application) -> None:
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
@@ -136,7 +143,8 @@ class Gateway:
             self._discovery_task.cancel()
         if self._discovery is not None:
             await self._discovery.kube.close()
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -290,7 +298,7 @@ class Gateway:
         path: str,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
-        timeout: float,  # noqa: ASYNC109 - a per-hop httpx timeout, not a cancel scope
+        timeout: float,  # noqa: ASYNC109 - a per-hop client timeout, not a cancel scope
         *,
         retry: bool = True,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
@@ -302,24 +310,36 @@ class Gateway:
             endpoint.inflight += 1
             begun = time.monotonic()
             try:
-                response = await self.client.post(
-                    f"{endpoint.url}{path}", json=body, headers=dict(headers), timeout=timeout
-                )
-            except httpx.HTTPError as error:
+                async with self.client.post(
+                    f"{endpoint.url}{path}",
+                    json=body,
+                    headers=dict(headers),
+                    timeout=aiohttp.ClientTimeout(
+                        total=timeout, sock_connect=self.settings.connect_timeout
+                    ),
+                ) as response:
+                    status = response.status
+                    payload = await response.read()
+            except (TimeoutError, aiohttp.ClientError) as error:
                 last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
                 self.endpoints.mark_down(endpoint)
             else:
-                if response.status_code < 500:
+                if status < 500:
                     self.metrics.stage.labels(stage).observe(time.monotonic() - begun)
-                    if response.status_code >= 400:
+                    if status >= 400:
+                        raise GatewayError(status, upstream_message(payload), kind="UpstreamError")
+                    try:
+                        return endpoint, json.loads(payload)
+                    except json.JSONDecodeError:
                         raise GatewayError(
-                            response.status_code, upstream_message(response), kind="UpstreamError"
-                        )
-                    return endpoint, response.json()
-                message = upstream_message(response)
-                last = f"{stage} at {endpoint.url}: HTTP {response.status_code}: {message}"
+                            502,
+                            f"{stage} at {endpoint.url} answered non-JSON",
+                            kind="UpstreamError",
+                        ) from None
+                message = upstream_message(payload)
+                last = f"{stage} at {endpoint.url}: HTTP {status}: {message}"
                 if "KV transfer" in last:
-                    raise UpstreamFailed(stage, last, response.status_code)
+                    raise UpstreamFailed(stage, last, status)
             finally:
                 endpoint.inflight -= 1
             if not retry:
@@ -332,23 +352,28 @@ class Gateway:
         if endpoint is None:
             return
         self.metrics.aborts.inc()
-        with suppress(httpx.HTTPError):
-            await self.client.post(
-                f"{endpoint.url}/abort_requests", json={"request_ids": request_ids}, timeout=5.0
-            )
+        with suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with self.client.post(
+                f"{endpoint.url}/abort_requests",
+                json={"request_ids": request_ids},
+                timeout=aiohttp.ClientTimeout(total=5.0),
+            ) as response:
+                await response.read()
 
 
-def upstream_message(response: httpx.Response) -> str:
+def upstream_message(payload: bytes) -> str:
+    """The error message inside an upstream error body (vLLM's or ours), else the raw text."""
+    text = payload.decode(errors="replace")
     try:
-        body = response.json()
+        body = json.loads(text)
     except ValueError:
-        return response.text[:500]
+        return text[:500]
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         return str(error.get("message", error))
     if isinstance(body, dict) and "message" in body:
         return str(body["message"])
-    return response.text[:500]
+    return text[:500]
 
 
 class Context:
@@ -379,6 +404,13 @@ class Context:
     @property
     def settings(self) -> GatewaySettings:
         return self.gw.settings
+
+    def stream_timeout(self) -> aiohttp.ClientTimeout:
+        """No total limit for a stream; a read that stalls this long fails it."""
+        s = self.settings
+        return aiohttp.ClientTimeout(
+            total=None, sock_connect=s.connect_timeout, sock_read=s.decode_timeout
+        )
 
     async def run(self) -> web.StreamResponse:
         if self.gw.config.engine_api == "tokens":
@@ -523,7 +555,7 @@ class Context:
     @asynccontextmanager
     async def open_decode_stream(
         self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
-    ) -> AsyncIterator[tuple[Endpoint, httpx.Response]]:
+    ) -> AsyncIterator[tuple[Endpoint, aiohttp.ClientResponse]]:
         """Open the decode SSE stream; a KV load failure before any token is retried once with
         local prefill on decode."""
         gw = self.gw
@@ -536,33 +568,31 @@ class Context:
             ) is not None:
                 body = self.decode_body(generate, attempt_kv)
                 try:
-                    request = gw.client.build_request(
-                        "POST",
+                    response = await gw.client.post(
                         f"{endpoint.url}/inference/v1/generate",
                         json=body,
                         headers=self.headers,
+                        timeout=self.stream_timeout(),
                     )
-                    response = await gw.client.send(request, stream=True)
-                except httpx.HTTPError as error:
+                except (TimeoutError, aiohttp.ClientError) as error:
                     tried.append(endpoint)
                     gw.endpoints.mark_down(endpoint)
                     gw.metrics.retries.labels("decode", "connect").inc()
                     failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
                     continue
-                if response.status_code == 200:
+                if response.status == 200:
                     endpoint.inflight += 1
                     try:
                         yield endpoint, response
                     finally:
                         endpoint.inflight -= 1
-                        await response.aclose()
+                        response.release()
                     return
-                await response.aread()
-                message = upstream_message(response)
-                await response.aclose()
-                if 400 <= response.status_code < 500:
-                    raise GatewayError(response.status_code, message, kind="UpstreamError")
-                failure = f"decode at {endpoint.url}: HTTP {response.status_code}: {message}"
+                message = upstream_message(await response.read())
+                response.release()
+                if 400 <= response.status < 500:
+                    raise GatewayError(response.status, message, kind="UpstreamError")
+                failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
                 if attempt_kv is not None and "KV transfer" in message:
                     gw.metrics.fallbacks.labels("kv_load_failed").inc()
                     await gw.abort(prefill_endpoint, [self.request_id])
@@ -586,7 +616,8 @@ class Context:
             broke = ""
             try:
                 try:
-                    async for line in upstream.aiter_lines():
+                    async for raw in upstream.content:
+                        line = raw.decode().rstrip("\r\n")
                         if not line.startswith("data: "):
                             continue
                         data = line.removeprefix("data: ")
@@ -606,7 +637,7 @@ class Context:
                             pipelines[index].push(
                                 list(choice.get("token_ids") or []), choice.get("finish_reason")
                             )
-                except httpx.HTTPError as error:
+                except (TimeoutError, aiohttp.ClientError) as error:
                     broke = f"decode stream broke ({type(error).__name__})"
                 # Flush what was generated before reporting anything, so chunks stay in order.
                 results = await asyncio.gather(
@@ -694,48 +725,55 @@ class Context:
         if endpoint is None:
             raise GatewayError(503, "no healthy decode endpoint")
         try:
-            request = gw.client.build_request(
-                "POST", f"{endpoint.url}{path}", json=body, headers=self.headers
+            upstream = await gw.client.post(
+                f"{endpoint.url}{path}",
+                json=body,
+                headers=self.headers,
+                timeout=self.stream_timeout(),
             )
-            upstream = await gw.client.send(request, stream=True)
-        except httpx.HTTPError as error:
+        except (TimeoutError, aiohttp.ClientError) as error:
             gw.endpoints.mark_down(endpoint)
             raise GatewayError(
-                502, f"decode at {endpoint.url}: {error}", kind="UpstreamError"
+                502,
+                f"decode at {endpoint.url}: {type(error).__name__}: {error}",
+                kind="UpstreamError",
             ) from None
         try:
-            if upstream.status_code != 200:
-                await upstream.aread()
+            if upstream.status != 200:
                 raise GatewayError(
-                    upstream.status_code if upstream.status_code < 500 else 502,
-                    upstream_message(upstream),
+                    upstream.status if upstream.status < 500 else 502,
+                    upstream_message(await upstream.read()),
                     kind="UpstreamError",
                 )
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(self.request)
             writer = ClientWriter(response, self)
             done = False
+            broke = ""
             try:
-                async for line in upstream.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    writer.note_token()
-                    await response.write(f"{line}\n\n".encode())
+                try:
+                    async for raw in upstream.content:
+                        line = raw.decode().rstrip("\r\n")
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            done = True
+                            break
+                        writer.note_token()
+                        await response.write(f"{line}\n\n".encode())
+                except (TimeoutError, aiohttp.ClientError) as error:
+                    broke = f": decode stream broke ({type(error).__name__})"
                 if not done:
-                    await writer.error(502, "decode stream ended before the answer was complete")
+                    await writer.error(
+                        502, f"decode stream ended before the answer was complete{broke}"
+                    )
                 await writer.done()
             except (ConnectionResetError, asyncio.CancelledError):
                 await asyncio.shield(gw.abort(endpoint, [self.request_id]))
                 raise
-            except httpx.HTTPError as error:
-                await writer.error(502, f"decode stream broke: {type(error).__name__}")
-                await writer.done()
             return response
         finally:
-            await upstream.aclose()
+            upstream.release()
 
 
 class ClientWriter:
@@ -799,7 +837,8 @@ class DerenderPipeline:
         prompt_ids = self.generate["token_ids"]
         while True:
             token_ids, finish = await self.queue.get()
-            while finish is None and not self.queue.empty():
+            pipelining = ctx.settings.derender_pipelining
+            while pipelining and finish is None and not self.queue.empty():
                 more, finish = self.queue.get_nowait()
                 token_ids = token_ids + more
             if finish == "__abandoned__":

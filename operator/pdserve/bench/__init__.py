@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers measured side by side (never timing assertions in tests)."""
