@@ -3,41 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import sys
-from typing import Any
 
 import kopf
 
 from pdserve.controller.handlers import build_registry
 from pdserve.controller.kube import load_credentials
 from pdserve.controller.settings import OperatorSettings
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(log_format: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-    logging.getLogger("pdserve").setLevel(level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+from pdserve.logsetup import configure_logging
 
 
 async def run_operator(settings: OperatorSettings) -> None:

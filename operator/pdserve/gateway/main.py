@@ -13,6 +13,7 @@ from aiohttp import web
 from pdserve.controller.kube import Kube, load_credentials
 from pdserve.gateway.config import ConfigError, load_config
 from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.logsetup import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="routing.json written by the operator (or by hand, with endpoints)",
     )
     parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--request-log",
+        type=Path,
+        help="append one JSON line per finished request (TTFT/ITL analysis)",
+    )
+    parser.add_argument("--log-format", choices=["plain", "json"], default="plain")
     parser.add_argument(
         "--no-derender-pipelining",
         dest="pipelining",
@@ -51,9 +58,8 @@ def api_keys(path: Path | None) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_format)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         config = load_config(args.config)
         settings = GatewaySettings(
@@ -61,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens_cap=args.max_tokens_cap,
             api_keys=api_keys(args.api_key_file),
             derender_pipelining=args.pipelining,
+            request_log=args.request_log,
         )
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
 
 log = logging.getLogger("pdserve.gateway")
@@ -53,6 +55,7 @@ class GatewaySettings:
     # Merge tokens that arrive during a derender call into the next one. False: one derender
     # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
     derender_pipelining: bool = True
+    request_log: Path | None = None  # JSON Lines, one entry per finished request
 
 
 class GatewayError(Exception):
@@ -104,6 +107,9 @@ class Gateway:
         self._discovery: PodDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.request_log = (
+            RequestLog(self.settings.request_log) if self.settings.request_log else None
+        )
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -135,10 +141,14 @@ class Gateway:
         return self._session
 
     async def _start_discovery(self, _: web.Application) -> None:
+        if self.request_log is not None:
+            self.request_log.start()
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
 
     async def _close(self, _: web.Application) -> None:
+        if self.request_log is not None:
+            await self.request_log.stop()
         if self._discovery_task is not None:
             self._discovery_task.cancel()
         if self._discovery is not None:
@@ -274,6 +284,7 @@ class Gateway:
                 response = await context.run()
                 self.metrics.requests.labels(route, "ok").inc()
                 self.metrics.e2e.labels(route).observe(time.monotonic() - started)
+                context.log_finished()
                 return response
             except GatewayError as error:
                 self.metrics.requests.labels(route, f"error_{error.status}").inc()
@@ -400,6 +411,40 @@ class Context:
         self.headers = gateway.headers(request, request_id)
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
+        self.gaps: list[float] = []
+        self.sent_at_ms = int(time.time() * 1000)
+        self.prompt_tokens: int | None = None
+        self.output_tokens: int | None = None
+
+    def log_finished(self) -> None:
+        """One JSON Lines entry (the chunked-prefill article's fields) if the log is on."""
+        log_ = self.gw.request_log
+        if log_ is None:
+            return
+        now = time.monotonic()
+
+        def wall_ms(moment: float | None) -> int | None:
+            return None if moment is None else self.sent_at_ms + int((moment - self.started) * 1000)
+
+        gap_p95 = p95(self.gaps)
+        log_.record(
+            {
+                "request_id": self.request_id,
+                "class": self.request.headers.get(
+                    "X-PDServe-Class", "chat" if self.chat else "completion"
+                ),
+                "route": self.route,
+                "prompt_tokens": self.prompt_tokens,
+                "requested_output_tokens": self.body.get(
+                    "max_completion_tokens", self.body.get("max_tokens")
+                ),
+                "sent_at_ms": self.sent_at_ms,
+                "first_token_at_ms": wall_ms(self.first_token_at or now),
+                "finished_at_ms": wall_ms(now),
+                "output_tokens": self.output_tokens,
+                "inter_token_ms_p95": None if gap_p95 is None else round(gap_p95 * 1000, 2),
+            }
+        )
 
     @property
     def settings(self) -> GatewaySettings:
@@ -549,6 +594,11 @@ class Context:
         assert isinstance(result, dict)
         result["model"] = gw.config.model
         result["id"] = self.request_id
+        usage = result.get("usage") or {}
+        self.prompt_tokens, self.output_tokens = (
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+        )
         gw.metrics.ttft.labels(self.route).observe(time.monotonic() - self.started)
         return web.json_response(result)
 
@@ -606,6 +656,7 @@ class Context:
         self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
     ) -> web.StreamResponse:
         gw = self.gw
+        self.prompt_tokens = len(generate["token_ids"])
         async with self.open_decode_stream(generate, kv, prefill_endpoint) as (decode, upstream):
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(self.request)
@@ -631,6 +682,9 @@ class Context:
                         if event.get("usage") is not None:
                             usage = event["usage"]
                         for choice in event.get("choices") or []:
+                            self.output_tokens = (self.output_tokens or 0) + len(
+                                choice.get("token_ids") or []
+                            )
                             index = int(choice.get("index", 0))
                             if index not in pipelines:
                                 pipelines[index] = DerenderPipeline(self, generate, index, writer)
@@ -716,6 +770,9 @@ class Context:
                 )
             assert isinstance(answer, dict)
             answer.pop("kv_transfer_params", None)
+            usage = answer.get("usage") or {}
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.output_tokens = usage.get("completion_tokens")
             return web.json_response(answer)
         return await self.proxy_stream(path, body)
 
@@ -791,6 +848,7 @@ class ClientWriter:
             ctx.gw.metrics.ttft.labels(ctx.route).observe(now - ctx.started)
         elif ctx.last_chunk_at is not None:
             ctx.gw.metrics.itl.labels(ctx.route).observe(now - ctx.last_chunk_at)
+            ctx.gaps.append(now - ctx.last_chunk_at)
         ctx.last_chunk_at = now
 
     async def send(self, chunk: Any) -> None:

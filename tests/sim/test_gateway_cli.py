@@ -1,0 +1,122 @@
+"""`pdserve gateway` as its own process: config file, request log, errors at startup."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.sim.engine_core import SchedulerConfig
+from pdserve.sim.engine_server import EngineConfig, EngineServer
+from pdserve.sim.render_server import RenderConfig, RenderServer
+from tests.cluster.localplane import free_port, wait_until
+from tests.sim.conftest import serving
+
+MODEL = "qwen"
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[dict[str, str]]:
+    render = RenderServer(RenderConfig(model="m", served_model_name=MODEL))
+    config = EngineConfig(
+        model="m",
+        served_model_name=MODEL,
+        port=free_port(),
+        scheduler=SchedulerConfig(time_scale=0.01),
+    )
+    async with (
+        serving(render.app()) as render_url,
+        serving(EngineServer(config).app(), port=config.port) as decode_url,
+    ):
+        yield {"render": render_url, "decode": decode_url}
+
+
+def write_config(path: Path, upstreams: dict[str, str]) -> Path:
+    pool = {"service": "x", "port": 8000}
+    config: dict[str, Any] = {
+        "model": MODEL,
+        "engineApi": "tokens",
+        "pools": {"render": pool, "prefill": None, "decode": pool},
+        "endpoints": {name: [{"url": url}] for name, url in upstreams.items()},
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+async def test_gateway_process_serves_and_logs_each_request(
+    upstreams: dict[str, str], tmp_path: Path
+) -> None:
+    port = free_port()
+    log_file = tmp_path / "requests.jsonl"
+    process = subprocess.Popen(  # noqa: ASYNC220 - the gateway under test runs apart
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "gateway",
+            "--config",
+            str(write_config(tmp_path / "routing.json", upstreams)),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--request-log",
+            str(log_file),
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until("the gateway", lambda: httpx.get(f"{url}/health").status_code == 200, timeout=30)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 12,
+                "stream": True,
+            }
+            response = await client.post(
+                "/v1/chat/completions",
+                json=body,
+                headers={"X-Request-Id": "req-42", "X-PDServe-Class": "document"},
+            )
+            assert response.status_code == 200
+            assert response.text.rstrip().endswith("data: [DONE]")
+        wait_until(
+            "the request log",
+            lambda: log_file.exists() and log_file.read_text().strip() != "",
+            timeout=10,
+        )
+        [entry] = [json.loads(line) for line in log_file.read_text().splitlines()]
+        assert entry["request_id"] == "req-42"
+        assert entry["class"] == "document"
+        assert entry["requested_output_tokens"] == 12
+        assert entry["sent_at_ms"] <= entry["first_token_at_ms"] <= entry["finished_at_ms"]
+        assert entry["output_tokens"] > 0
+        assert entry["prompt_tokens"] > 0
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"model": MODEL, "pools": {}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "routing.json: pools.decode: Field required" in proc.stderr
