@@ -424,3 +424,54 @@ async def test_n_choices_stream_and_not(stack: Stack) -> None:
             by_index[choice["index"]] += choice["delta"].get("content") or ""
     assert by_index[0] == answer["choices"][0]["message"]["content"]
     assert by_index[1] == answer["choices"][1]["message"]["content"]
+
+
+async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() -> None:
+    """Regression: tokens merged with the end-of-stream marker used to leave the pipeline
+    waiting forever (the client then hung until its own timeout)."""
+    from pdserve.gateway.service import DerenderPipeline
+
+    calls: list[dict[str, Any]] = []
+
+    class FakeGateway:
+        config = type("Config", (), {"model": MODEL})()
+
+        class metrics:
+            tokens_per_derender = derender_calls = type(
+                "H", (), {"observe": staticmethod(lambda _: None)}
+            )
+
+        async def post_json(
+            self, stage: str, pool: Any, path: str, body: dict[str, Any], *_: Any
+        ) -> tuple[None, dict[str, Any]]:
+            calls.append(body)
+            return None, {
+                "stream_state": {},
+                "chunk": {
+                    "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]
+                },
+            }
+
+    class FakeWriter:
+        def note_token(self) -> None: ...
+
+        async def send(self, chunk: Any) -> None: ...
+
+    context = type(
+        "C",
+        (),
+        {
+            "gw": FakeGateway(),
+            "chat": True,
+            "request_id": "r",
+            "body": {},
+            "headers": {},
+            "selection": type("S", (), {"pools": {"render": []}})(),
+            "settings": GatewaySettings(),
+        },
+    )()
+    pipeline = DerenderPipeline(context, {"token_ids": [1]}, 0, FakeWriter())  # type: ignore[arg-type]
+    pipeline.push([5, 6], None)
+    pipeline.queue.put_nowait(([7], None))
+    await asyncio.wait_for(pipeline.close(complete=False), timeout=5)
+    assert [c["generate_chunk"]["choices"][0]["token_ids"] for c in calls] == [[5, 6, 7]]

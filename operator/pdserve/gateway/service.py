@@ -899,7 +899,9 @@ class DerenderPipeline:
             while pipelining and finish is None and not self.queue.empty():
                 more, finish = self.queue.get_nowait()
                 token_ids = token_ids + more
-            if finish == "__abandoned__":
+            # The stream ended early: derender what arrived, then stop (no finish reason).
+            abandoned = finish == "__abandoned__"
+            if abandoned:
                 finish = None
                 if not token_ids:
                     break
@@ -940,7 +942,7 @@ class DerenderPipeline:
             if any(_has_content(c) or c.get("finish_reason") for c in choices):
                 self.writer.note_token()
                 await self.writer.send(chunk)
-            if finish is not None:
+            if finish is not None or abandoned:
                 break
         gw.metrics.derender_calls.observe(self.calls)
 
