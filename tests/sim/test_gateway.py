@@ -472,6 +472,7 @@ async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() 
     )()
     pipeline = DerenderPipeline(context, {"token_ids": [1]}, 0, FakeWriter())  # type: ignore[arg-type]
     pipeline.push([5, 6], None)
-    pipeline.queue.put_nowait(([7], None))
-    await asyncio.wait_for(pipeline.close(complete=False), timeout=5)
+    pipeline.push([7], None)
+    pipeline.queue.put_nowait(([], "__abandoned__"))  # queued before the pipeline runs
+    await asyncio.wait_for(pipeline.task, timeout=5)
     assert [c["generate_chunk"]["choices"][0]["token_ids"] for c in calls] == [[5, 6, 7]]
