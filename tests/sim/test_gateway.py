@@ -476,3 +476,20 @@ async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() 
     pipeline.queue.put_nowait(([], "__abandoned__"))  # queued before the pipeline runs
     await asyncio.wait_for(pipeline.task, timeout=5)
     assert [c["generate_chunk"]["choices"][0]["token_ids"] for c in calls] == [[5, 6, 7]]
+
+
+async def test_a_lease_that_would_expire_before_decode_is_not_used(stack: Stack) -> None:
+    render = await stack.render()
+    short_lease = engine("prefill")
+    short_lease.transfer = TransferConfig(lease_seconds=0.5)
+    prefill = await stack.engine("prefill", short_lease)
+    decode = await stack.engine("decode", engine("decode"))
+    client = await stack.gateway(
+        routing(
+            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+        )
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert 'reason="lease_expiring"' in (await client.get("/metrics")).text
+    assert stack.engines["prefill"].core.held_blocks == 0  # the lease was released at once
+    assert stack.engines["decode"].core.prefix_queries > 0  # decode prefilled itself

@@ -665,6 +665,8 @@ class Context:
             usage: dict[str, Any] | None = None
             finished = False
             broke = ""
+            opened = time.monotonic()
+            first_event = True
             try:
                 try:
                     async for raw in upstream.content:
@@ -679,6 +681,11 @@ class Context:
                         if "error" in event:
                             broke = f"decode reported: {event['error']}"
                             break
+                        if first_event and event.get("choices"):
+                            first_event = False
+                            gw.metrics.stage.labels("decode_first_token").observe(
+                                time.monotonic() - opened
+                            )
                         if event.get("usage") is not None:
                             usage = event["usage"]
                         for choice in event.get("choices") or []:
