@@ -192,6 +192,9 @@ async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: St
     assert "".join(d.get("reasoning") or "" for d in deltas) == whole["reasoning"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    metrics = (await client.get("/metrics")).text
+    for stage in ("render", "prefill", "derender", "decode_first_token", "kv_handoff"):
+        assert f'pdserve_gateway_stage_seconds_count{{stage="{stage}"}}' in metrics, stage
 
 
 async def test_streamed_tool_call_arrives_whole(stack: Stack) -> None:

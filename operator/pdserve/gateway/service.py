@@ -356,7 +356,11 @@ class Gateway:
             if not retry:
                 break
             self.metrics.retries.labels(stage, "upstream_error").inc()
-            log.warning("%s; trying another replica", last)
+            log.warning(
+                "%s; trying another replica",
+                last,
+                extra={"request_id": headers.get("X-Request-Id")},
+            )
         raise UpstreamFailed(stage, last)
 
     async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
@@ -412,6 +416,7 @@ class Context:
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
         self.gaps: list[float] = []
+        self.prefill_done_at: float | None = None
         self.sent_at_ms = int(time.time() * 1000)
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
@@ -477,7 +482,12 @@ class Context:
                 self.settings.prefill_timeout,
             )
         except UpstreamFailed as error:
-            log.warning("%s: prefill failed (%s); prefilling on decode", self.request_id, error)
+            log.warning(
+                "%s: prefill failed (%s); prefilling on decode",
+                self.request_id,
+                error,
+                extra={"request_id": self.request_id},
+            )
             self.gw.metrics.fallbacks.labels("prefill_failed").inc()
             return None
         assert isinstance(answer, dict)
@@ -494,6 +504,7 @@ class Context:
             self.gw.metrics.fallbacks.labels("lease_expiring").inc()
             await self.gw.abort(endpoint, [self.request_id])
             return None
+        self.prefill_done_at = time.monotonic()
         return endpoint, params
 
     # ---- route 1 and 3: render + tokens engines --------------------------------------------
@@ -683,9 +694,14 @@ class Context:
                             break
                         if first_event and event.get("choices"):
                             first_event = False
-                            gw.metrics.stage.labels("decode_first_token").observe(
-                                time.monotonic() - opened
-                            )
+                            now = time.monotonic()
+                            gw.metrics.stage.labels("decode_first_token").observe(now - opened)
+                            if self.prefill_done_at is not None:
+                                # Prefill answered -> decode's first token: the KV pull plus
+                                # one decode step.
+                                gw.metrics.stage.labels("kv_handoff").observe(
+                                    now - self.prefill_done_at
+                                )
                         if event.get("usage") is not None:
                             usage = event["usage"]
                         for choice in event.get("choices") or []:
