@@ -559,33 +559,51 @@ class Context:
             }
         return body
 
-    async def generate_once(
-        self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
-    ) -> web.Response:
+    async def decode_once(
+        self,
+        path: str,
+        body: dict[str, Any],
+        local_body: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+    ) -> dict[str, Any]:
+        """One non-streamed decode call. If it fails loading prefill's KV (local_body is the
+        same request without kv_transfer_params), retry once with local prefill on decode."""
         gw = self.gw
         try:
             _, answer = await gw.post_json(
                 "decode",
                 self.selection.pools["decode"],
-                "/inference/v1/generate",
-                self.decode_body(generate, kv),
+                path,
+                body,
                 self.headers,
                 self.settings.decode_timeout,
             )
         except UpstreamFailed as error:
-            if kv is None:
+            if local_body is None:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
             gw.metrics.fallbacks.labels("kv_load_failed").inc()
             await gw.abort(prefill_endpoint, [self.request_id])
             _, answer = await gw.post_json(
                 "decode",
                 self.selection.pools["decode"],
-                "/inference/v1/generate",
-                self.decode_body(generate, None),
+                path,
+                local_body,
                 self.headers,
                 self.settings.decode_timeout,
             )
         assert isinstance(answer, dict)
+        return answer
+
+    async def generate_once(
+        self, generate: dict[str, Any], kv: dict[str, Any] | None, prefill_endpoint: Endpoint | None
+    ) -> web.Response:
+        gw = self.gw
+        answer = await self.decode_once(
+            "/inference/v1/generate",
+            self.decode_body(generate, kv),
+            self.decode_body(generate, None) if kv is not None else None,
+            prefill_endpoint,
+        )
         path = "/v1/chat/completions/derender" if self.chat else "/v1/completions/derender"
         _, result = await gw.post_json(
             "derender",
@@ -753,7 +771,6 @@ class Context:
 
     # ---- route 2 and 4: engines speaking OpenAI --------------------------------------------
     async def openai_route(self) -> web.StreamResponse:
-        gw = self.gw
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
         kv: dict[str, Any] | None = None
         prefill_endpoint: Endpoint | None = None
@@ -769,29 +786,9 @@ class Context:
                 prefill_endpoint, kv = prefilled
         body = {**self.body, **({"kv_transfer_params": kv} if kv else {})}
         if not self.stream:
-            try:
-                _, answer = await gw.post_json(
-                    "decode",
-                    self.selection.pools["decode"],
-                    path,
-                    body,
-                    self.headers,
-                    self.settings.decode_timeout,
-                )
-            except UpstreamFailed as error:
-                if kv is None:
-                    raise GatewayError(502, str(error), kind="UpstreamError") from None
-                gw.metrics.fallbacks.labels("kv_load_failed").inc()
-                await gw.abort(prefill_endpoint, [self.request_id])
-                _, answer = await gw.post_json(
-                    "decode",
-                    self.selection.pools["decode"],
-                    path,
-                    self.body,
-                    self.headers,
-                    self.settings.decode_timeout,
-                )
-            assert isinstance(answer, dict)
+            answer = await self.decode_once(
+                path, body, self.body if kv is not None else None, prefill_endpoint
+            )
             answer.pop("kv_transfer_params", None)
             usage = answer.get("usage") or {}
             self.prompt_tokens = usage.get("prompt_tokens")
