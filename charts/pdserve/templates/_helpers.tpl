@@ -1,0 +1,68 @@
+{{- define "pdserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: pdserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "pdserve.webhookService" -}}
+{{ include "pdserve.fullname" . }}-webhook
+{{- end -}}
+
+{{/* Rules the operator needs in every namespace it manages. Each says why. */}}
+{{- define "pdserve.namespacedRules" -}}
+# Read the models; write only their status (the spec belongs to the user and to Git).
+- apiGroups: [pdserve.io]
+  resources: [disaggregatedmodels]
+  verbs: [get, list, watch]
+- apiGroups: [pdserve.io]
+  resources: [disaggregatedmodels/status]
+  verbs: [get, patch]
+# Children: server-side apply (create, patch), prune what a spec dropped (delete), observe.
+- apiGroups: [apps]
+  resources: [statefulsets, deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# Each gateway gets its own Role and RoleBinding to discover its pods.
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+# Status reads pods (unschedulable, crash-looping); the gateway Role grants pods and
+# endpointslices reads, and RBAC lets nobody grant what they do not hold.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+# Events on DisaggregatedModels (transitions, parity drift, invalid specs).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
