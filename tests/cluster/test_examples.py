@@ -6,16 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from pdserve.api import parse_resource
 from pdserve.builders import build_all
 from pdserve.builders.names import FIELD_MANAGER
 from pdserve.controller.kube import Kube, load_credentials
 from pdserve.manifests import load_resources
+from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import ControlPlane
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+GITOPS = Path(__file__).resolve().parents[2] / "examples" / "gitops"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -35,3 +39,40 @@ async def test_example_and_its_children_pass_server_side_dry_run(
             assert applied["kind"] == obj["kind"]
     finally:
         await kube.close()
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_gitops_overlays_build_and_pass_server_side_dry_run(kubectl: Kubectl, overlay: str) -> None:
+    built = kubectl("kustomize", str(GITOPS / "overlays" / overlay), check=True).stdout
+    docs = [d for d in yaml.safe_load_all(built) if d]
+    assert [d["kind"] for d in docs] == ["Namespace", "DisaggregatedModel"]
+    dm = parse_resource(docs[1])
+    if overlay == "dev":
+        assert dm.spec.placement.accelerator_resource == ""
+        assert dm.spec.image.engine.startswith("ghcr.io/pdserve/pdserve-sim")
+    else:
+        assert dm.spec.decode.replicas == 2
+        assert dm.spec.placement.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    namespace = yaml.safe_dump(docs[0])
+    kubectl("apply", "--server-side", "-f", "-", stdin=namespace, check=True)
+    checked = kubectl(
+        "apply",
+        "--server-side",
+        "--dry-run=server",
+        "--validate=strict",
+        "-f",
+        "-",
+        stdin=yaml.safe_dump(docs[1]),
+    )
+    assert checked.returncode == 0, checked.stderr
+    for obj in build_all(dm):
+        child = kubectl(
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "--validate=strict",
+            "-f",
+            "-",
+            stdin=yaml.safe_dump(obj),
+        )
+        assert child.returncode == 0, child.stderr
