@@ -8,10 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment crd clean
+.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment images e2e-kind crd clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ measure-ready: install cluster-build ## time from DisaggregatedModel creation to
 
 sim-experiment: install ## the seed article's DP=2 vs 1P1D experiment on simulated engines (~3 min)
 	$(VENV)/bin/pdserve sim experiment article
+
+VERSION = $(shell $(PY) -c 'import pdserve; print(pdserve.__version__)' 2>/dev/null)
+
+images: install ## build the operator+gateway and simulator images (needs a Docker engine)
+	docker build -f images/pdserve/Dockerfile --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve:$(VERSION) .
+	docker build -f images/sim/Dockerfile --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve-sim:$(VERSION) .
+
+e2e-kind: images ## kind + helm install + simulator example + one chat completion (needs Docker, kind)
+	bash tests/e2e/kind.sh
 
 crd: install ## regenerate crds/ and charts/pdserve/crds/ from the API models
 	$(VENV)/bin/pdserve crd --write .

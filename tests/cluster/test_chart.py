@@ -166,3 +166,13 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
         return "pdserve-validate" not in listed.stdout
 
     wait_until("the chart's webhook configuration to be deleted", gone, timeout=30)
+
+
+def test_pod_monitor_scrapes_every_managed_pool(tmp_path: Path) -> None:
+    assert not [d for d in render(tmp_path) if d["kind"] == "PodMonitor"]
+    docs = render(tmp_path, "monitoring.podMonitor.enabled=true", "operator.watchNamespaces={llm}")
+    [monitor] = by_kind(docs, "PodMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve"}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
