@@ -105,7 +105,8 @@ def routing(
     *,
     prefill: bool = True,
     render: bool = True,
-    mode: str = "Auto",
+    mode: str = "Disaggregated",
+    slo: dict[str, int] | None = None,
     endpoints: dict[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     pool = {"service": "x", "port": 8000}
@@ -113,7 +114,7 @@ def routing(
         "model": MODEL,
         "engineApi": engine_api,
         "parityHash": "p1",
-        "routing": {"mode": mode},
+        "routing": {"mode": mode, "slo": slo or {}},
         "pools": {
             "render": pool if render else None,
             "prefill": pool if prefill else None,
@@ -496,3 +497,51 @@ async def test_a_lease_that_would_expire_before_decode_is_not_used(stack: Stack)
     assert 'reason="lease_expiring"' in (await client.get("/metrics")).text
     assert stack.engines["prefill"].core.held_blocks == 0  # the lease was released at once
     assert stack.engines["decode"].core.prefix_queries > 0  # decode prefilled itself
+
+
+LONG = {**PLAIN, "messages": [{"role": "user", "content": " ".join(["hello world"] * 400)}],
+        "max_tokens": 20}  # fmt: skip
+
+
+async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill(
+    stack: Stack,
+) -> None:
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode"))
+    client = await stack.gateway(
+        routing(
+            mode="Auto",
+            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]},
+        )
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert stack.engines["prefill"].core.prefix_queries == 0  # short: prefilled on decode
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    assert stack.engines["prefill"].core.prefix_queries > 0  # long: prefill pool
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_auto_decisions_total{reason="short_prompt"} 1.0' in metrics
+    assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 1.0' in metrics
+
+
+async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: Stack) -> None:
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    slow = engine("decode")
+    slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
+    decode = await stack.engine("decode", slow)
+    client = await stack.gateway(
+        routing(
+            mode="Auto",
+            slo={"ttftMs": 100},
+            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]},
+        )
+    )
+    first = await sse_events(client, LONG)
+    assert first[-1] == "[DONE]"
+    second = await client.post("/v1/chat/completions", json=LONG)
+    assert second.status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
+    status = (await client.get("/status")).json()
+    assert status["handoffSecondsPerToken"] > 0

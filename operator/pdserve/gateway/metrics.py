@@ -63,6 +63,18 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.auto_decisions = Counter(
+            "pdserve_gateway_auto_decisions",
+            "Routing mode Auto: requests by decision reason (long_prompt, short_prompt, "
+            "handoff_over_ttft_budget, degraded, probe, no_prefill)",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_degraded = Gauge(
+            "pdserve_gateway_pd_degraded",
+            "1 while Auto mode routes everything local because the P/D path is failing",
+            registry=r,
+        )
         self.aborts = Counter(
             "pdserve_gateway_upstream_aborts",
             "abort_requests sent after a client went away",

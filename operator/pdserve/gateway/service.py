@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import json
 import logging
@@ -32,6 +33,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
 
@@ -55,6 +57,7 @@ class GatewaySettings:
     # Merge tokens that arrive during a derender call into the next one. False: one derender
     # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
     derender_pipelining: bool = True
+    policy: PolicySettings = dataclasses.field(default_factory=PolicySettings)
     request_log: Path | None = None  # JSON Lines, one entry per finished request
 
 
@@ -107,6 +110,7 @@ class Gateway:
         self._discovery: PodDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.policy = AutoPolicy(settings.policy if settings else None)
         self.request_log = (
             RequestLog(self.settings.request_log) if self.settings.request_log else None
         )
@@ -120,6 +124,7 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/status", self.status)
         app.on_startup.append(self._start_discovery)
         app.on_cleanup.append(self._close)
         return app
@@ -240,6 +245,37 @@ class Gateway:
         if self.config.engine_api == "tokens":
             pools.insert(0, "render")
         return pools
+
+    def fallback(self, reason: str) -> None:
+        """P/D could not serve a request: count it, and let Auto mode learn from it."""
+        self.metrics.fallbacks.labels(reason).inc()
+        self.policy.health.failure()
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))
+
+    def ttft_budget(self) -> float | None:
+        ttft_ms = self.config.routing.slo.ttft_ms
+        return None if ttft_ms is None else ttft_ms / 1000
+
+    def auto_decision(self, prompt_tokens: int | None, prefill_available: bool) -> bool:
+        """Routing mode Auto: P/D or local prefill for this request (see policy.py)."""
+        decision = self.policy.decide(
+            prompt_tokens=prompt_tokens,
+            prefill_available=prefill_available,
+            ttft_budget=self.ttft_budget(),
+        )
+        self.metrics.auto_decisions.labels(decision.reason).inc()
+        return decision.disaggregated
+
+    async def status(self, _: web.Request) -> web.Response:
+        health = self.policy.health
+        return web.json_response(
+            {
+                "mode": self.config.routing.mode,
+                "pdDegraded": health.degraded,
+                "handoffSecondsPerToken": health.seconds_per_token,
+                "recentFailures": len(health.failures),
+            }
+        )
 
     def wants_pd(self, selection: Selection) -> bool:
         mode = self.config.routing.mode
@@ -409,9 +445,7 @@ class Context:
         self.request_id, self.selection, self.pd, self.started = request_id, selection, pd, started
         self.stream = bool(body.get("stream"))
         tokens = gateway.config.engine_api == "tokens"
-        self.route = (
-            ("render_pd" if pd else "render") if tokens else ("openai_pd" if pd else "aggregated")
-        )
+        self.tokens_api = tokens
         self.headers = gateway.headers(request, request_id)
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
@@ -455,6 +489,12 @@ class Context:
     def settings(self) -> GatewaySettings:
         return self.gw.settings
 
+    @property
+    def route(self) -> str:
+        if self.tokens_api:
+            return "render_pd" if self.pd else "render"
+        return "openai_pd" if self.pd else "aggregated"
+
     def stream_timeout(self) -> aiohttp.ClientTimeout:
         """No total limit for a stream; a read that stalls this long fails it."""
         s = self.settings
@@ -488,12 +528,12 @@ class Context:
                 error,
                 extra={"request_id": self.request_id},
             )
-            self.gw.metrics.fallbacks.labels("prefill_failed").inc()
+            self.gw.fallback("prefill_failed")
             return None
         assert isinstance(answer, dict)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            self.gw.metrics.fallbacks.labels("no_kv_params").inc()
+            self.gw.fallback("no_kv_params")
             return None
         expiry = params.get("remote_blocks_expiry_time")
         if (
@@ -501,7 +541,7 @@ class Context:
             and expiry - time.time() < self.settings.lease_margin_seconds
         ):
             # The lease would run out before decode starts pulling: recompute instead.
-            self.gw.metrics.fallbacks.labels("lease_expiring").inc()
+            self.gw.fallback("lease_expiring")
             await self.gw.abort(endpoint, [self.request_id])
             return None
         self.prefill_done_at = time.monotonic()
@@ -524,6 +564,8 @@ class Context:
             raise GatewayError(400, "send one prompt per request", param="prompt")
         generate = generates[0]
         generate["request_id"] = self.request_id
+        if self.gw.config.routing.mode == "Auto":
+            self.pd = self.gw.auto_decision(len(generate["token_ids"]), self.pd)
         prefill_endpoint: Endpoint | None = None
         kv: dict[str, Any] | None = None
         if self.pd:
@@ -581,7 +623,7 @@ class Context:
         except UpstreamFailed as error:
             if local_body is None:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
-            gw.metrics.fallbacks.labels("kv_load_failed").inc()
+            gw.fallback("kv_load_failed")
             await gw.abort(prefill_endpoint, [self.request_id])
             _, answer = await gw.post_json(
                 "decode",
@@ -673,7 +715,7 @@ class Context:
                     raise GatewayError(response.status, message, kind="UpstreamError")
                 failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
                 if attempt_kv is not None and "KV transfer" in message:
-                    gw.metrics.fallbacks.labels("kv_load_failed").inc()
+                    gw.fallback("kv_load_failed")
                     await gw.abort(prefill_endpoint, [self.request_id])
                     tried = []
                     break  # next attempt: local prefill
@@ -717,9 +759,12 @@ class Context:
                             if self.prefill_done_at is not None:
                                 # Prefill answered -> decode's first token: the KV pull plus
                                 # one decode step.
-                                gw.metrics.stage.labels("kv_handoff").observe(
-                                    now - self.prefill_done_at
+                                handoff = now - self.prefill_done_at
+                                gw.metrics.stage.labels("kv_handoff").observe(handoff)
+                                gw.policy.health.observe(
+                                    handoff, len(generate["token_ids"]), gw.ttft_budget()
                                 )
+                                gw.metrics.pd_degraded.set(int(gw.policy.health.degraded))
                         if event.get("usage") is not None:
                             usage = event["usage"]
                         for choice in event.get("choices") or []:
@@ -774,6 +819,12 @@ class Context:
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
         kv: dict[str, Any] | None = None
         prefill_endpoint: Endpoint | None = None
+        if self.gw.config.routing.mode == "Auto":
+            # No render here: estimate prompt tokens from the text (~4 characters a token).
+            estimate = (
+                len(json.dumps(self.body.get("messages") or self.body.get("prompt") or "")) // 4
+            )
+            self.pd = self.gw.auto_decision(estimate, self.pd)
         if self.pd:
             prefill_body = {**self.body, "stream": False, "max_tokens": 1, "n": 1}
             if "max_completion_tokens" in prefill_body:

@@ -1,0 +1,86 @@
+"""Auto mode's decision rules, one by one, with an injected clock."""
+
+from __future__ import annotations
+
+from pdserve.gateway.policy import AutoPolicy, PolicySettings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(**settings: float) -> tuple[AutoPolicy, Clock]:
+    clock = Clock()
+    return AutoPolicy(PolicySettings(**settings), clock), clock  # type: ignore[arg-type]
+
+
+def test_no_prefill_endpoint_means_local() -> None:
+    auto, _ = policy()
+    assert (
+        auto.decide(prompt_tokens=8000, prefill_available=False, ttft_budget=2.0).reason
+        == "no_prefill"
+    )
+
+
+def test_short_prompts_prefill_locally_long_ones_disaggregate() -> None:
+    auto, _ = policy(short_prompt_tokens=512)
+    assert (
+        auto.decide(prompt_tokens=100, prefill_available=True, ttft_budget=2.0).reason
+        == "short_prompt"
+    )
+    long = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0)
+    assert (long.disaggregated, long.reason) == (True, "long_prompt")
+
+
+def test_a_handoff_predicted_over_the_ttft_budget_goes_local() -> None:
+    auto, _ = policy()
+    # 8k tokens took 1.3 s: ~0.16 ms per token, as in the article.
+    auto.health.observe(1.3, 8000, ttft_budget=2.0)
+    assert auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0).disaggregated
+    slow = auto.decide(prompt_tokens=16000, prefill_available=True, ttft_budget=2.0)
+    assert (slow.disaggregated, slow.reason) == (False, "handoff_over_ttft_budget")
+    assert auto.decide(prompt_tokens=16000, prefill_available=True, ttft_budget=None).disaggregated
+
+
+def test_the_estimate_follows_the_handoffs_it_sees() -> None:
+    auto, _ = policy(ewma_alpha=0.5)
+    auto.health.observe(1.0, 1000, ttft_budget=None)
+    auto.health.observe(3.0, 1000, ttft_budget=None)
+    assert auto.health.predicted_handoff(1000) == 2.0
+
+
+def test_repeated_failures_degrade_to_local_with_probes_and_recover() -> None:
+    auto, clock = policy(failures_to_degrade=3, probe_every=4, recover_after_successes=2)
+    for _ in range(3):
+        auto.health.failure()
+        clock.now += 1
+    decisions = [auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0).reason
+                 for _ in range(8)]  # fmt: skip
+    assert decisions == ["degraded"] * 3 + ["probe"] + ["degraded"] * 3 + ["probe"]
+    auto.health.observe(0.5, 8000, ttft_budget=2.0)
+    assert auto.health.degraded
+    auto.health.observe(0.5, 8000, ttft_budget=2.0)
+    assert not auto.health.degraded
+    assert (
+        auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0).reason
+        == "long_prompt"
+    )
+
+
+def test_failures_spread_beyond_the_window_do_not_degrade() -> None:
+    auto, clock = policy(failures_to_degrade=3, failure_window_seconds=60)
+    for _ in range(5):
+        auto.health.failure()
+        clock.now += 61
+    assert not auto.health.degraded
+
+
+def test_a_handoff_slower_than_the_budget_counts_as_a_failure() -> None:
+    auto, _ = policy(failures_to_degrade=2)
+    auto.health.observe(5.0, 8000, ttft_budget=2.0)
+    auto.health.observe(5.0, 8000, ttft_budget=2.0)
+    assert auto.health.degraded
