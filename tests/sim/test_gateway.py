@@ -545,3 +545,23 @@ async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: 
     assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
     status = (await client.get("/status")).json()
     assert status["handoffSecondsPerToken"] > 0
+
+
+async def test_engine_load_is_scraped_from_their_metrics(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        load_scrape_seconds=0.05,
+    )
+    stack.engines["both"].core.waiting.append(object())  # type: ignore[arg-type]
+    [endpoint] = stack.gateway_server.endpoints.pools["decode"]
+
+    async def scraped() -> None:
+        while endpoint.waiting != 1:  # noqa: ASYNC110 - the scraper task updates it
+            await asyncio.sleep(0.02)
+
+    try:
+        await asyncio.wait_for(scraped(), timeout=5)
+    finally:
+        stack.engines["both"].core.waiting.clear()

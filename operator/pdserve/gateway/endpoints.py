@@ -18,9 +18,20 @@ class Endpoint:
     parity_hash: str | None = None
     inflight: int = 0
     down_until: float = 0.0
+    # From the engine's own /metrics (vllm:num_requests_waiting/running, kv_cache_usage_perc),
+    # refreshed by the load scraper; zero until the first scrape.
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
+
+    def load(self) -> float:
+        """Lower is better. Queued requests weigh most (they wait for everything running); the
+        gateway's own in-flight count moves at once, so replicas share traffic between scrapes;
+        a nearly full KV cache means preemptions ahead."""
+        return 4 * self.waiting + self.running + self.inflight + 8 * max(0.0, self.kv_usage - 0.9)
 
 
 class NoEndpoints(Exception):
@@ -85,10 +96,10 @@ class Endpoints:
 
     @staticmethod
     def pick(candidates: list[Endpoint], exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
-        """Least in-flight, skipping ones that already failed this request."""
+        """Least loaded, skipping ones that already failed this request."""
         skipped = list(exclude)
         pool = [e for e in candidates if all(e is not x for x in skipped)]
-        return min(pool, key=lambda e: e.inflight) if pool else None
+        return min(pool, key=lambda e: e.load()) if pool else None
 
     def mark_down(self, endpoint: Endpoint) -> None:
         endpoint.down_until = time.monotonic() + self.down_seconds

@@ -32,6 +32,7 @@ from pdserve.controller.kube import Kube
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.request_log import RequestLog, p95
@@ -58,6 +59,8 @@ class GatewaySettings:
     # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
     derender_pipelining: bool = True
     policy: PolicySettings = dataclasses.field(default_factory=PolicySettings)
+    # Engines' own queue and KV metrics feed endpoint picking; None: in-flight counts only.
+    load_scrape_seconds: float | None = 0.5
     request_log: Path | None = None  # JSON Lines, one entry per finished request
 
 
@@ -109,6 +112,7 @@ class Gateway:
         self._slots = asyncio.Semaphore(self.settings.max_inflight)
         self._discovery: PodDiscovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.policy = AutoPolicy(settings.policy if settings else None)
         self.request_log = (
@@ -148,10 +152,15 @@ class Gateway:
     async def _start_discovery(self, _: web.Application) -> None:
         if self.request_log is not None:
             self.request_log.start()
+        if self.settings.load_scrape_seconds is not None:
+            scraper = LoadScraper(self.endpoints, self.client, self.settings.load_scrape_seconds)
+            self._scrape_task = asyncio.create_task(scraper.run(), name="load-scraper")
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
 
     async def _close(self, _: web.Application) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
         if self.request_log is not None:
             await self.request_log.stop()
         if self._discovery_task is not None:

@@ -1,0 +1,50 @@
+"""Load-aware endpoint picking: engine queues weigh most, the gateway's own in-flight counts
+spread traffic between scrapes, a nearly full KV cache is avoided."""
+
+from __future__ import annotations
+
+from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.load import parse_load
+
+METRICS = """
+# HELP vllm:num_requests_waiting Requests waiting
+vllm:num_requests_waiting{engine="0",model_name="q"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="q"} 2.0
+vllm:num_requests_running{engine="0",model_name="q"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="q"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="q"} 0.97
+vllm:num_requests_waiting_total_bogus 100
+"""
+
+
+def test_engine_metrics_are_summed_over_ranks() -> None:
+    assert parse_load(METRICS) == {"waiting": 5.0, "running": 7.0, "kv_usage": 0.97}
+
+
+def test_a_queue_outweighs_running_requests() -> None:
+    queued = Endpoint("http://a", waiting=2)
+    busy = Endpoint("http://b", running=6)
+    assert Endpoints.pick([queued, busy]) is busy
+
+
+def test_in_flight_requests_spread_traffic_between_scrapes() -> None:
+    a, b = Endpoint("http://a"), Endpoint("http://b")
+    picked = []
+    for _ in range(4):
+        endpoint = Endpoints.pick([a, b])
+        assert endpoint is not None
+        endpoint.inflight += 1
+        picked.append(endpoint.url)
+    assert sorted(picked) == ["http://a", "http://a", "http://b", "http://b"]
+
+
+def test_a_nearly_full_kv_cache_is_avoided() -> None:
+    full = Endpoint("http://a", kv_usage=0.99, running=1)
+    roomy = Endpoint("http://b", kv_usage=0.5, running=1)
+    assert Endpoints.pick([full, roomy]) is roomy
+
+
+def test_failed_endpoints_are_skipped() -> None:
+    a, b = Endpoint("http://a"), Endpoint("http://b", waiting=9)
+    assert Endpoints.pick([a, b], exclude=[a]) is b
+    assert Endpoints.pick([a], exclude=[a]) is None
