@@ -565,3 +565,48 @@ async def test_engine_load_is_scraped_from_their_metrics(stack: Stack) -> None:
         await asyncio.wait_for(scraped(), timeout=5)
     finally:
         stack.engines["both"].core.waiting.clear()
+
+
+async def test_repeated_prefixes_and_conversations_stay_on_one_engine(stack: Stack) -> None:
+    render = await stack.render()
+    urls = {name: await stack.engine(name, engine("both")) for name in ("first", "second")}
+    client = await stack.gateway(
+        routing(
+            prefill=False,
+            endpoints={"render": [ep(render)], "decode": [ep(urls["first"]), ep(urls["second"])]},
+        ),
+        load_scrape_seconds=None,
+    )
+    endpoints = {e.url: e for e in stack.gateway_server.endpoints.pools["decode"]}
+
+    def busy(name: str) -> None:
+        # Busier than the other engine, within the slack: plain load-based picking would move.
+        endpoints[urls[name]].running = 2
+
+    def engine_that_grew(before: dict[str, int]) -> list[str]:
+        return [n for n in urls if stack.engines[n].core.prefix_queries > before[n]]
+
+    def queries() -> dict[str, int]:
+        return {n: stack.engines[n].core.prefix_queries for n in urls}
+
+    before = queries()
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    [holder] = engine_that_grew(before)
+    busy(holder)
+    before = queries()
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    assert engine_that_grew(before) == [holder]  # its prefix cache beat the lighter engine
+    assert stack.engines[holder].core.prefix_hits > 0
+
+    for endpoint in endpoints.values():
+        endpoint.running = 0
+    before = queries()
+    body = {**PLAIN, "messages": [{"role": "user", "content": "hello"}], "conversation_id": "c-7"}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    [home] = engine_that_grew(before)
+    busy(home)
+    for turn in ("tell me more", "and then"):
+        before = queries()
+        body = {**PLAIN, "messages": [{"role": "user", "content": turn}], "conversation_id": "c-7"}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        assert engine_that_grew(before) == [home]  # the conversation stays put

@@ -40,6 +40,9 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> dict[str, Any]:
         "namespace": dm.namespace,
         "parityHash": parity,
         "engineApi": "tokens" if spec.render.enabled else "openai",
+        # The engines' KV block size: the gateway hashes prompts in the same blocks to guess
+        # which engine holds a prefix.
+        "blockSize": spec.serving.block_size,
         "routing": {
             "mode": spec.gateway.routing.mode.value,
             "slo": spec.gateway.slo.model_dump(by_alias=True, exclude_none=True),

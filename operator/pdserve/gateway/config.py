@@ -66,6 +66,7 @@ class GatewayConfig(_Model):
     namespace: str = "default"
     parity_hash: str | None = None
     engine_api: Literal["tokens", "openai"] = "tokens"
+    block_size: int = Field(default=16, ge=1)
     routing: Routing = Field(default_factory=Routing)
     pools: Pools
     kv_transfer: KvTransfer = Field(default_factory=KvTransfer)

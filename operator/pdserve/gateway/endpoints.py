@@ -6,7 +6,7 @@ answers 503 rather than mixing."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.gateway.config import GatewayConfig
@@ -95,11 +95,25 @@ class Endpoints:
         )
 
     @staticmethod
-    def pick(candidates: list[Endpoint], exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
-        """Least loaded, skipping ones that already failed this request."""
+    def pick(
+        candidates: list[Endpoint],
+        exclude: Iterable[Endpoint] = (),
+        affinity: Mapping[str, int] | None = None,
+        slack: float = 4.0,
+    ) -> Endpoint | None:
+        """Least loaded, skipping ones that already failed this request. With `affinity` (URL ->
+        cached prefix blocks, or a conversation bonus), the endpoint holding the most of this
+        request's KV wins unless it is more than `slack` busier than the least loaded one."""
         skipped = list(exclude)
         pool = [e for e in candidates if all(e is not x for x in skipped)]
-        return min(pool, key=lambda e: e.load()) if pool else None
+        if not pool:
+            return None
+        least = min(e.load() for e in pool)
+        if affinity:
+            warm = [e for e in pool if affinity.get(e.url, 0) > 0 and e.load() <= least + slack]
+            if warm:
+                return max(warm, key=lambda e: (affinity[e.url], -e.load()))
+        return min(pool, key=lambda e: e.load())
 
     def mark_down(self, endpoint: Endpoint) -> None:
         endpoint.down_until = time.monotonic() + self.down_seconds

@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from pdserve.controller.kube import Kube
+from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
@@ -115,6 +116,8 @@ class Gateway:
         self._scrape_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self.policy = AutoPolicy(settings.policy if settings else None)
+        self.prefixes = PrefixIndex()
+        self.conversations = Conversations()
         self.request_log = (
             RequestLog(self.settings.request_log) if self.settings.request_log else None
         )
@@ -357,11 +360,12 @@ class Gateway:
         timeout: float,  # noqa: ASYNC109 - a per-hop client timeout, not a cancel scope
         *,
         retry: bool = True,
+        affinity: Mapping[str, int] | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
         """POST to one replica of a pool; on connection errors or 5xx try the next one."""
         tried: list[Endpoint] = []
         last = "no endpoint"
-        while (endpoint := self.endpoints.pick(candidates, tried)) is not None:
+        while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
             endpoint.inflight += 1
             begun = time.monotonic()
@@ -459,6 +463,8 @@ class Context:
         self.first_token_at: float | None = None
         self.last_chunk_at: float | None = None
         self.gaps: list[float] = []
+        conversation = body.get("conversation_id") or request.headers.get("X-Conversation-Id")
+        self.conversation = str(conversation) if conversation else None
         self.prefill_done_at: float | None = None
         self.sent_at_ms = int(time.time() * 1000)
         self.prompt_tokens: int | None = None
@@ -498,6 +504,26 @@ class Context:
     def settings(self) -> GatewaySettings:
         return self.gw.settings
 
+    def affinity(self, stage: str, token_ids: list[int] | None) -> dict[str, int]:
+        """Where this request's prefix is probably cached, and where its conversation ran."""
+        gw = self.gw
+        scores: dict[str, int] = {}
+        if token_ids:
+            hashes = block_hashes(token_ids, gw.config.block_size)
+            for endpoint in self.selection.pools.get(stage, []):
+                if blocks := gw.prefixes.cached_blocks(endpoint.url, hashes):
+                    scores[endpoint.url] = blocks
+        if self.conversation and (url := gw.conversations.endpoint(self.conversation, stage)):
+            scores[url] = scores.get(url, 0) + 1_000_000  # stay on the conversation's engine
+        return scores
+
+    def remember(self, stage: str, endpoint: Endpoint, token_ids: list[int] | None) -> None:
+        gw = self.gw
+        if token_ids:
+            gw.prefixes.record(endpoint.url, block_hashes(token_ids, gw.config.block_size))
+        if self.conversation:
+            gw.conversations.remember(self.conversation, stage, endpoint.url)
+
     @property
     def route(self) -> str:
         if self.tokens_api:
@@ -518,7 +544,7 @@ class Context:
 
     # ---- prefill -> KV handoff (both APIs) -------------------------------------------------------
     async def prefill(
-        self, path: str, body: dict[str, Any]
+        self, path: str, body: dict[str, Any], token_ids: list[int] | None = None
     ) -> tuple[Endpoint, dict[str, Any]] | None:
         """Run prefill; None when no prefill replica could (the caller prefills on decode)."""
         try:
@@ -529,7 +555,9 @@ class Context:
                 body,
                 self.headers,
                 self.settings.prefill_timeout,
+                affinity=self.affinity("prefill", token_ids),
             )
+            self.remember("prefill", endpoint, token_ids)
         except UpstreamFailed as error:
             log.warning(
                 "%s: prefill failed (%s); prefilling on decode",
@@ -589,7 +617,9 @@ class Context:
                 **(params.get("extra_args") or {}),
                 "kv_transfer_params": handoff,
             }
-            prefilled = await self.prefill("/inference/v1/generate", prefill_body)
+            prefilled = await self.prefill(
+                "/inference/v1/generate", prefill_body, generate["token_ids"]
+            )
             if prefilled is not None:
                 prefill_endpoint, kv = prefilled
         if self.stream:
@@ -616,19 +646,24 @@ class Context:
         body: dict[str, Any],
         local_body: dict[str, Any] | None,
         prefill_endpoint: Endpoint | None,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         """One non-streamed decode call. If it fails loading prefill's KV (local_body is the
         same request without kv_transfer_params), retry once with local prefill on decode."""
         gw = self.gw
+        # Decode prefills itself unless KV arrives: then its own prefix cache matters.
+        local = local_body is None
         try:
-            _, answer = await gw.post_json(
+            endpoint, answer = await gw.post_json(
                 "decode",
                 self.selection.pools["decode"],
                 path,
                 body,
                 self.headers,
                 self.settings.decode_timeout,
+                affinity=self.affinity("decode", token_ids if local else None),
             )
+            self.remember("decode", endpoint, token_ids if local else None)
         except UpstreamFailed as error:
             if local_body is None:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
@@ -654,6 +689,7 @@ class Context:
             self.decode_body(generate, kv),
             self.decode_body(generate, None) if kv is not None else None,
             prefill_endpoint,
+            generate["token_ids"],
         )
         path = "/v1/chat/completions/derender" if self.chat else "/v1/completions/derender"
         _, result = await gw.post_json(
@@ -693,8 +729,10 @@ class Context:
         tried: list[Endpoint] = []
         failure = "no decode endpoint"
         for attempt_kv in attempts:
+            local_ids = generate["token_ids"] if attempt_kv is None else None
+            affinity = self.affinity("decode", local_ids)
             while (
-                endpoint := gw.endpoints.pick(self.selection.pools["decode"], tried)
+                endpoint := gw.endpoints.pick(self.selection.pools["decode"], tried, affinity)
             ) is not None:
                 body = self.decode_body(generate, attempt_kv)
                 try:
@@ -711,6 +749,7 @@ class Context:
                     failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
                     continue
                 if response.status == 200:
+                    self.remember("decode", endpoint, local_ids)
                     endpoint.inflight += 1
                     try:
                         yield endpoint, response
@@ -858,9 +897,12 @@ class Context:
 
     async def proxy_stream(self, path: str, body: dict[str, Any]) -> web.StreamResponse:
         gw = self.gw
-        endpoint = gw.endpoints.pick(self.selection.pools["decode"])
+        endpoint = gw.endpoints.pick(
+            self.selection.pools["decode"], affinity=self.affinity("decode", None)
+        )
         if endpoint is None:
             raise GatewayError(503, "no healthy decode endpoint")
+        self.remember("decode", endpoint, None)
         try:
             upstream = await gw.client.post(
                 f"{endpoint.url}{path}",

@@ -1,0 +1,69 @@
+"""Where a request's KV most likely already is: an approximate per-engine index of the
+block-aligned token-id prefixes it was sent, and the engines a conversation used last.
+
+Token ids, not text: a reasoning template rewrites history (strips <think>), so only the token
+ids say what an engine's prefix cache really holds."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks (the same keys vLLM's prefix cache is built on)."""
+    hashes: list[bytes] = []
+    parent = b""
+    full = len(token_ids) - len(token_ids) % block_size
+    for start in range(0, full, block_size):
+        block = ",".join(map(str, token_ids[start : start + block_size])).encode()
+        parent = hashlib.blake2b(parent + block, digest_size=12).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """Per engine URL, the most recent block hashes it was sent (LRU, bounded)."""
+
+    def __init__(self, max_blocks_per_engine: int = 200_000) -> None:
+        self.max_blocks = max_blocks_per_engine
+        self.engines: dict[str, OrderedDict[bytes, None]] = {}
+
+    def record(self, url: str, hashes: Sequence[bytes]) -> None:
+        blocks = self.engines.setdefault(url, OrderedDict())
+        for digest in hashes:
+            blocks[digest] = None
+            blocks.move_to_end(digest)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def cached_blocks(self, url: str, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of this prompt the engine probably has cached."""
+        blocks = self.engines.get(url)
+        if not blocks:
+            return 0
+        count = 0
+        for digest in hashes:
+            if digest not in blocks:
+                break
+            count += 1
+        return count
+
+
+class Conversations:
+    """conversation id -> the engine URL per stage it used last (LRU, bounded)."""
+
+    def __init__(self, max_conversations: int = 100_000) -> None:
+        self.max = max_conversations
+        self.last: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def remember(self, conversation: str, stage: str, url: str) -> None:
+        key = (conversation, stage)
+        self.last[key] = url
+        self.last.move_to_end(key)
+        while len(self.last) > self.max:
+            self.last.popitem(last=False)
+
+    def endpoint(self, conversation: str, stage: str) -> str | None:
+        return self.last.get((conversation, stage))
