@@ -4,6 +4,7 @@ failures injected through the simulators, parity gating, bad input, auth, limits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -610,3 +611,40 @@ async def test_repeated_prefixes_and_conversations_stay_on_one_engine(stack: Sta
         body = {**PLAIN, "messages": [{"role": "user", "content": turn}], "conversation_id": "c-7"}
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         assert engine_that_grew(before) == [home]  # the conversation stays put
+
+
+async def test_short_prompts_overtake_queued_documents_and_aging_bounds_their_wait(
+    stack: Stack,
+) -> None:
+    from pdserve.gateway.fairqueue import FairQueueSettings
+
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode"))
+    client = await stack.gateway(
+        routing(
+            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+        ),
+        fair_queue=FairQueueSettings(
+            long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=0.5
+        ),
+    )
+    prefill_port = stack.engines["prefill"].config.port
+    async with httpx.AsyncClient() as admin:
+        await admin.post(f"http://127.0.0.1:{prefill_port}/sim/faults", json={"hang": 1})
+    stuck = asyncio.create_task(client.post("/v1/chat/completions", json=LONG, timeout=30))
+    gateway = stack.gateway_server
+    while gateway.admission.long_in_flight == 0:  # noqa: ASYNC110 - the first document holds the slot
+        await asyncio.sleep(0.01)
+    queued = asyncio.create_task(client.post("/v1/chat/completions", json=LONG))
+    while not gateway.admission.queue:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    assert (await client.get("/metrics")).text.count("pdserve_gateway_prefill_queue_long 1.0") == 1
+    chat = await client.post("/v1/chat/completions", json=PLAIN)  # a chat does not wait
+    assert chat.status_code == 200
+    assert not queued.done()
+    assert (await queued).status_code == 200  # admitted by aging although the slot stays busy
+    assert gateway.admission.aged == 1
+    stuck.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await stuck

@@ -75,6 +75,21 @@ class GatewayMetrics:
             "1 while Auto mode routes everything local because the P/D path is failing",
             registry=r,
         )
+        self.prefill_queue = Gauge(
+            "pdserve_gateway_prefill_queue_long",
+            "Long prompts waiting for a prefill slot (short ones never wait)",
+            registry=r,
+        )
+        self.prefill_oldest_wait = Gauge(
+            "pdserve_gateway_prefill_oldest_wait_seconds",
+            "How long the oldest waiting long prompt has waited",
+            registry=r,
+        )
+        self.prefill_aged = Gauge(
+            "pdserve_gateway_prefill_aged_admissions",
+            "Long prompts admitted by aging (waited max_wait_seconds)",
+            registry=r,
+        )
         self.aborts = Counter(
             "pdserve_gateway_upstream_aborts",
             "abort_requests sent after a client went away",

@@ -33,6 +33,7 @@ from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
 from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
@@ -60,6 +61,7 @@ class GatewaySettings:
     # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
     derender_pipelining: bool = True
     policy: PolicySettings = dataclasses.field(default_factory=PolicySettings)
+    fair_queue: FairQueueSettings = dataclasses.field(default_factory=FairQueueSettings)
     # Engines' own queue and KV metrics feed endpoint picking; None: in-flight counts only.
     load_scrape_seconds: float | None = 0.5
     request_log: Path | None = None  # JSON Lines, one entry per finished request
@@ -117,6 +119,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self.policy = AutoPolicy(settings.policy if settings else None)
         self.prefixes = PrefixIndex()
+        self.admission = PrefillAdmission(self.settings.fair_queue)
         self.conversations = Conversations()
         self.request_log = (
             RequestLog(self.settings.request_log) if self.settings.request_log else None
@@ -200,6 +203,9 @@ class Gateway:
         )
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        self.metrics.prefill_queue.set(len(self.admission.queue))
+        self.metrics.prefill_oldest_wait.set(self.admission.oldest_wait())
+        self.metrics.prefill_aged.set(self.admission.aged)
         return web.Response(
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )
@@ -504,6 +510,10 @@ class Context:
     def settings(self) -> GatewaySettings:
         return self.gw.settings
 
+    def estimated_prompt_tokens(self) -> int:
+        """Without a render pool there are no token ids: ~4 characters a token."""
+        return len(json.dumps(self.body.get("messages") or self.body.get("prompt") or "")) // 4
+
     def affinity(self, stage: str, token_ids: list[int] | None) -> dict[str, int]:
         """Where this request's prefix is probably cached, and where its conversation ran."""
         gw = self.gw
@@ -547,16 +557,22 @@ class Context:
         self, path: str, body: dict[str, Any], token_ids: list[int] | None = None
     ) -> tuple[Endpoint, dict[str, Any]] | None:
         """Run prefill; None when no prefill replica could (the caller prefills on decode)."""
+        gw = self.gw
+        prompt_tokens = len(token_ids) if token_ids else self.estimated_prompt_tokens()
+        request_class = gw.admission.request_class(
+            prompt_tokens, self.request.headers.get("X-PDServe-Class")
+        )
         try:
-            endpoint, answer = await self.gw.post_json(
-                "prefill",
-                self.selection.pools["prefill"],
-                path,
-                body,
-                self.headers,
-                self.settings.prefill_timeout,
-                affinity=self.affinity("prefill", token_ids),
-            )
+            async with gw.admission.admit(request_class, len(self.selection.pools["prefill"])):
+                endpoint, answer = await gw.post_json(
+                    "prefill",
+                    self.selection.pools["prefill"],
+                    path,
+                    body,
+                    self.headers,
+                    self.settings.prefill_timeout,
+                    affinity=self.affinity("prefill", token_ids),
+                )
             self.remember("prefill", endpoint, token_ids)
         except UpstreamFailed as error:
             log.warning(
@@ -868,11 +884,7 @@ class Context:
         kv: dict[str, Any] | None = None
         prefill_endpoint: Endpoint | None = None
         if self.gw.config.routing.mode == "Auto":
-            # No render here: estimate prompt tokens from the text (~4 characters a token).
-            estimate = (
-                len(json.dumps(self.body.get("messages") or self.body.get("prompt") or "")) // 4
-            )
-            self.pd = self.gw.auto_decision(estimate, self.pd)
+            self.pd = self.gw.auto_decision(self.estimated_prompt_tokens(), self.pd)
         if self.pd:
             prefill_body = {**self.body, "stream": False, "max_tokens": 1, "n": 1}
             if "max_completion_tokens" in prefill_body:

@@ -1,0 +1,87 @@
+"""Fair admission in front of prefill: shorts overtake, longs are limited per replica and
+first come first served, and aging bounds every wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
+
+
+def admission(**settings: float) -> PrefillAdmission:
+    return PrefillAdmission(FairQueueSettings(**settings))  # type: ignore[arg-type]
+
+
+def test_classes_come_from_length_or_the_declared_class() -> None:
+    gate = admission(long_prompt_tokens=1000)
+    assert gate.request_class(5000, None) == "long"
+    assert gate.request_class(10, None) == "short"
+    assert gate.request_class(10, "document") == "long"
+    assert gate.request_class(5000, "chat") == "short"
+
+
+async def test_short_requests_overtake_a_full_long_queue() -> None:
+    gate = admission(max_long_per_replica=1)
+    async with gate.admit("long", replicas=1):
+        waiting = asyncio.create_task(_hold(gate, "long"))
+        await _until(lambda: len(gate.queue) == 1)
+        async with gate.admit("short", replicas=1):
+            assert len(gate.queue) == 1  # the short one went ahead
+    await waiting
+    assert gate.long_in_flight == 0
+
+
+async def test_longs_wait_their_turn_in_order() -> None:
+    gate = admission(max_long_per_replica=1)
+    order: list[int] = []
+    async with gate.admit("long", replicas=1):
+        tasks = [asyncio.create_task(_hold(gate, "long", order, n)) for n in range(3)]
+        await _until(lambda: len(gate.queue) == 3)
+        assert gate.long_in_flight == 1
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2]
+
+
+async def test_more_replicas_admit_more_longs_at_once() -> None:
+    gate = admission(max_long_per_replica=1)
+    async with gate.admit("long", replicas=2), gate.admit("long", replicas=2):
+        assert gate.long_in_flight == 2
+        assert not gate.queue
+
+
+async def test_aging_admits_a_long_request_after_the_bound() -> None:
+    gate = admission(max_long_per_replica=1, max_wait_seconds=0.05)
+    async with gate.admit("long", replicas=1):
+        await asyncio.wait_for(_hold(gate, "long"), timeout=2)  # admitted although the slot is busy
+    assert gate.aged == 1
+    assert gate.long_in_flight == 0
+
+
+async def test_a_cancelled_waiter_gives_up_its_place() -> None:
+    gate = admission(max_long_per_replica=1)
+    async with gate.admit("long", replicas=1):
+        waiting = asyncio.create_task(_hold(gate, "long"))
+        await _until(lambda: len(gate.queue) == 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not gate.queue
+    assert gate.long_in_flight == 0
+
+
+async def _hold(
+    gate: PrefillAdmission, kind: str, order: list[int] | None = None, n: int = 0
+) -> None:
+    async with gate.admit(kind, replicas=1):
+        if order is not None:
+            order.append(n)
+
+
+async def _until(condition: object) -> None:
+    async def poll() -> None:
+        while not condition():  # type: ignore[operator]  # noqa: ASYNC110
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(poll(), timeout=2)
