@@ -129,15 +129,22 @@ def ep(url: str, parity: str | None = "p1") -> dict[str, Any]:
     return {"url": url, "parityHash": parity}
 
 
-async def pd_stack(stack: Stack, **engine_overrides: Any) -> httpx.AsyncClient:
+async def pd_stack(
+    stack: Stack,
+    *,
+    prefill_config: EngineConfig | None = None,
+    decode_config: EngineConfig | None = None,
+    mode: str = "Disaggregated",
+    slo: dict[str, int] | None = None,
+    policy: str = "fail",
+    **gateway_settings: Any,
+) -> httpx.AsyncClient:
+    """A render server, a prefill and a decode engine, and a gateway over them."""
     render = await stack.render()
-    prefill = await stack.engine("prefill", engine("prefill"))
-    decode = await stack.engine("decode", engine("decode", **engine_overrides))
-    return await stack.gateway(
-        routing(
-            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
-        )
-    )
+    prefill = await stack.engine("prefill", prefill_config or engine("prefill"))
+    decode = await stack.engine("decode", decode_config or engine("decode", policy=policy))
+    endpoints = {"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+    return await stack.gateway(routing(mode=mode, slo=slo, endpoints=endpoints), **gateway_settings)
 
 
 async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
@@ -484,16 +491,9 @@ async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() 
 
 
 async def test_a_lease_that_would_expire_before_decode_is_not_used(stack: Stack) -> None:
-    render = await stack.render()
     short_lease = engine("prefill")
     short_lease.transfer = TransferConfig(lease_seconds=0.5)
-    prefill = await stack.engine("prefill", short_lease)
-    decode = await stack.engine("decode", engine("decode"))
-    client = await stack.gateway(
-        routing(
-            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
-        )
-    )
+    client = await pd_stack(stack, prefill_config=short_lease)
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert 'reason="lease_expiring"' in (await client.get("/metrics")).text
     assert stack.engines["prefill"].core.held_blocks == 0  # the lease was released at once
@@ -507,15 +507,7 @@ LONG = {**PLAIN, "messages": [{"role": "user", "content": " ".join(["hello world
 async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill(
     stack: Stack,
 ) -> None:
-    render = await stack.render()
-    prefill = await stack.engine("prefill", engine("prefill"))
-    decode = await stack.engine("decode", engine("decode"))
-    client = await stack.gateway(
-        routing(
-            mode="Auto",
-            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]},
-        )
-    )
+    client = await pd_stack(stack, mode="Auto")
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert stack.engines["prefill"].core.prefix_queries == 0  # short: prefilled on decode
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
@@ -526,18 +518,9 @@ async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill
 
 
 async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: Stack) -> None:
-    render = await stack.render()
-    prefill = await stack.engine("prefill", engine("prefill"))
     slow = engine("decode")
     slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
-    decode = await stack.engine("decode", slow)
-    client = await stack.gateway(
-        routing(
-            mode="Auto",
-            slo={"ttftMs": 100},
-            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]},
-        )
-    )
+    client = await pd_stack(stack, decode_config=slow, mode="Auto", slo={"ttftMs": 100})
     first = await sse_events(client, LONG)
     assert first[-1] == "[DONE]"
     second = await client.post("/v1/chat/completions", json=LONG)
@@ -618,13 +601,8 @@ async def test_short_prompts_overtake_queued_documents_and_aging_bounds_their_wa
 ) -> None:
     from pdserve.gateway.fairqueue import FairQueueSettings
 
-    render = await stack.render()
-    prefill = await stack.engine("prefill", engine("prefill"))
-    decode = await stack.engine("decode", engine("decode"))
-    client = await stack.gateway(
-        routing(
-            endpoints={"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
-        ),
+    client = await pd_stack(
+        stack,
         fair_queue=FairQueueSettings(
             long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=0.5
         ),
