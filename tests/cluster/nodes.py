@@ -90,10 +90,11 @@ def gpu_node(
     clique: str | None = "cluster-0.0",
     zone: str = "zone-a",
     rack: str = "rack-0",
-    rdma_devices: int = 1,
+    rdma_devices: int = 16,
     **extra: Any,
 ) -> FakeNode:
-    """An HGX-style GPU node: 8 GPUs in one NVLink clique, one RDMA shared device."""
+    """An HGX-style GPU node: 8 GPUs in one NVLink clique, an RDMA shared device that up to 16
+    pods may use (the shared device plugin's rdmaHcaMax)."""
     return FakeNode(
         name=name,
         gpus=gpus,

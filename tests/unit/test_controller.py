@@ -95,7 +95,7 @@ def workload(replicas: int, ready: int, updated: int | None = None) -> dict[str,
 
 
 def status_for(**pools: dict[str, Any]) -> DisaggregatedModelStatus:
-    seen = Observation(workloads={Component(k): v for k, v in pools.items()})
+    seen = Observation(workloads={Component(k): [v] for k, v in pools.items()})
     return compute_status(DM, seen, None, generation=3, parity="abc", now="2026-01-01T00:00:00Z")
 
 
@@ -126,7 +126,7 @@ def test_unschedulable_pods_make_it_degraded_with_the_scheduler_message() -> Non
            "status": {"conditions": [{"type": "PodScheduled", "status": "False",
                                       "reason": "Unschedulable",
                                       "message": UNSCHEDULABLE}]}}  # fmt: skip
-    seen = Observation(workloads={Component.decode: workload(1, 0)}, pods=[pod])
+    seen = Observation(workloads={Component.decode: [workload(1, 0)]}, pods=[pod])
     status = compute_status(DM, seen, None, generation=3, parity="abc", now="t")
     degraded = next(c for c in status.conditions if c.type == "Degraded")
     assert status.phase == "Degraded"
@@ -135,11 +135,75 @@ def test_unschedulable_pods_make_it_degraded_with_the_scheduler_message() -> Non
     )
 
 
+def engine_pod(name: str, pool: str, slice_index: int, node: str | None) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {"name": name, "labels": {
+            "app.kubernetes.io/component": pool, "pdserve.io/slice": str(slice_index)}},
+        "spec": {"nodeName": node} if node else {}, "status": {},
+    }  # fmt: skip
+    if node is None:
+        pod["status"]["conditions"] = [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": UNSCHEDULABLE}]  # fmt: skip
+    return pod
+
+
+def placement_of(pods: list[dict[str, Any]], dm: Any = DM) -> Any:
+    seen = Observation(workloads={Component.decode: [workload(1, 1)]}, pods=pods)
+    status = compute_status(dm, seen, None, generation=3, parity="abc", now="t")
+    return next(c for c in status.conditions if c.type == "Placement")
+
+
+def test_placement_says_where_each_slice_landed() -> None:
+    placed = placement_of([
+        engine_pod("m-prefill-s0-0", "prefill", 0, "gpu-a"),
+        engine_pod("m-decode-s0-0", "decode", 0, "gpu-b"),
+        engine_pod("m-prefill-s1-0", "prefill", 1, "gpu-c"),
+        engine_pod("m-decode-s1-0", "decode", 1, "gpu-c"),
+    ])  # fmt: skip
+    assert (placed.status, placed.reason) == ("True", "Placed")
+    assert placed.message == "slice 0 on gpu-a, gpu-b; slice 1 on gpu-c"
+
+
+def test_placement_false_quotes_the_scheduler_and_names_the_domain_rule() -> None:
+    body = copy.deepcopy(BODY)
+    body["spec"]["placement"] = {"slices": 2, "domain": {"topologyKey": "nvidia.com/gpu.clique"}}
+    dm = parse_resource(body)
+    placed = placement_of(
+        [engine_pod("m-decode-s1-0", "decode", 1, None),
+         engine_pod("m-decode-s0-0", "decode", 0, "gpu-a")], dm,
+    )  # fmt: skip
+    assert (placed.status, placed.reason) == ("False", "Unschedulable")
+    assert placed.message == (
+        f"decode pod m-decode-s1-0: {UNSCHEDULABLE} (placement.domain nvidia.com/gpu.clique is "
+        "Required: every pod of a slice must fit in one domain)"
+    )
+
+
+def test_placement_is_unknown_while_the_scheduler_works() -> None:
+    pod = engine_pod("m-decode-0", "decode", 0, "x")
+    pod["spec"] = {}
+    assert (placement_of([pod]).status, placement_of([]).status) == ("Unknown", "Unknown")
+
+
+def test_sliced_pools_are_summed_and_ready_only_when_every_slice_is() -> None:
+    seen = Observation(workloads={
+        Component.prefill: [workload(1, 1), workload(1, 1)],
+        Component.decode: [workload(2, 2), workload(2, 1)],
+        Component.render: [workload(1, 1)], Component.gateway: [workload(1, 1)],
+    })  # fmt: skip
+    status = compute_status(DM, seen, None, generation=3, parity="abc", now="t")
+    assert status.pools.prefill is not None
+    assert status.pools.prefill.summary == "2/2"
+    assert status.pools.decode.summary == "3/4"
+    assert status.phase == "Progressing"
+
+
 def test_transition_time_moves_only_when_a_condition_flips() -> None:
     ok = workload(1, 1)
     first = status_for(prefill=ok, decode=ok, render=ok, gateway=ok)
     seen = Observation(
-        workloads={Component(k): ok for k in ("prefill", "decode", "render", "gateway")}
+        workloads={Component(k): [ok] for k in ("prefill", "decode", "render", "gateway")}
     )
     again = compute_status(DM, seen, first, generation=3, parity="abc", now="later")
     assert again == first

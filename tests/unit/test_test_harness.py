@@ -32,7 +32,7 @@ def test_gpu_node_offers_gpus_rdma_and_topology_labels_kwok_will_manage() -> Non
     assert labels[NVLINK_CLIQUE_LABEL] == "c.7"
     assert labels[RACK_LABEL] == "r9"
     assert manifest["status"]["capacity"][GPU_RESOURCE] == "4"
-    assert manifest["status"]["allocatable"][RDMA_RESOURCE] == "1"
+    assert manifest["status"]["allocatable"][RDMA_RESOURCE] == "16"
 
 
 def test_cpu_node_has_no_gpu_capacity_or_labels() -> None:

@@ -187,6 +187,26 @@ class ResourceRequirements(ApiModel):
     """Resource limits."""
 
 
+def guaranteed_resources(pool: str, spec: ResourceRequirements) -> dict[str, Quantity]:
+    """CPU and memory for requests == limits; refuses what cannot be made Guaranteed."""
+    out: dict[str, Quantity] = {}
+    for resource in ("cpu", "memory"):
+        request, limit = spec.requests.get(resource), spec.limits.get(resource)
+        if request is None and limit is None:
+            raise ValueError(
+                f"spec.{pool}.resources.requests.{resource} is needed: placement.guaranteedQoS "
+                "(on by default with placement.rdma) makes requests == limits; set it, or set "
+                "placement.guaranteedQoS: false"
+            )
+        if request is not None and limit is not None and str(request) != str(limit):
+            raise ValueError(
+                f"spec.{pool}.resources: requests.{resource} ({request}) differs from "
+                f"limits.{resource} ({limit}), but placement.guaranteedQoS needs them equal"
+            )
+        out[resource] = request if request is not None else limit  # type: ignore[assignment]
+    return out
+
+
 class EnvVar(ApiModel):
     """An environment variable, as in a container's env."""
 
@@ -249,6 +269,7 @@ OWNED_ENV: dict[str, str] = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
     "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.kvTransfer.sideChannelPort",
     "UCX_NET_DEVICES": "spec.kvTransfer.ucxNetDevices",
+    "UCX_TLS": "spec.kvTransfer.ucxTransports",
     "HF_TOKEN": "spec.model.source.hf.tokenSecretRef",
 }
 
@@ -406,6 +427,12 @@ FIRST_CLASS_EXTRA_CONFIG = {
 }
 
 
+class TransportVerification(StrEnum):
+    required = "Required"
+    warn = "Warn"
+    off = "Off"
+
+
 class KvTransferSpec(ApiModel):
     """How prefill hands its KV cache to decode."""
 
@@ -444,6 +471,13 @@ class KvTransferSpec(ApiModel):
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT; data-parallel rank is added)."""
     ucx_net_devices: Annotated[str, Field(min_length=1)] | None = None
     """UCX_NET_DEVICES, e.g. mlx5_0:1 or all. Default: UCX's choice."""
+    ucx_transports: Annotated[str, Field(min_length=1)] | None = None
+    """UCX_TLS, the UCX transports NIXL may use, e.g. rc,cuda_copy,cuda_ipc (leaving out tcp
+    makes a broken RDMA path fail loudly instead of falling back). Default: UCX's choice."""
+    verify: TransportVerification = TransportVerification.warn
+    """Transport preflight per slice (status.transport, condition TransportVerified).
+    Required: the gateway keeps P/D routing off a slice until its KV path is verified (it
+    prefills locally there). Warn: report only. Off: no preflight."""
     extra_config: PreservedObject = Field(default_factory=dict)
     """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
 
@@ -518,21 +552,108 @@ class GatewaySpec(ApiModel):
 
 
 # ---- placement ---------------------------------------------------------------------------------
+LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+HOSTNAME_KEY = "kubernetes.io/hostname"
+
+
+class Strength(StrEnum):
+    required = "Required"
+    preferred = "Preferred"
+
+
+class TopologyDomainSpec(ApiModel):
+    """Keep every engine pod of a slice (its prefill and decode replicas) inside one topology
+    domain: the nodes sharing one value of a node label."""
+
+    topology_key: Annotated[str, Field(pattern=LABEL_KEY, max_length=317)] = "nvidia.com/gpu.clique"
+    """Node label whose value names the domain: nvidia.com/gpu.clique (an NVLink domain, as set by
+    NVIDIA GPU feature discovery), a rack or zone label, or kubernetes.io/hostname to put the
+    prefill and decode of a slice on one node (in-node NVLink/P2P pairs)."""
+    mode: Strength = Strength.required
+    """Required: a slice's pods wait Pending rather than leave the domain (status condition
+    Placement=False says why). Preferred: the scheduler may break the domain when it must."""
+    spread_slices: Strength | None = None
+    """Put different slices in different domains (pod anti-affinity): Required, Preferred, or
+    unset for no spreading."""
+
+
+class RdmaSpec(ApiModel):
+    """RDMA for the KV transfer (NIXL over UCX): the NIC resource, networks and privileges."""
+
+    resource: Annotated[str, Field(pattern=EXTENDED_RESOURCE, max_length=253)]
+    """Extended resource of the RDMA device plugin each engine pod requests, e.g.
+    rdma/rdma_shared_device_a (k8s-rdma-shared-dev-plugin) or nvidia.com/hostdev."""
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+    """How many of `resource` each engine pod requests."""
+    networks: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=list
+    )
+    """Multus secondary networks (NetworkAttachmentDefinition names, optionally
+    namespace/name) attached to engine pods (annotation k8s.v1.cni.cncf.io/networks)."""
+    host_network: bool = False
+    """Run engine pods in the host network namespace (explicit opt-in: it exposes the engine
+    ports on the node and allows one engine pod per node)."""
+
+
 class PlacementSpec(ApiModel):
     """Where the GPU engine pools (prefill and decode) run; render and gateway pods have their
-    own nodeSelector/tolerations. Passed through to the pod specs."""
+    own nodeSelector/tolerations."""
+
+    model_config = with_rules(
+        [
+            rule(
+                "!has(self.slices) || self.slices == 1 || has(self.domain)",
+                "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in",
+                ".slices",
+            ),
+        ]
+    )
 
     node_selector: LabelMap = Field(default_factory=dict)
     """Node labels every engine pod requires (merged with <pool>.nodeSelector)."""
     tolerations: list[PreservedObject] = Field(default_factory=list)
     """Tolerations of every engine pod (added to <pool>.tolerations)."""
     affinity: PreservedObject | None = None
-    """Node affinity and pod (anti-)affinity of every engine pod, as in a pod spec."""
+    """Node affinity and pod (anti-)affinity of every engine pod, as in a pod spec; the terms
+    pdserve derives from gpuProducts and domain are added to it."""
     accelerator_resource: Annotated[
         str, Field(pattern=r"^([a-z0-9.-]+/[A-Za-z0-9._-]+)?$", max_length=253)
     ] = GPU_RESOURCE
     """Extended resource each engine pod requests tensorParallelSize x dataParallelSize of
     (e.g. amd.com/gpu). Empty: request none (simulator pools in kind or CI)."""
+    gpu_products: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
+        default_factory=list
+    )
+    """Allowed GPU models (node label nvidia.com/gpu.product, e.g. NVIDIA-H200): engine pods
+    require a node with one of them. Empty: any."""
+    domain: TopologyDomainSpec | None = None
+    """Keep each slice's prefill and decode inside one topology domain. Unset: no co-location."""
+    slices: Annotated[int, Field(ge=1, le=64)] = 1
+    """Independent groups of prefill.replicas prefill and decode.replicas decode engines, each
+    in its own domain and its own StatefulSets (<name>-prefill-s<n>, <name>-decode-s<n>,
+    label pdserve.io/slice). Total engines = slices x replicas. Changing it replaces the engine
+    StatefulSets."""
+    rdma: RdmaSpec | None = None
+    """RDMA for the KV transfer: NIC resource, Multus networks, IPC_LOCK, host network opt-in.
+    Unset: no RDMA resources or privileges are requested."""
+    guaranteed_qos: Annotated[bool | None, Field(alias="guaranteedQoS")] = None
+    """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
+    kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
+    is set. Needs cpu and memory in <pool>.resources."""
+
+    @model_validator(mode="after")
+    def _slices_need_a_domain(self) -> PlacementSpec:
+        if self.slices > 1 and self.domain is None:
+            raise ValueError(
+                f"slices is {self.slices} but domain is unset: set "
+                "placement.domain.topologyKey (e.g. nvidia.com/gpu.clique) to keep each slice in"
+            )
+        return self
+
+    @property
+    def wants_guaranteed_qos(self) -> bool:
+        return self.rdma is not None if self.guaranteed_qos is None else self.guaranteed_qos
 
 
 # ---- the spec ----------------------------------------------------------------------------------
@@ -568,16 +689,23 @@ class DisaggregatedModelSpec(ApiModel):
         for name, pool in pools:
             check_extra_args(name, pool.extra_args)
             check_env(name, pool.env)
-        accelerator = self.placement.accelerator_resource
+        derived: dict[str, str] = {}
+        if self.placement.accelerator_resource:
+            derived[self.placement.accelerator_resource] = "tensorParallelSize x dataParallelSize"
+        if self.placement.rdma is not None:
+            derived[self.placement.rdma.resource] = "placement.rdma.count"
         for name, engine in (("prefill", self.prefill), ("decode", self.decode)):
-            if engine is None or not accelerator:
+            if engine is None:
                 continue
             for kind in ("requests", "limits"):
-                if accelerator in getattr(engine.resources, kind):
-                    raise ValueError(
-                        f"spec.{name}.resources.{kind}[{accelerator}] is derived from "
-                        "tensorParallelSize x dataParallelSize; remove it"
-                    )
+                for resource, source in derived.items():
+                    if resource in getattr(engine.resources, kind):
+                        raise ValueError(
+                            f"spec.{name}.resources.{kind}[{resource}] is derived from "
+                            f"{source}; remove it"
+                        )
+            if self.placement.wants_guaranteed_qos:
+                guaranteed_resources(name, engine.resources)
         return self
 
     @property

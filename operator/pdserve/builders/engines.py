@@ -6,7 +6,23 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.spec import NIXL_CONNECTORS
-from pdserve.builders.names import ENGINE_PORT, Component, child_name, meta, selector_labels
+from pdserve.builders.names import (
+    ENGINE_PORT,
+    MODEL_LABEL,
+    Component,
+    child_name,
+    engine_name,
+    meta,
+    selector_labels,
+    slice_labels,
+)
+from pdserve.builders.placement import (
+    engine_affinity,
+    engine_pod_annotations,
+    engine_pod_fields,
+    engine_resources,
+    engine_security_context,
+)
 from pdserve.builders.pods import (
     common_env,
     env_list,
@@ -15,7 +31,6 @@ from pdserve.builders.pods import (
     pdb,
     pod_annotations,
     pod_template,
-    resources,
 )
 from pdserve.builders.vllm_args import engine_args
 
@@ -33,15 +48,18 @@ def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
     ]  # fmt: skip
     if kv.ucx_net_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": kv.ucx_net_devices})
+    if kv.ucx_transports:
+        env.append({"name": "UCX_TLS", "value": kv.ucx_transports})
     return env
 
 
 def engine_pool(
     dm: DisaggregatedModel, component: Component, pool: EnginePoolSpec, parity: str
 ) -> list[dict[str, Any]]:
-    """The objects of one engine pool. Roles: prefill produces KV, decode consumes it; without
-    a prefill pool, decode serves aggregated (no KV transfer)."""
-    name = child_name(dm, component)
+    """The objects of one engine pool: a StatefulSet per slice, one headless Service and one PDB.
+    Roles: prefill produces KV, decode consumes it; without a prefill pool, decode serves
+    aggregated (no KV transfer)."""
+    service_name = child_name(dm, component)
     role = ROLES[component] if dm.spec.disaggregated else None
     kv = dm.spec.kv_transfer
     env = common_env(dm)
@@ -57,7 +75,7 @@ def engine_pool(
         # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    container = {
+    container: dict[str, Any] = {
         "name": "vllm",
         "image": dm.spec.image.engine,
         "imagePullPolicy": dm.spec.image.pull_policy,
@@ -65,37 +83,50 @@ def engine_pool(
         "args": engine_args(dm, pool, role, ENGINE_PORT),
         "env": env,
         "ports": ports,
-        "resources": resources(
-            pool.resources, gpus=pool.gpus, accelerator=dm.spec.placement.accelerator_resource
-        ),
+        "resources": engine_resources(dm, component, pool),
         **http_probes("/health", slow_start=True),
         "volumeMounts": mounts,
     }
-    template = pod_template(
-        dm,
-        component,
-        containers=[container],
-        volumes=volumes,
-        annotations=pod_annotations(parity, pool.pod_annotations),
-        node_selector=pool.node_selector,
-        tolerations=[dict(t) for t in pool.tolerations],
-        # Let in-flight generations finish before the engine goes away.
-        termination_grace_seconds=120,
-        gpu_pool=True,
-    )
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": meta(dm, component),
-        "spec": {
-            "serviceName": name,
-            "replicas": pool.replicas,
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector_labels(dm, component)},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": template,
-        },
-    }
+    security = engine_security_context(dm)
+    if security is not None:
+        container["securityContext"] = security
+    objects: list[dict[str, Any]] = []
+    for slice_index in range(dm.spec.placement.slices):
+        template = pod_template(
+            dm,
+            component,
+            containers=[container],
+            volumes=volumes,
+            annotations=pod_annotations(
+                parity, {**engine_pod_annotations(dm), **pool.pod_annotations}
+            ),
+            node_selector=pool.node_selector,
+            tolerations=[dict(t) for t in pool.tolerations],
+            # Let in-flight generations finish before the engine goes away.
+            termination_grace_seconds=120,
+            gpu_pool=True,
+            affinity=engine_affinity(dm, slice_index),
+            extra_spec=engine_pod_fields(dm),
+        )
+        selector = {**selector_labels(dm, component), **slice_labels(dm, slice_index)}
+        selector.pop(MODEL_LABEL)  # selectors are immutable: keep the one models always had
+        template["metadata"]["labels"].update(selector)
+        objects.append({
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {
+                **meta(dm, component, engine_name(dm, component, slice_index)),
+                "labels": template["metadata"]["labels"],
+            },
+            "spec": {
+                "serviceName": service_name,
+                "replicas": pool.replicas,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": selector},
+                "updateStrategy": {"type": "RollingUpdate"},
+                "template": template,
+            },
+        })  # fmt: skip
     service_ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
                       "protocol": "TCP"} for p in ports]  # fmt: skip
     headless = {
@@ -111,4 +142,4 @@ def engine_pool(
             "ports": service_ports,
         },
     }
-    return [statefulset, headless, pdb(dm, component, name)]
+    return [*objects, headless, pdb(dm, component, service_name)]

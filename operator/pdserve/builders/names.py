@@ -10,6 +10,7 @@ FIELD_MANAGER = "pdserve"
 PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
 CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
 MODEL_LABEL = "pdserve.io/model"
+SLICE_LABEL = "pdserve.io/slice"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 ENGINE_PORT = 8000
@@ -26,6 +27,20 @@ class Component(StrEnum):
 
 def child_name(dm: DisaggregatedModel, component: Component) -> str:
     return f"{dm.name}-{component.value}"
+
+
+def engine_name(dm: DisaggregatedModel, component: Component, slice_index: int) -> str:
+    """One slice (the default): <cr>-prefill; more: <cr>-prefill-s<n>."""
+    base = child_name(dm, component)
+    return base if dm.spec.placement.slices == 1 else f"{base}-s{slice_index}"
+
+
+def slice_labels(dm: DisaggregatedModel, slice_index: int) -> dict[str, str]:
+    """The engine pods of one slice, prefill and decode together. With one slice no slice label
+    exists (pods of models created before slices keep their template)."""
+    if dm.spec.placement.slices == 1:
+        return {MODEL_LABEL: dm.name}
+    return {MODEL_LABEL: dm.name, SLICE_LABEL: str(slice_index)}
 
 
 def selector_labels(dm: DisaggregatedModel, component: Component) -> dict[str, str]:

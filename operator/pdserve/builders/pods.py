@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
@@ -54,15 +55,18 @@ def common_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
 
 
 def resources(
-    spec: ResourceRequirements, gpus: int = 0, accelerator: str = "nvidia.com/gpu"
+    spec: ResourceRequirements, extended: Mapping[str, int] | None = None
 ) -> dict[str, Any]:
-    """Quantities as strings, the form the API server stores, so desired and live compare equal."""
+    """Quantities as strings, the form the API server stores, so desired and live compare equal.
+    Extended resources (GPUs, RDMA devices) go in limits only: Kubernetes sets their requests
+    equal."""
     out: dict[str, Any] = {}
     if spec.requests:
         out["requests"] = {k: str(v) for k, v in spec.requests.items()}
     limits = {k: str(v) for k, v in spec.limits.items()}
-    if gpus and accelerator:
-        limits[accelerator] = str(gpus)
+    for name, count in (extended or {}).items():
+        if count:
+            limits[name] = str(count)
     if limits:
         out["limits"] = limits
     return out
@@ -124,7 +128,10 @@ def pod_template(
     service_account: str | None = None,
     termination_grace_seconds: int = 30,
     gpu_pool: bool = False,
+    affinity: dict[str, Any] | None = None,
+    extra_spec: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`affinity` is the GPU pools' (from builders.placement); CPU pools get CPU_POOL_AFFINITY."""
     # spec.placement is for the GPU engines; CPU pods (render, gateway) must not be pinned to
     # GPU nodes by it.
     placement = dm.spec.placement if gpu_pool else PlacementSpec()
@@ -140,10 +147,12 @@ def pod_template(
     all_tolerations = [dict(t) for t in placement.tolerations] + [dict(t) for t in tolerations]
     if all_tolerations:
         spec["tolerations"] = all_tolerations
-    if placement.affinity:
-        spec["affinity"] = dict(placement.affinity)
-    elif not gpu_pool:
+    if gpu_pool:
+        if affinity:
+            spec["affinity"] = affinity
+    else:
         spec["affinity"] = CPU_POOL_AFFINITY
+    spec.update(extra_spec or {})
     if dm.spec.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": n} for n in dm.spec.image.pull_secrets]
     spec["terminationGracePeriodSeconds"] = termination_grace_seconds

@@ -270,12 +270,12 @@ async def reconcile(
     else:
         log.debug("%s/%s: children in sync", dm.namespace, dm.name)
 
-    workloads: dict[Component, Mapping[str, Any]] = {}
+    workloads: dict[Component, list[Mapping[str, Any]]] = {}
     components = {c.value for c in Component}
-    for key, result in results.items():
+    for key, result in sorted(results.items()):
         component = result["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if key[1] in ("StatefulSet", "Deployment") and component in components:
-            workloads[Component(component)] = result
+            workloads.setdefault(Component(component), []).append(result)
     selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
     pods = await kube.list(POD, dm.namespace, label_selector=selector)
     seen = Observation(workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pdserve.api import Condition, ConditionType, DisaggregatedModel, Phase
 from pdserve.api.status import DisaggregatedModelStatus, PoolsStatus, PoolStatus
 from pdserve.builders import Component, endpoint
-from pdserve.builders.names import COMPONENT_LABEL
+from pdserve.builders.names import COMPONENT_LABEL, SLICE_LABEL
 
 # Container waiting reasons that will not fix themselves.
 STUCK_REASONS = {
@@ -24,25 +24,79 @@ STUCK_REASONS = {
 class Observation:
     """What the reconciler saw of one DisaggregatedModel's children."""
 
-    workloads: dict[Component, Mapping[str, Any]] = field(default_factory=dict)
+    workloads: dict[Component, list[Mapping[str, Any]]] = field(default_factory=dict)
+    """StatefulSets/Deployments per pool (one per slice for engine pools)."""
     pods: Sequence[Mapping[str, Any]] = ()
     parity_drift: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # invalid spec: nothing was applied
     warnings: list[str] = field(default_factory=list)  # e.g. a missing chat-template ConfigMap
 
 
-def pool_status(workload: Mapping[str, Any] | None) -> tuple[PoolStatus, bool]:
-    """(counts, rolled out) of one StatefulSet/Deployment."""
-    if workload is None:
-        return PoolStatus(desired=0, ready=0, summary="0/0"), False
-    spec, status = workload.get("spec", {}), workload.get("status", {})
-    desired = int(spec.get("replicas", 1))
-    ready = int(status.get("readyReplicas", 0))
-    updated = int(status.get("updatedReplicas", 0))
-    generation = workload.get("metadata", {}).get("generation", 0)
-    observed = status.get("observedGeneration", 0)
-    rolled_out = observed >= generation and updated >= desired and ready >= desired
+def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
+    """(counts, rolled out) of a pool's StatefulSets/Deployments, summed over its slices."""
+    desired = ready = 0
+    rolled_out = bool(workloads)
+    for workload in workloads:
+        spec, status = workload.get("spec", {}), workload.get("status", {})
+        want = int(spec.get("replicas", 1))
+        have = int(status.get("readyReplicas", 0))
+        updated = int(status.get("updatedReplicas", 0))
+        generation = workload.get("metadata", {}).get("generation", 0)
+        observed = status.get("observedGeneration", 0)
+        rolled_out = rolled_out and observed >= generation and updated >= want and have >= want
+        desired, ready = desired + want, ready + have
     return PoolStatus(desired=desired, ready=ready, summary=f"{ready}/{desired}"), rolled_out
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> str | None:
+    for condition in pod.get("status", {}).get("conditions", []):
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return str(condition.get("message", ""))
+    return None
+
+
+ENGINE_POOLS = (Component.prefill.value, Component.decode.value)
+
+
+def placement_condition(
+    dm: DisaggregatedModel, pods: Sequence[Mapping[str, Any]]
+) -> tuple[bool | None, str, str]:
+    """(status, reason, message) of Placement: where each slice's engines landed, or the
+    scheduler's own words for the engine pods it cannot place."""
+    engines = [
+        p for p in pods if p["metadata"].get("labels", {}).get(COMPONENT_LABEL) in ENGINE_POOLS
+    ]
+    refused = []
+    for pod in engines:
+        message = _unschedulable(pod)
+        if message is not None:
+            pool = pod["metadata"]["labels"][COMPONENT_LABEL]
+            refused.append(f"{pool} pod {pod['metadata']['name']}: {message}")
+    if refused:
+        domain = dm.spec.placement.domain
+        hint = (
+            f" (placement.domain {domain.topology_key} is {domain.mode.value}: every pod of a "
+            "slice must fit in one domain)"
+            if domain is not None
+            else ""
+        )
+        return False, "Unschedulable", "; ".join(sorted(refused)) + hint
+    nodes: dict[str, set[str]] = {}
+    waiting = 0
+    for pod in engines:
+        node = pod.get("spec", {}).get("nodeName")
+        if not node:
+            waiting += 1
+            continue
+        nodes.setdefault(pod["metadata"].get("labels", {}).get(SLICE_LABEL, "0"), set()).add(node)
+    if not engines:
+        return None, "NoEnginePods", "no engine pods exist yet"
+    if waiting:
+        return None, "Scheduling", f"{waiting} of {len(engines)} engine pods wait for the scheduler"
+    where = "; ".join(
+        f"slice {index} on {', '.join(sorted(names))}" for index, names in sorted(nodes.items())
+    )
+    return True, "Placed", where
 
 
 def stuck_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -52,12 +106,9 @@ def stuck_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
         name = pod["metadata"]["name"]
         pool = pod["metadata"].get("labels", {}).get(COMPONENT_LABEL, "?")
         status = pod.get("status", {})
-        for condition in status.get("conditions", []):
-            if (
-                condition.get("type") == "PodScheduled"
-                and condition.get("reason") == "Unschedulable"
-            ):
-                found.append(f"{pool} pod {name}: Unschedulable: {condition.get('message', '')}")
+        message = _unschedulable(pod)
+        if message is not None:
+            found.append(f"{pool} pod {name}: Unschedulable: {message}")
         for container in status.get("containerStatuses", []):
             waiting = container.get("state", {}).get("waiting", {})
             if waiting.get("reason") in STUCK_REASONS:
@@ -68,10 +119,13 @@ def stuck_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def condition(
-    kind: ConditionType, ok: bool, reason: str, message: str, generation: int | None,
+    kind: ConditionType, ok: bool | None, reason: str, message: str, generation: int | None,
     previous: Mapping[str, Condition], now: str,
 ) -> Condition:  # fmt: skip
-    status: Literal["True", "False"] = "True" if ok else "False"
+    """ok None: Unknown."""
+    status: Literal["True", "False", "Unknown"] = (
+        "Unknown" if ok is None else "True" if ok else "False"
+    )
     before = previous.get(kind.value)
     # lastTransitionTime moves only when the status flips.
     since = before.last_transition_time if before is not None and before.status == status else now
@@ -117,7 +171,7 @@ def compute_status(
     pools: dict[str, PoolStatus] = {}
     waiting: list[str] = []
     for component in wanted:
-        counts, rolled_out = pool_status(seen.workloads.get(component))
+        counts, rolled_out = pool_status(seen.workloads.get(component, []))
         pools[component.value] = counts
         if not rolled_out:
             waiting.append(f"{component.value} {counts.ready}/{counts.desired} ready")
@@ -152,6 +206,10 @@ def compute_status(
             generation, before, now,
         ),
     ]  # fmt: skip
+    placed, reason, message = placement_condition(dm, seen.pods)
+    conditions.append(
+        condition(ConditionType.placement, placed, reason, message, generation, before, now)
+    )
     if degraded_reasons:
         phase = Phase.degraded
     elif ready:

@@ -1,0 +1,133 @@
+"""Topology placement on the real scheduler: kwok H200 nodes in two NVLink domains
+(nvidia.com/gpu.clique cluster-0.0 = gpu-r0-*, cluster-0.1 = gpu-r1-*, 8 GPUs a node)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster.localplane import ControlPlane, wait_until
+from tests.cluster.nodes import NVLINK_CLIQUE_LABEL, RDMA_RESOURCE
+from tests.cluster.operator_proc import RunningOperator, running_operator
+from tests.cluster.resources import SMALL_PD_SPEC, apply_dm, conditions, dm_url, get, wait_ready
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
+
+
+@pytest.fixture(scope="module")
+def operator(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningOperator]:
+    with running_operator(
+        control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=2
+    ) as running:
+        yield running
+
+
+def engine_pods(http: httpx.Client, namespace: str) -> list[dict[str, Any]]:
+    selector = "app.kubernetes.io/component in (prefill,decode)"
+    pods = http.get(f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector})
+    return list(pods.json()["items"])
+
+
+def clique_of(http: httpx.Client) -> dict[str, str]:
+    nodes = http.get("/api/v1/nodes").json()["items"]
+    return {
+        n["metadata"]["name"]: n["metadata"]["labels"][NVLINK_CLIQUE_LABEL]
+        for n in nodes
+        if NVLINK_CLIQUE_LABEL in n["metadata"]["labels"]
+    }
+
+
+def gpus_free_of_other_tests(http: httpx.Client, namespace: str) -> None:
+    """Earlier tests' namespaces are deleted asynchronously; their GPU pods must be gone before
+    a test that counts on the domains' capacity."""
+
+    def others() -> list[str]:
+        pods = http.get("/api/v1/pods").json()["items"]
+        return [
+            f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+            for p in pods
+            if p["metadata"]["namespace"] != namespace
+            and p.get("spec", {}).get("nodeName", "").startswith("gpu-")
+        ]
+
+    wait_until("GPU pods of earlier tests to go away", lambda: not others(), timeout=60)
+
+
+SLICED: dict[str, Any] = {
+    **SMALL_PD_SPEC,
+    "prefill": {"replicas": 1, "tensorParallelSize": 2,
+                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
+    "decode": {"replicas": 1, "tensorParallelSize": 2,
+               "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
+    "placement": {
+        "gpuProducts": ["NVIDIA-H200"],
+        "slices": 2,
+        "domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "spreadSlices": "Required"},
+        "rdma": {"resource": RDMA_RESOURCE},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.usefixtures("operator")
+def test_each_slice_lands_in_one_nvlink_domain_and_slices_spread(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    gpus_free_of_other_tests(http_api, namespace)
+    apply_dm(http_api, namespace, "sliced", SLICED)
+    dm = wait_ready(http_api, namespace, "sliced")
+    assert dm["status"]["pools"]["prefill"]["summary"] == "2/2"
+    assert dm["status"]["pools"]["decode"]["summary"] == "2/2"
+
+    cliques = clique_of(http_api)
+    slices: dict[str, set[str]] = {}
+    for pod in engine_pods(http_api, namespace):
+        slice_index = pod["metadata"]["labels"]["pdserve.io/slice"]
+        slices.setdefault(slice_index, set()).add(cliques[pod["spec"]["nodeName"]])
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits[RDMA_RESOURCE] == "1"
+        assert pod["status"]["qosClass"] == "Guaranteed"
+    assert sorted(slices) == ["0", "1"]
+    assert all(len(domains) == 1 for domains in slices.values()), slices
+    assert slices["0"] != slices["1"], "spreadSlices: Required puts slices in different domains"
+    placed = conditions(dm)["Placement"]
+    assert (placed["status"], placed["reason"]) == ("True", "Placed")
+    assert placed["message"].startswith("slice 0 on gpu-")
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_slice_too_big_for_its_domain_waits_and_placement_says_why(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    """24 GPUs in one slice: the cluster has 32, but no NVLink domain has more than 16."""
+    gpus_free_of_other_tests(http_api, namespace)
+    spec = {
+        **SMALL_PD_SPEC,
+        "prefill": {"replicas": 1, "tensorParallelSize": 8},
+        "decode": {"replicas": 2, "tensorParallelSize": 8},
+        "placement": {"domain": {"topologyKey": NVLINK_CLIQUE_LABEL}},
+    }
+    apply_dm(http_api, namespace, "big", spec)
+
+    def placement() -> dict[str, Any]:
+        return conditions(get(http_api, dm_url(namespace, "big"))).get("Placement", {})
+
+    wait_until("Placement=False", lambda: placement().get("status") == "False", timeout=60)
+    message = placement()["message"]
+    assert placement()["reason"] == "Unschedulable"
+    assert "nodes are available" in message  # the scheduler's own words
+    assert "Insufficient nvidia.com/gpu" in message or "pod affinity" in message, message
+    assert "placement.domain nvidia.com/gpu.clique is Required" in message
+    for pod in engine_pods(http_api, namespace):
+        assert RDMA_RESOURCE not in pod["spec"]["containers"][0]["resources"]["limits"]
+    bound = [p for p in engine_pods(http_api, namespace) if p["spec"].get("nodeName")]
+    assert len({clique_of(http_api)[p["spec"]["nodeName"]] for p in bound}) == 1
+
+    # Preferred lets the scheduler break the domain: every pod is placed.
+    spec["placement"] = {"domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "mode": "Preferred"}}
+    apply_dm(http_api, namespace, "big", spec)
+    wait_until("Placement=True", lambda: placement().get("status") == "True", timeout=90)
