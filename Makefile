@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# NIXL for the KV-transport probe test; --no-deps: its wheel asks for torch, the probe needs
+	@# only numpy (a real NIXL/UCX transfer on loopback, no GPU).
+	$(PY) -m pip install --quiet --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
 	@touch $@
 
 install: $(STAMP) ## create .venv and install pdserve with its dev tools

@@ -1,8 +1,11 @@
-"""Topology placement on the real scheduler: kwok H200 nodes in two NVLink domains
-(nvidia.com/gpu.clique cluster-0.0 = gpu-r0-*, cluster-0.1 = gpu-r1-*, 8 GPUs a node)."""
+"""Topology placement on the real scheduler, and the transport preflight that follows it: kwok
+H200 nodes in two NVLink domains (nvidia.com/gpu.clique cluster-0.0 = gpu-r0-*, cluster-0.1 =
+gpu-r1-*, 8 GPUs a node). kwok cannot run the probe, so the test hands each probe pod the report
+a real probe writes (see tests/sim/test_kvprobe.py for the real thing)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,3 +134,100 @@ def test_a_slice_too_big_for_its_domain_waits_and_placement_says_why(
     spec["placement"] = {"domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "mode": "Preferred"}}
     apply_dm(http_api, namespace, "big", spec)
     wait_until("Placement=True", lambda: placement().get("status") == "True", timeout=90)
+
+
+def probe_report(role: str, node: str, transport: str) -> dict[str, Any]:
+    lane = {"rdma": "rc_mlx5/mlx5_0:1", "tcp": "tcp/eth0"}[transport]
+    return {
+        "role": role, "node": node, "ok": True, "transport": transport, "readPath": [lane],
+        "bandwidthGBps": 23.1 if transport == "rdma" else 1.2, "latencyMs": 2.9, "bytes": 2**26,
+        "dataIntact": True, "p2p": {"status": "OK"},
+        "rdmaDevices": [{"device": "mlx5_0", "port": 1, "state": "ACTIVE", "linkLayer": "IB"}],
+    }  # fmt: skip
+
+
+@pytest.mark.usefixtures("operator")
+def test_preflight_probes_each_slice_on_its_nodes_and_names_a_tcp_fallback(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    gpus_free_of_other_tests(http_api, namespace)
+    spec = {**SLICED, "kvTransfer": {"verify": "Required", "ucxTransports": "rc,cuda_copy"}}
+    apply_dm(http_api, namespace, "probed", spec)
+    wait_ready(http_api, namespace, "probed")
+    jobs_url = f"/apis/batch/v1/namespaces/{namespace}/jobs"
+
+    def jobs() -> list[dict[str, Any]]:
+        return list(http_api.get(jobs_url).json()["items"])
+
+    wait_until("a preflight Job per slice", lambda: len(jobs()) == 2, timeout=60)
+    nodes_of_slice: dict[str, set[str]] = {}
+    for pod in engine_pods(http_api, namespace):
+        slice_index = pod["metadata"]["labels"]["pdserve.io/slice"]
+        nodes_of_slice.setdefault(slice_index, set()).add(pod["spec"]["nodeName"])
+    for job in jobs():
+        slice_index = job["metadata"]["labels"]["pdserve.io/slice"]
+        terms = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
+        assert set(terms[0]["matchExpressions"][0]["values"]) == nodes_of_slice[slice_index]
+        env = {e["name"]: e.get("value") for e in
+               job["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+        assert env["UCX_TLS"] == "rc,cuda_copy"
+
+    pods_url = f"/api/v1/namespaces/{namespace}/pods"
+    selector = {"labelSelector": "app.kubernetes.io/component=preflight"}
+
+    def probes() -> list[dict[str, Any]]:
+        items = http_api.get(pods_url, params=selector).json()["items"]
+        return [p for p in items if p.get("status", {}).get("phase") == "Running"]
+
+    wait_until("4 probe pods running", lambda: len(probes()) == 4, timeout=60)
+    for pod in probes():
+        labels = pod["metadata"]["labels"]
+        role = "server" if labels["batch.kubernetes.io/job-completion-index"] == "0" else "client"
+        # Slice 1's NIC path is broken: UCX carried the data over TCP.
+        transport = "tcp" if labels["pdserve.io/slice"] == "1" and role == "client" else "rdma"
+        report = json.dumps(probe_report(role, pod["spec"]["nodeName"], transport))
+        patch = {"metadata": {"annotations": {"pdserve.io/kwok-termination-message": report}}}
+        response = http_api.patch(
+            f"{pods_url}/{pod['metadata']['name']}", json=patch,
+            headers={"Content-Type": "application/merge-patch+json"},
+        )  # fmt: skip
+        assert response.is_success, response.text
+
+    def verdicts() -> list[dict[str, Any]]:
+        dm = get(http_api, dm_url(namespace, "probed")) or {}
+        return list((dm.get("status") or {}).get("transport", []))
+
+    wait_until(
+        "both slices judged",
+        lambda: [t.get("verified") for t in verdicts()] == [True, False],
+        timeout=60,
+    )
+    first, second = verdicts()
+    assert (first["reason"], first["transport"], first["bandwidthGBps"]) == (
+        "Verified",
+        "rdma",
+        23.1,
+    )
+    assert second["reason"] == "TCPFallback"
+    assert "placement.rdma is set but the data went over tcp" in second["message"]
+    verified = conditions(get(http_api, dm_url(namespace, "probed")))["TransportVerified"]
+    assert (verified["status"], verified["reason"]) == ("False", "TCPFallback")
+    assert verified["message"].startswith("slice 1: ")
+
+    def annotations() -> dict[str, str | None]:
+        return {
+            p["metadata"]["name"]: p["metadata"]
+            .get("annotations", {})
+            .get("pdserve.io/kv-transport")
+            for p in engine_pods(http_api, namespace)
+        }
+
+    wait_until(
+        "engine pods annotated with their slice's verdict",
+        lambda: all(
+            value == ("Verified" if "-s0-" in name else "Failed")
+            for name, value in annotations().items()
+        ),
+        timeout=30,
+    )

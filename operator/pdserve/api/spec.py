@@ -477,7 +477,8 @@ class KvTransferSpec(ApiModel):
     verify: TransportVerification = TransportVerification.warn
     """Transport preflight per slice (status.transport, condition TransportVerified).
     Required: the gateway keeps P/D routing off a slice until its KV path is verified (it
-    prefills locally there). Warn: report only. Off: no preflight."""
+    prefills locally there). Warn: report only. Off: no preflight (quote it in YAML: a bare Off
+    reads as false)."""
     extra_config: PreservedObject = Field(default_factory=dict)
     """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
 

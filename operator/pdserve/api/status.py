@@ -69,6 +69,33 @@ class PoolsStatus(ApiModel):
     """Gateway."""
 
 
+class SliceTransport(ApiModel):
+    """The preflight verdict on one slice's KV path (prefill node -> decode node)."""
+
+    slice: Annotated[int, Field(ge=0)]
+    """Slice index (0 when the model has one slice)."""
+    verified: bool | None = None
+    """True: the probe moved data over the expected transport; False: it did not (reason
+    says why); unset: the probe has not reported yet."""
+    reason: str
+    """Verified, Probing, TCPFallback, NoRDMADevice, RDMALinkDown, P2PNotSupported, DataCorrupted,
+    ProbeFailed or WaitingForPlacement."""
+    message: str = ""
+    """What the probe saw, for humans."""
+    nodes: list[str] = Field(default_factory=list)
+    """The prefill and decode nodes probed."""
+    transport: str | None = None
+    """Transport class that carried the probe's NIXL READ: rdma, tcp, shm, cuda_ipc."""
+    read_path: list[str] = Field(default_factory=list)
+    """UCX lanes of the READ, e.g. rc_mlx5/mlx5_0:1 or tcp/eth0."""
+    bandwidth_g_bps: float | None = Field(default=None, alias="bandwidthGBps")
+    """Measured bandwidth, GB/s."""
+    latency_ms: float | None = None
+    """Median time of one probe transfer, milliseconds."""
+    job: str | None = None
+    """The preflight Job whose pods reported."""
+
+
 class DisaggregatedModelStatus(ApiModel):
     """What the operator observed."""
 
@@ -84,3 +111,5 @@ class DisaggregatedModelStatus(ApiModel):
     """Hash of the parity set stamped on every pod (pdserve.io/parity-hash)."""
     endpoint: str | None = None
     """In-cluster URL of the OpenAI API."""
+    transport: list[SliceTransport] = Field(default_factory=list)
+    """KV transport preflight per slice (spec.kvTransfer.verify)."""

@@ -17,7 +17,7 @@ from pdserve.builders.render import render_pool
 # Apply order: identities and config before the workloads that use them.
 KIND_ORDER = [
     "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet", "Deployment",
-    "HorizontalPodAutoscaler", "PodDisruptionBudget",
+    "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
 ]  # fmt: skip
 
 

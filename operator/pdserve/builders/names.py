@@ -11,6 +11,8 @@ PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
 CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
 MODEL_LABEL = "pdserve.io/model"
 SLICE_LABEL = "pdserve.io/slice"
+# On engine pods, set by the operator from the slice's preflight; the gateway reads it.
+KV_TRANSPORT_ANNOTATION = "pdserve.io/kv-transport"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 ENGINE_PORT = 8000
@@ -23,6 +25,7 @@ class Component(StrEnum):
     decode = "decode"
     render = "render"
     gateway = "gateway"
+    preflight = "preflight"
 
 
 def child_name(dm: DisaggregatedModel, component: Component) -> str:

@@ -91,7 +91,9 @@ def build_registry(
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
 
-    for group_version, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments")):
+    # Pods: scheduling outcomes (Placement) and the preflight probes' reports.
+    for group_version, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments"),
+                                  ("batch/v1", "jobs"), ("v1", "pods")):  # fmt: skip
         kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)
 
     return registry, state

@@ -47,6 +47,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("batch/v1", "Job", "jobs"),
         Kind(f"{GROUP}/{VERSION}", "DisaggregatedModel", PLURAL),
         Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions",
              namespaced=False),
@@ -195,16 +196,23 @@ class Kube:
         await self._send("DELETE", kind.item(namespace, name),
                          json={"propagationPolicy": "Background"})  # fmt: skip
 
-    async def patch_status(
-        self, kind: Kind, namespace: str, name: str, status: Mapping[str, Any]
-    ) -> dict[str, Any]:
+    async def patch_merge(
+        self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any],
+        subresource: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
+        """JSON merge patch (RFC 7386), for fields pdserve does not own by apply."""
+        path = kind.item(namespace, name) + (f"/{subresource}" if subresource else "")
         result = await self._send(
-            "PATCH", kind.item(namespace, name) + "/status",
-            json={"status": dict(status)},
+            "PATCH", path, json=dict(patch),
             headers={"Content-Type": "application/merge-patch+json"},
         )  # fmt: skip
         assert result is not None
         return result
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return await self.patch_merge(kind, namespace, name, {"status": dict(status)}, "status")
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         kind = kind_of(obj)

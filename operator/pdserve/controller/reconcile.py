@@ -23,17 +23,25 @@ from pdserve.api import (
 )
 from pdserve.api.spec import normalize_flag
 from pdserve.api.status import DisaggregatedModelStatus
-from pdserve.builders import KIND_ORDER, Component, build_all, content_digest
+from pdserve.builders import KIND_ORDER, Component, build_all, content_digest, object_key
 from pdserve.builders.names import (
     COMPONENT_LABEL,
     FIELD_MANAGER,
     INSTANCE_LABEL,
+    KV_TRANSPORT_ANNOTATION,
     PARITY_HASH_ANNOTATION,
 )
 from pdserve.builders.parity import parity_hash
+from pdserve.builders.preflight import preflight
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
 from pdserve.controller.kube import KINDS, Kind, Kube, kind_of
-from pdserve.controller.status import Observation, compute_status
+from pdserve.controller.status import (
+    Observation,
+    component_pods,
+    compute_status,
+    engine_pods,
+)
+from pdserve.controller.transport import node_pairs, pod_annotation_patches, slice_verdicts
 
 log = logging.getLogger("pdserve.reconcile")
 
@@ -245,7 +253,11 @@ async def reconcile(
         return outcome
 
     digest, warnings = await chat_template_digest(kube, dm)
-    desired = [owned(body, obj) for obj in build_all(dm, chat_template_digest=digest)]
+    selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
+    pods_before = await kube.list(POD, dm.namespace, label_selector=selector)
+    wanted_objects = build_all(dm, chat_template_digest=digest)
+    wanted_objects += preflight(dm, node_pairs(engine_pods(pods_before)))
+    desired = [owned(body, obj) for obj in sorted(wanted_objects, key=object_key)]
     live = await list_children(kube, dm.namespace, dm.name)
     drift = parity_drift(desired, live)
     if drift:
@@ -276,9 +288,18 @@ async def reconcile(
         component = result["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if key[1] in ("StatefulSet", "Deployment") and component in components:
             workloads.setdefault(Component(component), []).append(result)
-    selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
     pods = await kube.list(POD, dm.namespace, label_selector=selector)
-    seen = Observation(workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings)
+    engines = engine_pods(pods)
+    verdicts = slice_verdicts(dm, engines, component_pods(pods, Component.preflight))
+    for pod_name, value in pod_annotation_patches(verdicts, engines):
+        await kube.patch_merge(
+            POD, dm.namespace, pod_name,
+            {"metadata": {"annotations": {KV_TRANSPORT_ANNOTATION: value}}},
+        )  # fmt: skip
+        outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
+    seen = Observation(
+        workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts
+    )
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()
     )

@@ -9,9 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdserve.api import Condition, ConditionType, DisaggregatedModel, Phase
-from pdserve.api.status import DisaggregatedModelStatus, PoolsStatus, PoolStatus
+from pdserve.api.status import (
+    DisaggregatedModelStatus,
+    PoolsStatus,
+    PoolStatus,
+    SliceTransport,
+)
 from pdserve.builders import Component, endpoint
 from pdserve.builders.names import COMPONENT_LABEL, SLICE_LABEL
+from pdserve.controller.transport import verified_condition
 
 # Container waiting reasons that will not fix themselves.
 STUCK_REASONS = {
@@ -30,6 +36,7 @@ class Observation:
     parity_drift: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # invalid spec: nothing was applied
     warnings: list[str] = field(default_factory=list)  # e.g. a missing chat-template ConfigMap
+    transport: list[SliceTransport] = field(default_factory=list)  # preflight verdicts
 
 
 def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
@@ -55,7 +62,15 @@ def _unschedulable(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-ENGINE_POOLS = (Component.prefill.value, Component.decode.value)
+def component_pods(
+    pods: Sequence[Mapping[str, Any]], *components: Component
+) -> list[Mapping[str, Any]]:
+    wanted = {c.value for c in components}
+    return [p for p in pods if p["metadata"].get("labels", {}).get(COMPONENT_LABEL) in wanted]
+
+
+def engine_pods(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return component_pods(pods, Component.prefill, Component.decode)
 
 
 def placement_condition(
@@ -63,9 +78,7 @@ def placement_condition(
 ) -> tuple[bool | None, str, str]:
     """(status, reason, message) of Placement: where each slice's engines landed, or the
     scheduler's own words for the engine pods it cannot place."""
-    engines = [
-        p for p in pods if p["metadata"].get("labels", {}).get(COMPONENT_LABEL) in ENGINE_POOLS
-    ]
+    engines = engine_pods(pods)
     refused = []
     for pod in engines:
         message = _unschedulable(pod)
@@ -210,6 +223,12 @@ def compute_status(
     conditions.append(
         condition(ConditionType.placement, placed, reason, message, generation, before, now)
     )
+    verified, reason, message = verified_condition(seen.transport)
+    conditions.append(
+        condition(
+            ConditionType.transport_verified, verified, reason, message, generation, before, now
+        )
+    )
     if degraded_reasons:
         phase = Phase.degraded
     elif ready:
@@ -228,4 +247,5 @@ def compute_status(
         ),
         parity_hash=parity,
         endpoint=endpoint(dm),
+        transport=seen.transport,
     )

@@ -1,0 +1,183 @@
+"""Transport preflight: per slice, a two-pod Job on the slice's prefill and decode nodes that
+moves data with NIXL from the engine image (pdserve/probe/kvprobe.py) and reports what carried
+it. Pure: the nodes come from the pods the reconciler observed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from pdserve.api import DisaggregatedModel
+from pdserve.api.spec import NIXL_CONNECTORS, TransportVerification
+from pdserve.builders.engines import nixl_env
+from pdserve.builders.names import SLICE_LABEL, Component, labels, meta
+from pdserve.builders.placement import (
+    engine_pod_annotations,
+    engine_pod_fields,
+    engine_security_context,
+)
+
+PROBE_PORT = 5590  # not the engines' side-channel port: host-network probes share their nodes
+PROBE_MOUNT = "/opt/pdserve-probe"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def probe_script() -> str:
+    return resources.files("pdserve.probe").joinpath("kvprobe.py").read_text()
+
+
+@dataclass(frozen=True)
+class NodePair:
+    """Where one slice's representative prefill and decode engines run."""
+
+    prefill: str
+    decode: str
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({self.prefill, self.decode})
+
+
+def wants_preflight(dm: DisaggregatedModel) -> bool:
+    kv = dm.spec.kv_transfer
+    return (
+        dm.spec.disaggregated
+        and kv.verify is not TransportVerification.off
+        and kv.connector in NIXL_CONNECTORS
+    )
+
+
+def script_config_map_name(dm: DisaggregatedModel) -> str:
+    return f"{dm.name}-kvprobe"
+
+
+def job_name(dm: DisaggregatedModel, slice_index: int, pair: NodePair) -> str:
+    """A new pair of nodes, engine image or UCX setting is a new Job (Job templates are
+    immutable); the hash keeps the name within 63 characters."""
+    kv = dm.spec.kv_transfer
+    identity = json.dumps(
+        [pair.prefill, pair.decode, dm.spec.image.engine, kv.ucx_transports, kv.ucx_net_devices,
+         dm.spec.placement.rdma.model_dump(mode="json") if dm.spec.placement.rdma else None,
+         probe_script()],
+    )  # fmt: skip
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return f"{dm.name}-preflight-s{slice_index}-{digest}"
+
+
+def preflight(dm: DisaggregatedModel, pairs: dict[int, NodePair]) -> list[dict[str, Any]]:
+    """The script ConfigMap and, per placed slice, a headless Service (the client finds the
+    server by DNS) and the probe Job."""
+    if not wants_preflight(dm) or not pairs:
+        return []
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(dm, Component.preflight, script_config_map_name(dm)),
+        "data": {"kvprobe.py": probe_script()},
+    }
+    objects: list[dict[str, Any]] = [config_map]
+    for slice_index, pair in sorted(pairs.items()):
+        name = job_name(dm, slice_index, pair)
+        objects += [_service(dm, name), _job(dm, slice_index, pair, name)]
+    return objects
+
+
+def _service(dm: DisaggregatedModel, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(dm, Component.preflight, name),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {
+                "batch.kubernetes.io/job-name": name,
+                "batch.kubernetes.io/job-completion-index": "0",
+            },
+            "ports": [{"name": "nixl", "port": PROBE_PORT, "targetPort": PROBE_PORT,
+                       "protocol": "TCP"}],
+        },
+    }  # fmt: skip
+
+
+def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) -> dict[str, Any]:
+    placement = dm.spec.placement
+    pod_labels = {**labels(dm, Component.preflight), SLICE_LABEL: str(slice_index)}
+    affinity: dict[str, Any] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [
+                {"key": HOSTNAME_LABEL, "operator": "In", "values": pair.nodes},
+            ]},
+        ]}},
+    }  # fmt: skip
+    if len(pair.nodes) == 2:
+        # One probe pod on each node: the transfer crosses the same link the KV will.
+        affinity["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}},
+            "topologyKey": HOSTNAME_LABEL,
+        }]}  # fmt: skip
+    extended: dict[str, str] = {}
+    if placement.rdma is not None:
+        extended[placement.rdma.resource] = str(placement.rdma.count)
+    container: dict[str, Any] = {
+        "name": "probe",
+        "image": dm.spec.image.engine,
+        "imagePullPolicy": dm.spec.image.pull_policy,
+        "command": ["python3", f"{PROBE_MOUNT}/kvprobe.py", "--role", "auto"],
+        "env": [
+            *[e for e in nixl_env(dm) if e["name"].startswith("UCX_")],
+            {"name": "PROBE_PEER", "value": f"{name}.{dm.namespace}.svc"},
+            {"name": "PROBE_PORT", "value": str(PROBE_PORT)},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # No GPU is allocated (the engines hold them); this lets nvidia-smi read the
+            # node's P2P matrix where the NVIDIA runtime honours the variable.
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+        ],
+        "ports": [{"name": "nixl", "containerPort": PROBE_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "limits": {"memory": "2Gi", **extended},
+        },
+        "volumeMounts": [{"name": "probe", "mountPath": PROBE_MOUNT, "readOnly": True}],
+    }
+    security = engine_security_context(dm)
+    if security is not None:
+        container["securityContext"] = security
+    tolerations = [dict(t) for t in placement.tolerations]
+    for pool in (dm.spec.prefill, dm.spec.decode):
+        tolerations += [dict(t) for t in pool.tolerations] if pool is not None else []
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "affinity": affinity,
+        "containers": [container],
+        "volumes": [{"name": "probe", "configMap": {"name": script_config_map_name(dm)}}],
+        **engine_pod_fields(dm),
+    }
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if dm.spec.image.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in dm.spec.image.pull_secrets]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {**meta(dm, Component.preflight, name), "labels": pod_labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            # A failed probe is a finding, not something to retry.
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 600,
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": engine_pod_annotations(dm)},
+                "spec": spec,
+            },
+        },
+    }
+
+
+__all__ = ["NodePair", "job_name", "preflight", "wants_preflight"]

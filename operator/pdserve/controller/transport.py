@@ -1,0 +1,205 @@
+"""Transport preflight results: which nodes each slice's probe pins to, the probe pods'
+reports (their termination messages) and the verdict per slice. Pure functions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pdserve.api import DisaggregatedModel
+from pdserve.api.spec import HOSTNAME_KEY
+from pdserve.api.status import SliceTransport
+from pdserve.builders.names import (
+    COMPONENT_LABEL,
+    KV_TRANSPORT_ANNOTATION,
+    SLICE_LABEL,
+    Component,
+)
+from pdserve.builders.preflight import NodePair, job_name, wants_preflight
+
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+
+
+def _slice(pod: Mapping[str, Any]) -> int:
+    return int(pod["metadata"].get("labels", {}).get(SLICE_LABEL, "0"))
+
+
+def node_pairs(pods: Sequence[Mapping[str, Any]]) -> dict[int, NodePair]:
+    """Per slice, the nodes of its first prefill and first decode pod, once both are bound."""
+    first: dict[tuple[int, str], Mapping[str, Any]] = {}
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        role = pod["metadata"].get("labels", {}).get(COMPONENT_LABEL)
+        if role in (Component.prefill.value, Component.decode.value):
+            first.setdefault((_slice(pod), role), pod)
+    pairs = {}
+    for (slice_index, role), pod in first.items():
+        if role != Component.prefill.value:
+            continue
+        decode = first.get((slice_index, Component.decode.value))
+        prefill_node = pod.get("spec", {}).get("nodeName")
+        decode_node = (decode or {}).get("spec", {}).get("nodeName")
+        if prefill_node and decode_node:
+            pairs[slice_index] = NodePair(prefill_node, decode_node)
+    return pairs
+
+
+def report_of(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The probe's JSON report from a finished pod; a pod that died without one reports that."""
+    status = pod.get("status", {})
+    for container in status.get("containerStatuses", []):
+        terminated = container.get("state", {}).get("terminated")
+        if terminated is None:
+            continue
+        try:
+            report = json.loads(terminated.get("message") or "")
+        except json.JSONDecodeError:
+            report = None
+        if isinstance(report, dict):
+            return report
+        return {
+            "ok": False,
+            "error": f"probe container exited {terminated.get('exitCode')} "
+            f"({terminated.get('reason', 'no reason')}) without a report",
+        }
+    if status.get("phase") == "Failed":
+        return {"ok": False, "error": f"probe pod failed: {status.get('reason', 'unknown')}"}
+    return None
+
+
+def judge(
+    dm: DisaggregatedModel,
+    slice_index: int,
+    pair: NodePair | None,
+    reports: Sequence[dict[str, Any]],
+) -> SliceTransport:
+    """Whether the slice's KV path does what the spec asks: RDMA when placement.rdma is set,
+    peer-to-peer GPUs for same-node pairs, intact data in any case."""
+    if pair is None:
+        return SliceTransport(
+            slice=slice_index,
+            reason="WaitingForPlacement",
+            message="the slice's prefill and decode pods are not placed yet",
+        )
+    job = job_name(dm, slice_index, pair)
+    base: dict[str, Any] = {"slice": slice_index, "nodes": pair.nodes, "job": job}
+    failed = next((r for r in reports if not r.get("ok")), None)
+    client = next((r for r in reports if r.get("role") == "client" and r.get("ok")), None)
+    if failed is not None:
+        error = failed.get("error") or "the probe failed"
+        return SliceTransport(
+            **base,
+            verified=False,
+            reason="ProbeFailed",
+            message=f"{failed.get('role', 'probe')}: {error}",
+        )
+    if client is None or len(reports) < 2:
+        return SliceTransport(
+            **base, reason="Probing", message=f"waiting for the reports of Job {job}"
+        )
+    transport = str(client.get("transport") or "unknown")
+    measured: dict[str, Any] = {
+        "transport": transport,
+        "read_path": [str(x) for x in client.get("readPath", [])],
+        "bandwidth_g_bps": client.get("bandwidthGBps"),
+        "latency_ms": client.get("latencyMs"),
+    }
+    numbers = (
+        f"{transport} via {', '.join(measured['read_path']) or 'unknown lanes'}: "
+        f"{client.get('bandwidthGBps')} GB/s, {client.get('latencyMs')} ms per "
+        f"{int(client.get('bytes', 0)) // 2**20} MiB"
+    )
+    problems: list[tuple[str, str]] = []
+    if client.get("dataIntact") is False:
+        problems.append(("DataCorrupted", "the data read does not match what was written"))
+    if dm.spec.placement.rdma is not None:
+        for report in reports:
+            devices = report.get("rdmaDevices") or []
+            where = f"{report.get('role')} on {report.get('node')}"
+            if not devices:
+                problems.append(("NoRDMADevice", f"{where} sees no RDMA device"))
+            elif not any(d.get("state") == "ACTIVE" for d in devices):
+                states = ", ".join(
+                    f"{d.get('device')}:{d.get('port')} {d.get('state')}" for d in devices
+                )
+                problems.append(("RDMALinkDown", f"{where}: no ACTIVE port ({states})"))
+        if transport != "rdma" and len(pair.nodes) == 2:
+            problems.append(
+                (
+                    "TCPFallback" if transport == "tcp" else "UnexpectedTransport",
+                    f"placement.rdma is set but the data went over {transport}",
+                )
+            )
+    domain = dm.spec.placement.domain
+    if domain is not None and domain.topology_key == HOSTNAME_KEY:
+        for report in reports:
+            p2p = report.get("p2p") or {}
+            if p2p.get("status") == "NS":
+                problems.append(
+                    (
+                        "P2PNotSupported",
+                        f"GPUs on {report.get('node')} cannot read peer-to-peer "
+                        f"({', '.join(p2p.get('notOk', []))})",
+                    )
+                )
+    if problems:
+        reason = problems[0][0]
+        message = "; ".join(m for _, m in problems) + f" ({numbers})"
+        return SliceTransport(**base, **measured, verified=False, reason=reason, message=message)
+    return SliceTransport(**base, **measured, verified=True, reason="Verified", message=numbers)
+
+
+def slice_verdicts(
+    dm: DisaggregatedModel,
+    engine_pods: Sequence[Mapping[str, Any]],
+    probe_pods: Sequence[Mapping[str, Any]],
+) -> list[SliceTransport]:
+    """One verdict per slice, from the probe pods of the slice's current Job."""
+    if not wants_preflight(dm):
+        return []
+    pairs = node_pairs(engine_pods)
+    verdicts = []
+    for slice_index in range(dm.spec.placement.slices):
+        pair = pairs.get(slice_index)
+        reports: list[dict[str, Any]] = []
+        if pair is not None:
+            job = job_name(dm, slice_index, pair)
+            for pod in probe_pods:
+                if pod["metadata"].get("labels", {}).get(JOB_NAME_LABEL) == job:
+                    report = report_of(pod)
+                    if report is not None:
+                        reports.append(report)
+        verdicts.append(judge(dm, slice_index, pair, reports))
+    return verdicts
+
+
+def verified_condition(verdicts: Sequence[SliceTransport]) -> tuple[bool | None, str, str]:
+    """TransportVerified over all slices: False names the first failing slice's reason."""
+    if not verdicts:
+        return None, "NotVerified", "spec.kvTransfer.verify is Off or the model is aggregated"
+    bad = [v for v in verdicts if v.verified is False]
+    if bad:
+        return False, bad[0].reason, "; ".join(f"slice {v.slice}: {v.message}" for v in bad)
+    pending = [v for v in verdicts if v.verified is None]
+    if pending:
+        return None, pending[0].reason, "; ".join(f"slice {v.slice}: {v.message}" for v in pending)
+    return True, "Verified", "; ".join(f"slice {v.slice}: {v.message}" for v in verdicts)
+
+
+def pod_annotation_patches(
+    verdicts: Sequence[SliceTransport], engine_pods: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """(pod name, value) for engine pods whose kv-transport annotation must change: Verified,
+    Failed or Unverified, from their slice's verdict. The gateway reads it to keep P/D routing
+    off unverified slices when kvTransfer.verify is Required."""
+    by_slice = {v.slice: v for v in verdicts}
+    patches = []
+    for pod in engine_pods:
+        verdict = by_slice.get(_slice(pod))
+        if verdict is None or pod["metadata"].get("deletionTimestamp"):
+            continue
+        value = {True: "Verified", False: "Failed", None: "Unverified"}[verdict.verified]
+        if pod["metadata"].get("annotations", {}).get(KV_TRANSPORT_ANNOTATION) != value:
+            patches.append((pod["metadata"]["name"], value))
+    return patches

@@ -1,0 +1,210 @@
+"""Transport preflight: the probe Job per slice, and the verdict from the probes' reports."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.builders.preflight import NodePair, job_name, preflight
+from pdserve.controller.transport import (
+    node_pairs,
+    pod_annotation_patches,
+    report_of,
+    slice_verdicts,
+    verified_condition,
+)
+
+BODY: dict[str, Any] = {
+    "apiVersion": "pdserve.io/v1alpha1",
+    "kind": "DisaggregatedModel",
+    "metadata": {"name": "m", "namespace": "ns"},
+    "spec": {
+        "model": {"name": "org/model"},
+        "prefill": {"replicas": 1, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
+        "decode": {"replicas": 1, "resources": {"requests": {"cpu": "4", "memory": "32Gi"}}},
+        "kvTransfer": {"ucxTransports": "rc,cuda_copy", "verify": "Required"},
+        "placement": {
+            "slices": 2,
+            "domain": {"topologyKey": "nvidia.com/gpu.clique"},
+            "rdma": {"resource": "rdma/rdma_shared_device_a", "networks": ["roce"]},
+        },
+    },
+}
+PAIRS = {0: NodePair("gpu-a", "gpu-b"), 1: NodePair("gpu-c", "gpu-c")}
+
+
+def model(**spec: Any) -> DisaggregatedModel:
+    body = copy.deepcopy(BODY)
+    body["spec"].update(spec)
+    return parse_resource(body)
+
+
+def engine_pod(name: str, role: str, slice_index: int, node: str | None) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/component": role,
+                                              "pdserve.io/slice": str(slice_index)}},
+        "spec": {"nodeName": node} if node else {},
+    }  # fmt: skip
+
+
+def probe_pod(job: str, index: int, report: dict[str, Any] | str | None) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {"name": f"{job}-{index}", "labels": {"batch.kubernetes.io/job-name": job}},
+        "status": {"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]},
+    }
+    if report is not None:
+        message = report if isinstance(report, str) else json.dumps(report)
+        pod["status"] = {"phase": "Succeeded", "containerStatuses": [
+            {"state": {"terminated": {"exitCode": 0, "reason": "Completed", "message": message}}}
+        ]}  # fmt: skip
+    return pod
+
+
+RDMA_PORT = [{"device": "mlx5_0", "port": 1, "state": "ACTIVE", "linkLayer": "Ethernet"}]
+
+
+def report(role: str, node: str, **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "role": role, "node": node, "ok": True, "rdmaDevices": RDMA_PORT,
+        "p2p": {"status": "OK"}, "transport": "rdma", "readPath": ["rc_mlx5/mlx5_0:1"],
+        "bandwidthGBps": 23.4, "latencyMs": 2.9, "bytes": 64 * 2**20, "dataIntact": True,
+    }  # fmt: skip
+    return {**base, **over}
+
+
+def test_one_probe_job_per_placed_slice_pinned_to_its_nodes() -> None:
+    dm = model()
+    objects = preflight(dm, PAIRS)
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert kinds[0] == ("ConfigMap", "m-kvprobe")
+    jobs = [o for o in objects if o["kind"] == "Job"]
+    assert [j["metadata"]["name"] for j in jobs] == [job_name(dm, 0, PAIRS[0]),
+                                                     job_name(dm, 1, PAIRS[1])]  # fmt: skip
+    assert all(len(j["metadata"]["name"]) <= 63 for j in jobs)
+    spread, same_node = (j["spec"]["template"]["spec"] for j in jobs)
+    hosts = spread["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert hosts["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-a", "gpu-b"]
+    assert "podAntiAffinity" in spread["affinity"]  # one probe pod on each node
+    assert "podAntiAffinity" not in same_node["affinity"]
+    job = jobs[0]["spec"]
+    assert (job["completionMode"], job["completions"], job["backoffLimit"]) == ("Indexed", 2, 0)
+    container = spread["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # The probe runs the engines' stack: their image, their UCX settings, their RDMA device.
+    assert container["image"] == dm.spec.image.engine
+    assert env["UCX_TLS"] == "rc,cuda_copy"
+    assert env["PROBE_PEER"] == f"{jobs[0]['metadata']['name']}.ns.svc"
+    assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    annotations = jobs[0]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"k8s.v1.cni.cncf.io/networks": "roce"}
+
+
+def test_no_probe_when_off_aggregated_or_unplaced() -> None:
+    assert preflight(model(kvTransfer={"verify": "Off"}), PAIRS) == []
+    aggregated = model(prefill={**BODY["spec"]["prefill"], "replicas": 0})
+    assert preflight(aggregated, PAIRS) == []
+    assert preflight(model(), {}) == []
+
+
+def test_new_nodes_or_image_make_a_new_job() -> None:
+    dm = model()
+    assert job_name(dm, 0, PAIRS[0]) != job_name(dm, 0, NodePair("gpu-a", "gpu-z"))
+    moved = model(image={"engine": "vllm/vllm-openai:other"})
+    assert job_name(dm, 0, PAIRS[0]) != job_name(moved, 0, PAIRS[0])
+
+
+def test_node_pairs_wait_until_prefill_and_decode_are_bound() -> None:
+    pods = [engine_pod("m-prefill-s0-0", "prefill", 0, "gpu-a"),
+            engine_pod("m-decode-s0-0", "decode", 0, "gpu-b"),
+            engine_pod("m-prefill-s1-0", "prefill", 1, "gpu-c"),
+            engine_pod("m-decode-s1-0", "decode", 1, None)]  # fmt: skip
+    assert node_pairs(pods) == {0: NodePair("gpu-a", "gpu-b")}
+
+
+def verdicts_for(dm: DisaggregatedModel, reports: dict[int, list[dict[str, Any]]]) -> list[Any]:
+    engines = [engine_pod(f"m-{role}-s{i}-0", role, i, node) for i, pair in PAIRS.items()
+               for role, node in (("prefill", pair.prefill), ("decode", pair.decode))]  # fmt: skip
+    probes = [probe_pod(job_name(dm, i, PAIRS[i]), n, r)
+              for i, rs in reports.items() for n, r in enumerate(rs)]  # fmt: skip
+    return slice_verdicts(dm, engines, probes)
+
+
+def test_rdma_path_is_verified_with_its_numbers() -> None:
+    dm = model()
+    good = [report("server", "gpu-a"), report("client", "gpu-b")]
+    same = [report("server", "gpu-c"), report("client", "gpu-c", transport="shm")]
+    first, second = verdicts_for(dm, {0: good, 1: same})
+    assert (first.verified, first.reason, first.transport) == (True, "Verified", "rdma")
+    assert first.message == "rdma via rc_mlx5/mlx5_0:1: 23.4 GB/s, 2.9 ms per 64 MiB"
+    assert first.bandwidth_g_bps == 23.4
+    assert first.nodes == ["gpu-a", "gpu-b"]
+    assert second.verified is True  # one node: no NIC on the path
+    assert verified_condition([first, second])[:2] == (True, "Verified")
+
+
+@pytest.mark.parametrize(
+    ("reports", "reason", "words"),
+    [
+        ([report("server", "gpu-a"), report("client", "gpu-b", transport="tcp",
+                                            readPath=["tcp/eth0"], bandwidthGBps=1.1)],
+         "TCPFallback", "placement.rdma is set but the data went over tcp"),
+        ([report("server", "gpu-a", rdmaDevices=[]), report("client", "gpu-b")],
+         "NoRDMADevice", "server on gpu-a sees no RDMA device"),
+        ([report("server", "gpu-a"),
+          report("client", "gpu-b", rdmaDevices=[{**RDMA_PORT[0], "state": "DOWN"}])],
+         "RDMALinkDown", "client on gpu-b: no ACTIVE port (mlx5_0:1 DOWN)"),
+        ([report("server", "gpu-a"), report("client", "gpu-b", dataIntact=False)],
+         "DataCorrupted", "does not match"),
+        ([report("server", "gpu-a"),
+          {"role": "client", "ok": False, "error": "ModuleNotFoundError: No module named 'nixl'"}],
+         "ProbeFailed", "client: ModuleNotFoundError"),
+    ],
+)  # fmt: skip
+def test_failures_are_named(reports: list[dict[str, Any]], reason: str, words: str) -> None:
+    [verdict, _] = verdicts_for(model(), {0: reports})
+    assert (verdict.verified, verdict.reason) == (False, reason)
+    assert words in verdict.message
+    status, condition_reason, message = verified_condition([verdict])
+    assert (status, condition_reason) == (False, reason)
+    assert message.startswith("slice 0: ")
+
+
+def test_p2p_matters_for_same_node_pairs() -> None:
+    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}})
+    reports = [report("server", "gpu-a", p2p={"status": "NS", "notOk": ["NS"]}),
+               report("client", "gpu-a", transport="cuda_ipc")]  # fmt: skip
+    engines = [engine_pod("m-prefill-0", "prefill", 0, "gpu-a"),
+               engine_pod("m-decode-0", "decode", 0, "gpu-a")]  # fmt: skip
+    job = job_name(dm, 0, NodePair("gpu-a", "gpu-a"))
+    probes = [probe_pod(job, n, r) for n, r in enumerate(reports)]
+    [verdict] = slice_verdicts(dm, engines, probes)
+    assert (verdict.verified, verdict.reason) == (False, "P2PNotSupported")
+
+
+def test_pending_reports_and_bad_messages() -> None:
+    dm = model()
+    [waiting, unplaced] = verdicts_for(dm, {0: [report("server", "gpu-a"), None]})  # type: ignore[list-item]
+    assert (waiting.verified, waiting.reason) == (None, "Probing")
+    assert verified_condition([waiting, unplaced])[0] is None
+    assert report_of(probe_pod("j", 0, "Traceback: boom")) == {
+        "ok": False, "error": "probe container exited 0 (Completed) without a report",
+    }  # fmt: skip
+
+
+def test_engine_pods_get_their_slices_verdict_once() -> None:
+    dm = model()
+    good = [report("server", "gpu-a"), report("client", "gpu-b")]
+    verdicts = verdicts_for(dm, {0: good})
+    pods = [engine_pod("m-prefill-s0-0", "prefill", 0, "gpu-a"),
+            engine_pod("m-decode-s1-0", "decode", 1, "gpu-c")]  # fmt: skip
+    assert pod_annotation_patches(verdicts, pods) == [
+        ("m-prefill-s0-0", "Verified"), ("m-decode-s1-0", "Unverified"),
+    ]  # fmt: skip
+    pods[0]["metadata"]["annotations"] = {"pdserve.io/kv-transport": "Verified"}
+    assert pod_annotation_patches(verdicts, pods[:1]) == []
