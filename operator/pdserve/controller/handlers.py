@@ -91,7 +91,11 @@ def build_registry(
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
 
-    for group_version, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments")):
+    watched = [("apps/v1", "statefulsets"), ("apps/v1", "deployments")]
+    if operator_settings.network_policies is not None:
+        # A policy deleted or edited by hand is restored at once, not at the next resync.
+        watched.append(("networking.k8s.io/v1", "networkpolicies"))
+    for group_version, plural in watched:
         kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)
 
     return registry, state

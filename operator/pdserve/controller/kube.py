@@ -47,6 +47,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind(f"{GROUP}/{VERSION}", "DisaggregatedModel", PLURAL),
         Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions",
              namespaced=False),
