@@ -61,6 +61,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [get, list, watch]
+{{- if .Values.networkPolicy.enabled }}
+# networkPolicy.enabled: every model's NetworkPolicies (server-side apply, prune, and a watch so
+# a policy deleted by hand is restored at once).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+{{- else }}
+# networkPolicy.enabled=false: none are made, but those made while it was true are pruned,
+# which needs list and delete. (Without this rule they stay until their model is deleted.)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, delete]
+{{- end }}
 # Events on DisaggregatedModels (transitions, parity drift, invalid specs).
 - apiGroups: [""]
   resources: [events]
