@@ -12,6 +12,7 @@ from pdserve import __version__
 from pdserve.api import SpecError
 from pdserve.api.crd import render_crd, write_crds
 from pdserve.controller.settings import add_arguments as add_operator_arguments
+from pdserve.controller.settings import add_network_arguments, network_settings
 from pdserve.controller.settings import from_arguments as operator_settings
 from pdserve.gateway.main import add_arguments as add_gateway_arguments
 from pdserve.manifests import load_resources, render_manifests
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     manifests.add_argument(
         "-n", "--namespace", help="namespace for resources (default: theirs, else 'default')"
     )
+    add_network_arguments(manifests)
     sub.add_parser("sim", help="run a simulated vLLM server: pdserve sim {render,engine,vllm} ...")
     gateway = sub.add_parser("gateway", help="serve the OpenAI API over the model's pools")
     add_gateway_arguments(gateway)
@@ -85,15 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "manifests":
         try:
+            network = network_settings(args, {})
             resources = [dm for f in args.files for dm in load_resources(f, args.namespace)]
         except SpecError as error:
             for problem in error.problems:
                 print(f"error: {problem}", file=sys.stderr)
             return 2
+        except ValueError as error:  # a NetworkPolicy flag
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         if not resources:
             print("error: no DisaggregatedModel found in the given files", file=sys.stderr)
             return 2
-        sys.stdout.write(render_manifests(resources))
+        sys.stdout.write(render_manifests(resources, network=network))
         return 0
     parser.print_help(sys.stderr)
     return 2

@@ -4,6 +4,7 @@ a kwok node, its RBAC enough for its job and no more)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.controller.reconcile import MANAGED_KINDS
 from tests.cluster.clitools import Kubectl, ensure_cli_tools
 from tests.cluster.localplane import wait_until
 
@@ -38,10 +40,12 @@ def helm(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def render(tmp: Path, *sets: str) -> list[dict[str, Any]]:
+def render(tmp: Path, *sets: str, json_sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     args = ["template", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE]
     for value in sets:
         args += ["--set", value]
+    for value in json_sets:
+        args += ["--set-json", value]
     proc = helm(*args, tmp=tmp)
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
@@ -51,8 +55,23 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
-def test_chart_lints_strictly(tmp_path: Path) -> None:
-    proc = helm("lint", "--strict", str(CHART), tmp=tmp_path)
+# Every optional object on: NetworkPolicies (operator flags, RBAC, the operator pod's policy) and
+# the Grafana dashboard ConfigMap.
+OPTIONS_ON = (
+    "networkPolicy.enabled=true",
+    "networkPolicy.metricsNamespaces={monitoring}",
+    "grafana.dashboard.enabled=true",
+    "grafana.dashboard.labels.team=ml",
+)
+GATEWAY_FROM = (
+    '[{"namespaceSelector":{"matchLabels":{"team":"apps"}}},{"ipBlock":{"cidr":"10.0.0.0/8"}}]'
+)
+
+
+@pytest.mark.parametrize("sets", [(), OPTIONS_ON], ids=["defaults", "options-on"])
+def test_chart_lints_strictly(tmp_path: Path, sets: tuple[str, ...]) -> None:
+    args = [arg for value in sets for arg in ("--set", value)]
+    proc = helm("lint", "--strict", str(CHART), *args, tmp=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -114,6 +133,14 @@ def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
         ("webhook.failurePolicy=Maybe", "failurePolicy"),
         ("operator.resyncSeconds=0", "resyncSeconds"),
         ("imagee.tag=x", "imagee"),
+        ("networkPolicy.enabled=maybe", "enabled"),
+        ("networkPolicy.metricsNamespaces={Monitoring}", "metricsNamespaces"),
+        ("networkPolicy.gatewayFrom[0].pods.x=y", "gatewayFrom"),
+        ("networkPolicy.gatewayFrom[0].ipBlock.cidr=10.0.0.0", "cidr"),
+        ("grafana.dashboard.enabled=yes", "enabled"),
+        ("grafana.dashboard.namespace=Grafana", "namespace"),
+        ("grafana.dashboard.folderAnnotation=grafana folder", "folderAnnotation"),
+        ("grafana.dashbord.enabled=true", "dashbord"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(tmp_path: Path, value: str, field: str) -> None:
@@ -122,13 +149,22 @@ def test_schema_refuses_bad_values_naming_them(tmp_path: Path, value: str, field
     assert field in proc.stderr
 
 
+def can_i(kubectl: Kubectl, account: str, verb: str, resource: str) -> str:
+    answer = kubectl("auth", "can-i", verb, *resource.split(), f"--as={account}", "-n", "default")
+    return answer.stdout.strip()
+
+
 def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "-f", str(CHART / "crds"), check=True)
     namespace = yaml.safe_dump(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NAMESPACE}}
     )
     kubectl("apply", "--server-side", "-f", "-", stdin=namespace, check=True)
-    rendered = yaml.safe_dump_all(render(tmp_path, "webhook.failurePolicy=Ignore"))
+    # Installed with every option on: the dashboard ConfigMap and the NetworkPolicy go through
+    # the real API server's validation too.
+    options = render(tmp_path, "webhook.failurePolicy=Ignore", *OPTIONS_ON,
+                     json_sets=(f"networkPolicy.gatewayFrom={GATEWAY_FROM}",))  # fmt: skip
+    assert {"NetworkPolicy", "ConfigMap"} <= {d["kind"] for d in options}
     applied = kubectl(
         "apply",
         "--server-side",
@@ -136,7 +172,7 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
         "--validate=strict",
         "-f",
         "-",
-        stdin=rendered,
+        stdin=yaml.safe_dump_all(options),
     )
     assert applied.returncode == 0, applied.stderr
     try:
@@ -151,11 +187,31 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
             ("patch", "disaggregatedmodels.pdserve.io", "no"),  # the spec belongs to the user
             ("delete", "nodes", "no"),
             ("get", "secrets", "no"),
+            ("create", "networkpolicies.networking.k8s.io", "yes"),  # networkPolicy.enabled
         ):
-            answer = kubectl(
-                "auth", "can-i", verb, *resource.split(), f"--as={account}", "-n", "default"
-            )
-            assert answer.stdout.strip() == expected, (verb, resource, answer.stdout)
+            assert can_i(kubectl, account, verb, resource) == expected, (verb, resource)
+        # Every kind the operator applies and prunes (from the code, so a new kind cannot be
+        # forgotten here), and the kv-transport annotation it puts on engine pods.
+        for kind in MANAGED_KINDS:
+            group = kind.api_version.split("/")[0] if "/" in kind.api_version else ""
+            resource = f"{kind.plural}.{group}" if group else kind.plural
+            for verb in ("list", "watch", "create", "patch", "delete"):
+                assert can_i(kubectl, account, verb, resource) == "yes", (verb, resource)
+        assert can_i(kubectl, account, "patch", "pods") == "yes"
+        # Switched off (as `helm upgrade` would): nothing is created, but what was made can
+        # still be pruned.
+        switched_off = render(tmp_path, "webhook.failurePolicy=Ignore")
+        [cluster_role] = by_kind(switched_off, "ClusterRole")
+        off = kubectl("apply", "--server-side", "--field-manager=helm", "-f", "-",
+                      stdin=yaml.safe_dump(cluster_role))  # fmt: skip
+        assert off.returncode == 0, off.stderr
+        want = {"create": "no", "patch": "no", "list": "yes", "delete": "yes"}
+
+        def switched() -> bool:
+            resource = "networkpolicies.networking.k8s.io"
+            return {verb: can_i(kubectl, account, verb, resource) for verb in want} == want
+
+        wait_until("NetworkPolicy RBAC to be prune-only", switched, timeout=10)
     finally:
         kubectl(
             "delete", "validatingwebhookconfiguration", "pdserve-validate", "--ignore-not-found"
@@ -176,3 +232,62 @@ def test_pod_monitor_scrapes_every_managed_pool(tmp_path: Path) -> None:
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+
+
+def test_network_policy_option_switches_the_operator_and_protects_its_pod(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--network-polic")]
+    assert not by_kind(docs, "NetworkPolicy")
+    [rule] = [
+        r for r in by_kind(docs, "ClusterRole")[0]["rules"] if "networkpolicies" in r["resources"]
+    ]
+    assert rule["verbs"] == ["list", "delete"]  # prune only: it creates none
+
+    docs = render(tmp_path, *OPTIONS_ON, json_sets=(f"networkPolicy.gatewayFrom={GATEWAY_FROM}",))
+    args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--network-policies" in args
+    assert "--network-policy-metrics-namespace=monitoring" in args
+    [peers] = [a for a in args if a.startswith("--network-policy-gateway-from=")]
+    assert json.loads(peers.split("=", 1)[1]) == json.loads(GATEWAY_FROM)
+    [rule] = [
+        r for r in by_kind(docs, "ClusterRole")[0]["rules"] if "networkpolicies" in r["resources"]
+    ]
+    assert rule["apiGroups"] == ["networking.k8s.io"]
+    assert set(rule["verbs"]) == {"get", "list", "watch", "create", "patch", "delete"}
+    [policy] = by_kind(docs, "NetworkPolicy")
+    selector = by_kind(docs, "Deployment")[0]["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9443}]}]
+
+    docs = render(tmp_path, "networkPolicy.enabled=true", "webhook.enabled=false",
+                  "operator.watchNamespaces={llm}")  # fmt: skip
+    [policy] = by_kind(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"] == []  # no webhook: nothing may connect
+    [role] = by_kind(docs, "Role")
+    assert any("networkpolicies" in r["resources"] for r in role["rules"])
+
+
+def test_grafana_dashboard_option_ships_the_chart_dashboard_to_the_sidecar(tmp_path: Path) -> None:
+    assert not [
+        d for d in by_kind(render(tmp_path), "ConfigMap") if "dashboard" in d["metadata"]["name"]
+    ]
+    docs = render(tmp_path, *OPTIONS_ON, "grafana.dashboard.namespace=grafana",
+                  "grafana.dashboard.annotations.team=ml-platform")  # fmt: skip
+    [config_map] = by_kind(docs, "ConfigMap")
+    meta = config_map["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("pdserve-dashboard", "grafana")
+    assert meta["labels"]["grafana_dashboard"] == "1"
+    assert meta["labels"]["team"] == "ml"
+    assert meta["annotations"] == {"grafana_folder": "pdserve", "team": "ml-platform"}
+    shipped = json.loads(config_map["data"]["pdserve.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "pdserve.json").read_text())
+
+    docs = render(tmp_path, "grafana.dashboard.enabled=true", "grafana.dashboard.folder=",
+                  "grafana.dashboard.labels.grafana_dashboard=null",
+                  "grafana.dashboard.labels.my-sidecar=yes")  # fmt: skip
+    [config_map] = by_kind(docs, "ConfigMap")
+    assert "annotations" not in config_map["metadata"]
+    assert "grafana_dashboard" not in config_map["metadata"]["labels"]
+    assert config_map["metadata"]["labels"]["my-sidecar"] == "yes"
+    assert config_map["metadata"]["namespace"] == RELEASE_NAMESPACE

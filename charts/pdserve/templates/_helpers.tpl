@@ -53,14 +53,33 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
-# Status reads pods (unschedulable, crash-looping); the gateway Role grants pods and
-# endpointslices reads, and RBAC lets nobody grant what they do not hold.
+# Transport preflight: a probe Job per slice on its prefill and decode nodes.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
+# Status reads pods (placement, crash loops, the probes' reports); the gateway Role grants pods
+# and endpointslices reads, and RBAC lets nobody grant what they do not hold. patch: the
+# operator annotates engine pods with their slice's transport verdict (pdserve.io/kv-transport)
+# for the gateway.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, patch]
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [get, list, watch]
+{{- if .Values.networkPolicy.enabled }}
+# networkPolicy.enabled: every model's NetworkPolicies (server-side apply, prune, and a watch so
+# a policy deleted by hand is restored at once).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+{{- else }}
+# networkPolicy.enabled=false: none are made, but those made while it was true are pruned,
+# which needs list and delete. (Without this rule they stay until their model is deleted.)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, delete]
+{{- end }}
 # Events on DisaggregatedModels (transitions, parity drift, invalid specs).
 - apiGroups: [""]
   resources: [events]

@@ -11,13 +11,15 @@ from pdserve.api import DisaggregatedModel
 from pdserve.builders.engines import engine_pool
 from pdserve.builders.gateway import endpoint, gateway, routing_config
 from pdserve.builders.names import Component, child_name
+from pdserve.builders.network import NetworkPolicyOptions, network_policies
 from pdserve.builders.parity import content_digest, parity_hash, parity_set
 from pdserve.builders.render import render_pool
 
 # Apply order: identities and config before the workloads that use them.
+# NetworkPolicies come before the workloads, so no pod of the model starts unprotected.
 KIND_ORDER = [
-    "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "StatefulSet", "Deployment",
-    "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
+    "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "Service",
+    "StatefulSet", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
 ]  # fmt: skip
 
 
@@ -26,9 +28,13 @@ def object_key(obj: dict[str, Any]) -> tuple[int, str, str]:
 
 
 def build_all(
-    dm: DisaggregatedModel, *, chat_template_digest: str | None = None
+    dm: DisaggregatedModel,
+    *,
+    chat_template_digest: str | None = None,
+    network: NetworkPolicyOptions | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object pdserve owns for this resource, in apply order."""
+    """Every child object pdserve owns for this resource, in apply order. `network`: also the
+    model's NetworkPolicies (None: none, and the operator prunes those it made before)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []
     if dm.spec.disaggregated:
@@ -38,16 +44,20 @@ def build_all(
     if dm.spec.render.enabled:
         objects += render_pool(dm, parity)
     objects += gateway(dm, parity)
+    if network is not None:
+        objects += network_policies(dm, network)
     return sorted(objects, key=object_key)
 
 
 __all__ = [
     "KIND_ORDER",
     "Component",
+    "NetworkPolicyOptions",
     "build_all",
     "child_name",
     "content_digest",
     "endpoint",
+    "network_policies",
     "object_key",
     "parity_hash",
     "parity_set",

@@ -92,8 +92,12 @@ def build_registry(
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
 
     # Pods: scheduling outcomes (Placement) and the preflight probes' reports.
-    for group_version, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments"),
-                                  ("batch/v1", "jobs"), ("v1", "pods")):  # fmt: skip
+    watched = [("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("batch/v1", "jobs"),
+               ("v1", "pods")]  # fmt: skip
+    if operator_settings.network_policies is not None:
+        # A policy deleted or edited by hand is restored at once, not at the next resync.
+        watched.append(("networking.k8s.io/v1", "networkpolicies"))
+    for group_version, plural in watched:
         kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)
 
     return registry, state

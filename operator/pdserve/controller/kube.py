@@ -48,6 +48,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("batch/v1", "Job", "jobs"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind(f"{GROUP}/{VERSION}", "DisaggregatedModel", PLURAL),
         Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions",
              namespaced=False),

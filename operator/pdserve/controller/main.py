@@ -34,8 +34,9 @@ async def run_operator(settings: OperatorSettings) -> None:
 def main(settings: OperatorSettings) -> int:
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("pdserve.operator").info(
-        "starting: namespaces=%s resync=%ss", list(settings.namespaces) or "all",
-        settings.resync_seconds,
+        "starting: namespaces=%s resync=%ss network-policies=%s",
+        list(settings.namespaces) or "all", settings.resync_seconds,
+        "on" if settings.network_policies is not None else "off",
     )  # fmt: skip
     asyncio.run(run_operator(settings))
     return 0

@@ -23,7 +23,14 @@ from pdserve.api import (
 )
 from pdserve.api.spec import normalize_flag
 from pdserve.api.status import DisaggregatedModelStatus
-from pdserve.builders import KIND_ORDER, Component, build_all, content_digest, object_key
+from pdserve.builders import (
+    KIND_ORDER,
+    Component,
+    NetworkPolicyOptions,
+    build_all,
+    content_digest,
+    object_key,
+)
 from pdserve.builders.names import (
     COMPONENT_LABEL,
     FIELD_MANAGER,
@@ -34,7 +41,7 @@ from pdserve.builders.names import (
 from pdserve.builders.parity import parity_hash
 from pdserve.builders.preflight import preflight
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
-from pdserve.controller.kube import KINDS, Kind, Kube, kind_of
+from pdserve.controller.kube import KINDS, Kind, Kube, KubeError, kind_of
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -50,6 +57,7 @@ MANAGED_KINDS: list[Kind] = sorted(
     (k for k in KINDS.values() if k.kind in KIND_ORDER), key=lambda k: KIND_ORDER.index(k.kind)
 )
 DM_KIND = KINDS[(API_VERSION, KIND)]
+NETWORK_POLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 
@@ -180,11 +188,29 @@ async def chat_template_digest(kube: Kube, dm: DisaggregatedModel) -> tuple[str 
     return content_digest(text), []
 
 
-async def list_children(kube: Kube, namespace: str, name: str) -> dict[ChildKey, dict[str, Any]]:
+_warned_forbidden: set[str] = set()
+
+
+async def list_children(
+    kube: Kube, namespace: str, name: str, *, optional: frozenset[Kind] = frozenset()
+) -> dict[ChildKey, dict[str, Any]]:
+    """Every child pdserve labelled for this model, of every kind it may have made, including
+    kinds the spec or settings dropped (so they are pruned). A kind in `optional` that the
+    operator may not list (403) is skipped: none of it is wanted, and none can be pruned."""
     selector = f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by=pdserve"
     children: dict[ChildKey, dict[str, Any]] = {}
     for kind in MANAGED_KINDS:
-        for item in await kube.list(kind, namespace, label_selector=selector):
+        try:
+            items = await kube.list(kind, namespace, label_selector=selector)
+        except KubeError as error:
+            if error.status != 403 or kind not in optional:
+                raise
+            if kind.kind not in _warned_forbidden:
+                _warned_forbidden.add(kind.kind)
+                log.warning("may not list %s (%s): any made earlier are not pruned", kind.kind,
+                            error)  # fmt: skip
+            continue
+        for item in items:
             item.setdefault("apiVersion", kind.api_version)
             item.setdefault("kind", kind.kind)
             children[key_of(item)] = item
@@ -232,8 +258,10 @@ async def reconcile(
     body: Mapping[str, Any],
     *,
     now: Callable[[], str] = utc_now,
+    network: NetworkPolicyOptions | None = None,
 ) -> Outcome:
-    """Converge the children of `body`; events to post are returned in the outcome."""
+    """Converge the children of `body`; events to post are returned in the outcome. `network`:
+    the operator's NetworkPolicy settings (None: the model gets none, and loses those it has)."""
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
@@ -255,10 +283,11 @@ async def reconcile(
     digest, warnings = await chat_template_digest(kube, dm)
     selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
     pods_before = await kube.list(POD, dm.namespace, label_selector=selector)
-    wanted_objects = build_all(dm, chat_template_digest=digest)
-    wanted_objects += preflight(dm, node_pairs(engine_pods(pods_before)))
-    desired = [owned(body, obj) for obj in sorted(wanted_objects, key=object_key)]
-    live = await list_children(kube, dm.namespace, dm.name)
+    built = build_all(dm, chat_template_digest=digest, network=network)
+    built += preflight(dm, node_pairs(engine_pods(pods_before)))
+    desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
+    optional = frozenset() if network is not None else frozenset({NETWORK_POLICY})
+    live = await list_children(kube, dm.namespace, dm.name, optional=optional)
     drift = parity_drift(desired, live)
     if drift:
         outcome.event("Warning", "ParityDrift", "repairing: " + "; ".join(drift))

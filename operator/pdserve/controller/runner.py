@@ -60,7 +60,7 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
-        outcome = await reconcile(self.kube, body)
+        outcome = await reconcile(self.kube, body, network=self.settings.network_policies)
         for event in outcome.events:
             await post_event(self.kube, body, event)
 

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pdserve.builders.network import NetworkPolicyOptions, check_peer
+
+NAMESPACE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,8 @@ class OperatorSettings:
     """Cap of the exponential backoff after a failed reconcile."""
     webhook: WebhookSettings | None = None
     """The validating admission webhook; None: not served."""
+    network_policies: NetworkPolicyOptions | None = None
+    """Give every model NetworkPolicies; None: none (and those made earlier are pruned)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kubeconfig", help="default: in-cluster, else KUBECONFIG")
     parser.add_argument("--liveness", metavar="URL", help="e.g. http://0.0.0.0:8080/healthz")
+    add_network_arguments(parser)
     hook = parser.add_argument_group("validating admission webhook")
     hook.add_argument("--webhook-port", type=int, help="serve the webhook on this port (HTTPS)")
     hook.add_argument("--webhook-cert", help="TLS certificate file of the webhook server")
@@ -75,6 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--webhook-manage", action="store_true",
         help="create/patch ValidatingWebhookConfiguration validate.pdserve.io at startup "
         "(otherwise the Helm chart owns it)",
+    )  # fmt: skip
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
+    """The NetworkPolicy flags (`pdserve operator` and `pdserve manifests`)."""
+    net = parser.add_argument_group("NetworkPolicies per model")
+    net.add_argument(
+        "--network-policies", action=argparse.BooleanOptionalAction, default=None,
+        help="give every model NetworkPolicies: only its gateway reaches its engines and render "
+        "pods, only its prefill/decode pods reach each other's NIXL ports; --no-network-policies "
+        "deletes those made earlier (env PDSERVE_NETWORK_POLICIES=true|false, default false)",
+    )  # fmt: skip
+    net.add_argument(
+        "--network-policy-metrics-namespace", dest="metrics_namespaces", action="append",
+        metavar="NS", help="pods in this namespace may scrape /metrics of every pool (repeatable; "
+        "env PDSERVE_NETWORK_POLICY_METRICS_NAMESPACES=a,b)",
+    )  # fmt: skip
+    net.add_argument(
+        "--network-policy-gateway-from", dest="gateway_from", metavar="JSON",
+        help="JSON list of NetworkPolicyPeers allowed to reach the gateway (env "
+        "PDSERVE_NETWORK_POLICY_GATEWAY_FROM); default: anyone",
     )  # fmt: skip
 
 
@@ -119,10 +150,46 @@ def from_arguments(
         )  # fmt: skip
     return OperatorSettings(
         webhook=webhook,
+        network_policies=network_settings(args, env),
         namespaces=tuple(sorted(set(namespaces))),
         resync_seconds=resync,
         log_format=log_format,
         log_level=log_level,
         kubeconfig=args.kubeconfig or env.get("PDSERVE_KUBECONFIG"),
         liveness_endpoint=args.liveness,
+    )
+
+
+def network_settings(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> NetworkPolicyOptions | None:
+    """--network-policies and its options; ValueError names the flag or variable."""
+    enabled = args.network_policies
+    if enabled is None:
+        text = env.get("PDSERVE_NETWORK_POLICIES", "false").strip().lower()
+        if text not in TRUE + FALSE:
+            raise ValueError(f"PDSERVE_NETWORK_POLICIES must be true or false, got {text!r}")
+        enabled = text in TRUE
+    if not enabled:
+        return None
+    namespaces = args.metrics_namespaces or [
+        n.strip()
+        for n in env.get("PDSERVE_NETWORK_POLICY_METRICS_NAMESPACES", "").split(",")
+        if n.strip()
+    ]
+    for namespace in namespaces:
+        if not NAMESPACE_NAME.match(namespace):
+            raise ValueError(
+                f"--network-policy-metrics-namespace {namespace!r} is not a namespace name"
+            )
+    text = args.gateway_from or env.get("PDSERVE_NETWORK_POLICY_GATEWAY_FROM", "").strip() or "[]"
+    try:
+        peers = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--network-policy-gateway-from is not JSON: {error}") from None
+    if not isinstance(peers, list):
+        raise ValueError(f"--network-policy-gateway-from must be a JSON list, got {peers!r}")
+    return NetworkPolicyOptions(
+        metrics_namespaces=tuple(sorted(set(namespaces))),
+        gateway_from=tuple(check_peer(i, peer) for i, peer in enumerate(peers)),
     )
