@@ -93,6 +93,17 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
         assert selection.parity_hash == "hash-new"
         assert selection.pools["prefill"] == []
 
+        # The operator's transport verdict and the slice label reach the endpoint live.
+        patch = {"metadata": {"labels": {"pdserve.io/slice": "1"},
+                              "annotations": {"pdserve.io/kv-transport": "Verified"}}}  # fmt: skip
+        patched = await asyncio.to_thread(
+            http_api.patch, f"/api/v1/namespaces/{namespace}/pods/prefill-0", json=patch,
+            headers={"Content-Type": "application/merge-patch+json"},
+        )  # fmt: skip
+        patched.raise_for_status()
+        [prefill] = endpoints.pools["prefill"]
+        await wait_for(lambda: (prefill.slice, prefill.kv_transport) == ("1", "Verified"))
+
         deleted = await asyncio.to_thread(
             http_api.delete, f"/api/v1/namespaces/{namespace}/pods/decode-0"
         )

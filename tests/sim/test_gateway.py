@@ -626,3 +626,45 @@ async def test_short_prompts_overtake_queued_documents_and_aging_bounds_their_wa
     stuck.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await stuck
+
+
+def finished(server: Any) -> float:
+    """Requests an engine finished (its vllm:request_success counter)."""
+    return sum(
+        float(sample.value)
+        for metric in server.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "vllm:request_success_total"
+    )
+
+
+async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_same_slice(
+    stack: Stack,
+) -> None:
+    render = await stack.render()
+    urls = {
+        name: await stack.engine(name, engine(role))
+        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    }
+
+    def sliced(name: str, slice_index: str, transport: str) -> dict[str, Any]:
+        return {**ep(urls[name]), "slice": slice_index, "kvTransport": transport}
+
+    config = routing(endpoints={
+        "render": [ep(render)],
+        "prefill": [sliced("p0", "0", "Failed"), sliced("p1", "1", "Verified")],
+        "decode": [sliced("d0", "0", "Failed"), sliced("d1", "1", "Verified")],
+    })  # fmt: skip
+    config["kvTransfer"] = {"verify": "Required"}
+    client = await stack.gateway(config, load_scrape_seconds=None)
+    for _ in range(3):
+        assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [0, 3, 0, 3]
+
+    # The operator marks slice 1 failed too: no verified KV path is left, so requests prefill
+    # locally on decode instead of failing (even in Disaggregated mode).
+    stack.gateway_server.endpoints.pools["prefill"][1].kv_transport = "Failed"
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert finished(stack.engines["p1"]) == 3
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_fallbacks_total{reason="transport_unverified"} 1.0' in metrics

@@ -59,6 +59,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> dict[str, Any]:
             "leaseDurationSeconds": kv.lease_duration_seconds,
             "loadFailurePolicy": kv.load_failure_policy,
             "bidirectional": kv.bidirectional,
+            "verify": kv.verify.value,
         },
     }
 

@@ -46,11 +46,14 @@ class KvTransfer(_Model):
     lease_duration_seconds: int | None = None
     load_failure_policy: str | None = None
     bidirectional: bool = False
+    verify: Literal["Required", "Warn", "Off"] = "Warn"
 
 
 class StaticEndpoint(_Model):
     url: str
     parity_hash: str | None = None
+    slice: str | None = None
+    kv_transport: str | None = None
 
 
 class StaticEndpoints(_Model):

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.builders.names import PARITY_HASH_ANNOTATION
+from pdserve.builders.names import KV_TRANSPORT_ANNOTATION, PARITY_HASH_ANNOTATION, SLICE_LABEL
 from pdserve.controller.kube import KINDS, Kube, KubeError
 from pdserve.gateway.config import GatewayConfig, PoolRef
 from pdserve.gateway.endpoints import Endpoint, Endpoints
@@ -54,6 +54,10 @@ class PodDiscovery:
                 Endpoint(
                     f"http://{pod['status']['podIP']}:{ref.port}",
                     pod["metadata"].get("annotations", {}).get(PARITY_HASH_ANNOTATION),
+                    slice=pod["metadata"].get("labels", {}).get(SLICE_LABEL),
+                    kv_transport=pod["metadata"]
+                    .get("annotations", {})
+                    .get(KV_TRANSPORT_ANNOTATION),
                 )
                 for pod in self.pods.values()
                 if matches(pod["metadata"].get("labels", {}), ref.selector) and pod_ready(pod)

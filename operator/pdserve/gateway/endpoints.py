@@ -23,6 +23,10 @@ class Endpoint:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    # From the pod: its slice (pdserve.io/slice; None without slices) and its slice's transport
+    # preflight verdict (pdserve.io/kv-transport: Verified, Failed, Unverified).
+    slice: str | None = None
+    kv_transport: str | None = None
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
@@ -52,7 +56,9 @@ class Endpoints:
         if config.endpoints is not None:
             for pool in self.pools:
                 self.pools[pool] = [
-                    Endpoint(e.url.rstrip("/"), e.parity_hash)
+                    Endpoint(
+                        e.url.rstrip("/"), e.parity_hash, slice=e.slice, kv_transport=e.kv_transport
+                    )
                     for e in getattr(config.endpoints, pool)
                 ]
 
@@ -64,6 +70,7 @@ class Endpoints:
             kept = current.get(endpoint.url)
             if kept is not None:
                 kept.parity_hash = endpoint.parity_hash
+                kept.slice, kept.kv_transport = endpoint.slice, endpoint.kv_transport
                 updated.append(kept)
             else:
                 updated.append(endpoint)
@@ -114,6 +121,14 @@ class Endpoints:
             if warm:
                 return max(warm, key=lambda e: (affinity[e.url], -e.load()))
         return min(pool, key=lambda e: e.load())
+
+    @staticmethod
+    def same_slice(candidates: list[Endpoint], peer: Endpoint | None) -> list[Endpoint]:
+        """The candidates in the peer's slice (one topology domain: the KV stays on the fast
+        path); all of them when none is there."""
+        if peer is None or peer.slice is None:
+            return candidates
+        return [e for e in candidates if e.slice == peer.slice] or candidates
 
     def mark_down(self, endpoint: Endpoint) -> None:
         endpoint.down_until = time.monotonic() + self.down_seconds

@@ -295,6 +295,19 @@ class Gateway:
             }
         )
 
+    def keep_verified_prefill(self, selection: Selection) -> bool:
+        """kvTransfer.verify Required: only prefill replicas whose slice passed the transport
+        preflight take P/D traffic; with none, requests prefill locally on decode. True when
+        that left no prefill endpoint."""
+        prefill = selection.pools.get("prefill")
+        if self.config.kv_transfer.verify != "Required" or not prefill:
+            return False
+        selection.pools["prefill"] = [e for e in prefill if e.kv_transport == "Verified"]
+        if selection.pools["prefill"]:
+            return False
+        self.metrics.fallbacks.labels("transport_unverified").inc()
+        return True
+
     def wants_pd(self, selection: Selection) -> bool:
         mode = self.config.routing.mode
         if mode == "Aggregated" or self.config.pools.prefill is None:
@@ -326,11 +339,13 @@ class Gateway:
                 body = await self.read_body(request)
                 request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
                 selection = self.endpoints.select(self.needed_pools(), optional=["prefill"])
+                unverified = self.keep_verified_prefill(selection)
                 pd = self.wants_pd(selection)
                 if (
                     self.config.routing.mode == "Disaggregated"
                     and not pd
                     and self.config.pools.prefill
+                    and not unverified
                 ):
                     raise NoEndpoints("routing mode Disaggregated but no healthy prefill endpoint")
                 context = Context(self, request, body, chat, request_id, selection, pd, started)
@@ -472,6 +487,7 @@ class Context:
         conversation = body.get("conversation_id") or request.headers.get("X-Conversation-Id")
         self.conversation = str(conversation) if conversation else None
         self.prefill_done_at: float | None = None
+        self.prefilled_on: Endpoint | None = None
         self.sent_at_ms = int(time.time() * 1000)
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
@@ -509,6 +525,12 @@ class Context:
     @property
     def settings(self) -> GatewaySettings:
         return self.gw.settings
+
+    def decode_candidates(self, with_kv: bool) -> list[Endpoint]:
+        """Decode replicas for this request: with prefill's KV to pull, those in the prefill
+        replica's slice first (same topology domain, the verified path)."""
+        pool = self.selection.pools["decode"]
+        return self.gw.endpoints.same_slice(pool, self.prefilled_on if with_kv else None)
 
     def estimated_prompt_tokens(self) -> int:
         """Without a render pool there are no token ids: ~4 characters a token."""
@@ -598,6 +620,7 @@ class Context:
             await self.gw.abort(endpoint, [self.request_id])
             return None
         self.prefill_done_at = time.monotonic()
+        self.prefilled_on = endpoint
         return endpoint, params
 
     # ---- route 1 and 3: render + tokens engines --------------------------------------------
@@ -672,7 +695,7 @@ class Context:
         try:
             endpoint, answer = await gw.post_json(
                 "decode",
-                self.selection.pools["decode"],
+                self.decode_candidates(with_kv=not local),
                 path,
                 body,
                 self.headers,
@@ -748,7 +771,9 @@ class Context:
             local_ids = generate["token_ids"] if attempt_kv is None else None
             affinity = self.affinity("decode", local_ids)
             while (
-                endpoint := gw.endpoints.pick(self.selection.pools["decode"], tried, affinity)
+                endpoint := gw.endpoints.pick(
+                    self.decode_candidates(with_kv=attempt_kv is not None), tried, affinity
+                )
             ) is not None:
                 body = self.decode_body(generate, attempt_kv)
                 try:
@@ -910,7 +935,8 @@ class Context:
     async def proxy_stream(self, path: str, body: dict[str, Any]) -> web.StreamResponse:
         gw = self.gw
         endpoint = gw.endpoints.pick(
-            self.selection.pools["decode"], affinity=self.affinity("decode", None)
+            self.decode_candidates(with_kv="kv_transfer_params" in body),
+            affinity=self.affinity("decode", None),
         )
         if endpoint is None:
             raise GatewayError(503, "no healthy decode endpoint")
