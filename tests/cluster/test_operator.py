@@ -97,9 +97,15 @@ def test_create_builds_every_child_schedules_on_gpus_and_reports_ready(
                in ("prefill", "decode")]  # fmt: skip
     assert len(engines) == 2
     assert {p["spec"]["nodeName"] for p in engines} <= GPU_NODES
-    cpu_pods = [p for p in pods if p not in engines]
+    # The transport preflight (kvTransfer.verify defaults to Warn) probes on the engines' nodes.
+    probes = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"]
+              == "preflight"]  # fmt: skip
+    assert {p["spec"].get("nodeName") for p in probes} <= {
+        p["spec"]["nodeName"] for p in engines
+    } | {None}
+    cpu_pods = [p for p in pods if p not in engines and p not in probes]
     assert {p["spec"]["nodeName"] for p in cpu_pods} <= {"cpu-0", "cpu-1"}  # kept off GPU nodes
-    hashes = {p["metadata"]["annotations"]["pdserve.io/parity-hash"] for p in pods}
+    hashes = {p["metadata"]["annotations"]["pdserve.io/parity-hash"] for p in engines + cpu_pods}
     assert hashes == {dm["status"]["parityHash"]}
     assert dm["status"]["endpoint"] == f"http://qwen-gateway.{namespace}.svc:8000/v1"
 

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.service import Gateway, GatewaySettings
 from pdserve.sim.engine_core import SchedulerConfig
@@ -668,3 +669,46 @@ async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_sam
     assert finished(stack.engines["p1"]) == 3
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_fallbacks_total{reason="transport_unverified"} 1.0' in metrics
+
+
+async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: Stack) -> None:
+    """The operator's scraper against real simulated engines: healthy transfers, then failed
+    ones, then ones slower than the budget (half of a 5 s TTFT SLO). Simulated time runs 100x
+    faster than real time, so scheduling jitter counts for a lot: the budget leaves room."""
+    client = await pd_stack(stack)
+    decode = f"http://127.0.0.1:{stack.engines['decode'].config.port}"
+    changed: list[tuple[str, str]] = []
+    monitor = TransportMonitor(changed.append, interval=0)
+    key = ("llm", "qwen")
+    monitor.track(key, [f"{decode}/metrics"], budget=2.5)
+    try:
+        await monitor.scrape_once()
+        assert monitor.verdict(key) is None  # no transfer yet
+
+        async def send(faults: dict[str, int] | None = None) -> HealthVerdict | None:
+            if faults:
+                await httpx.AsyncClient().post(f"{decode}/sim/faults", json=faults)
+            for _ in range(2):
+                assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+            await monitor.scrape_once()
+            return monitor.verdict(key)
+
+        healthy = await send()
+        assert healthy is not None
+        assert (healthy.healthy, healthy.reason) == (True, "Healthy")
+        assert healthy.message.startswith("2 transfers, average ")
+        failing = await send({"fail_transfers": 1})
+        assert failing is not None
+        assert (failing.healthy, failing.reason) == (False, "TransferFailures")
+        slow = await send({"delay_transfers": 2, "delay_ms": 20000})
+        assert slow is not None
+        assert (slow.healthy, slow.reason) == (False, "SlowTransfers")
+        assert "budget 2500 ms" in slow.message
+        assert changed == [key, key, key]  # each flip asks for a reconcile
+        await stack.exits.aclose()  # engines gone
+        await monitor.scrape_once()
+        gone = monitor.verdict(key)
+        assert gone is not None
+        assert gone.reason == "MetricsUnreachable"
+    finally:
+        await monitor.close()

@@ -12,6 +12,7 @@ from pdserve.api import parse_resource
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import Component, build_all
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, contains, is_current, merge_patch
+from pdserve.controller.health import HealthVerdict
 from pdserve.controller.reconcile import Outcome, key_of, owned, parity_drift, transition_events
 from pdserve.controller.settings import add_arguments, from_arguments
 from pdserve.controller.status import Observation, compute_status
@@ -245,3 +246,14 @@ def test_settings_come_from_flags_then_env_then_defaults() -> None:
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_settings([], env)
+
+
+def test_transport_healthy_carries_the_scrapers_verdict() -> None:
+    def healthy(verdict: HealthVerdict | None) -> tuple[str, str]:
+        seen = Observation(workloads={Component.decode: [workload(1, 1)]}, health=verdict)
+        status = compute_status(DM, seen, None, generation=3, parity="abc", now="t")
+        found = next(c for c in status.conditions if c.type == "TransportHealthy")
+        return found.status, found.reason
+
+    assert healthy(None) == ("Unknown", "NotMeasured")
+    assert healthy(HealthVerdict(False, "SlowTransfers", "x")) == ("False", "SlowTransfers")

@@ -39,6 +39,12 @@ PRINTER_COLUMNS = [
     {"name": "Parity", "type": "string",
      "jsonPath": '.status.conditions[?(@.type=="ConfigParity")].status'},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
+    {"name": "Placed", "type": "string",
+     "jsonPath": '.status.conditions[?(@.type=="Placement")].status', "priority": 1},
+    {"name": "KV-Verified", "type": "string",
+     "jsonPath": '.status.conditions[?(@.type=="TransportVerified")].reason', "priority": 1},
+    {"name": "KV-Healthy", "type": "string",
+     "jsonPath": '.status.conditions[?(@.type=="TransportHealthy")].message', "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]  # fmt: skip

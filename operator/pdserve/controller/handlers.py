@@ -53,16 +53,23 @@ def build_registry(
         reconciler = Reconciler(Kube(credentials), operator_settings)
         state["reconciler"] = reconciler
         state["resync"] = asyncio.create_task(reconciler.resync_forever(), name="resync")
+        if reconciler.health is not None:
+            state["health"] = asyncio.create_task(
+                reconciler.health.run_forever(), name="transport health"
+            )
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        task = state.get("resync")
-        if task is not None:
-            task.cancel()
+        for task_name in ("resync", "health"):
+            task = state.get(task_name)
+            if task is not None:
+                task.cancel()
         reconciler: Reconciler | None = state.get("reconciler")
         if reconciler is not None:
             await reconciler.drain()
             await reconciler.kube.close()
+            if reconciler.health is not None:
+                await reconciler.health.close()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def on_model(type: str, namespace: str | None, name: str, **_: Any) -> None:

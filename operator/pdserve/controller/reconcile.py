@@ -33,6 +33,7 @@ from pdserve.builders import (
 )
 from pdserve.builders.names import (
     COMPONENT_LABEL,
+    ENGINE_PORT,
     FIELD_MANAGER,
     INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
@@ -41,6 +42,7 @@ from pdserve.builders.names import (
 from pdserve.builders.parity import parity_hash
 from pdserve.builders.preflight import preflight
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
+from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.kube import KINDS, Kind, Kube, KubeError, kind_of
 from pdserve.controller.status import (
     Observation,
@@ -253,15 +255,36 @@ def transition_events(
             outcome.event("Normal", "Recovered", cond.message)
 
 
+def watch_transport(
+    health: TransportMonitor | None, dm: DisaggregatedModel, engines: list[Mapping[str, Any]]
+) -> HealthVerdict | None:
+    """Point the scraper at the model's ready decode engines; its last verdict."""
+    if health is None:
+        return None
+    key = (dm.namespace, dm.name)
+    if not dm.spec.disaggregated:
+        health.forget(key)
+        return None
+    urls = [
+        f"http://{pod['status']['podIP']}:{ENGINE_PORT}/metrics"
+        for pod in component_pods(engines, Component.decode)
+        if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
+    ]
+    health.track(key, sorted(urls), transfer_budget_seconds(dm))
+    return health.verdict(key)
+
+
 async def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
     *,
     now: Callable[[], str] = utc_now,
     network: NetworkPolicyOptions | None = None,
+    health: TransportMonitor | None = None,
 ) -> Outcome:
     """Converge the children of `body`; events to post are returned in the outcome. `network`:
-    the operator's NetworkPolicy settings (None: the model gets none, and loses those it has)."""
+    the operator's NetworkPolicy settings (None: the model gets none, and loses those it has).
+    `health`: the background scraper of decode engines' NIXL metrics (None: not measured)."""
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
@@ -327,8 +350,9 @@ async def reconcile(
         )  # fmt: skip
         outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
     seen = Observation(
-        workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts
-    )
+        workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
+        health=watch_transport(health, dm, engines),
+    )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()
     )

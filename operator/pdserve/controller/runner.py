@@ -10,6 +10,7 @@ import logging
 import httpx
 
 from pdserve.controller.events import post_event
+from pdserve.controller.health import TransportMonitor
 from pdserve.controller.kube import Kube, KubeError
 from pdserve.controller.reconcile import DM_KIND, reconcile
 from pdserve.controller.settings import OperatorSettings
@@ -27,6 +28,11 @@ class Reconciler:
         self._dirty: set[Key] = set()
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self._failures: dict[Key, int] = {}
+        self.health: TransportMonitor | None = None
+        if settings.engine_metrics_seconds > 0:
+            self.health = TransportMonitor(
+                lambda key: self.trigger(*key), interval=settings.engine_metrics_seconds
+            )
 
     def trigger(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -38,6 +44,8 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
+        if self.health is not None:
+            self.health.forget((namespace, name))
 
     async def _work(self, key: Key) -> None:
         while key in self._dirty:
@@ -60,7 +68,9 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
-        outcome = await reconcile(self.kube, body, network=self.settings.network_policies)
+        outcome = await reconcile(
+            self.kube, body, network=self.settings.network_policies, health=self.health
+        )
         for event in outcome.events:
             await post_event(self.kube, body, event)
 

@@ -35,6 +35,8 @@ class OperatorSettings:
     """The validating admission webhook; None: not served."""
     network_policies: NetworkPolicyOptions | None = None
     """Give every model NetworkPolicies; None: none (and those made earlier are pruned)."""
+    engine_metrics_seconds: float = 15.0
+    """How often decode engines' NIXL metrics are scraped for TransportHealthy; 0: never."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kubeconfig", help="default: in-cluster, else KUBECONFIG")
     parser.add_argument("--liveness", metavar="URL", help="e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument(
+        "--engine-metrics-seconds", type=float,
+        help="scrape decode engines' NIXL metrics this often for condition TransportHealthy; "
+        "0 turns it off (env PDSERVE_ENGINE_METRICS_SECONDS, default 15)",
+    )  # fmt: skip
     add_network_arguments(parser)
     hook = parser.add_argument_group("validating admission webhook")
     hook.add_argument("--webhook-port", type=int, help="serve the webhook on this port (HTTPS)")
@@ -109,24 +116,29 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def seconds(flag_value: float | None, env: Mapping[str, str], flag: str, default: str) -> float:
+    """A duration from --<flag>, else env PDSERVE_<FLAG>, else the default."""
+    if flag_value is not None:
+        return float(flag_value)
+    name = "PDSERVE_" + flag.upper().replace("-", "_")
+    text = env.get(name, default)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+
+
 def from_arguments(
     args: argparse.Namespace, env: Mapping[str, str] = os.environ
 ) -> OperatorSettings:
     """Settings from parsed flags and the environment; ValueError names the bad setting."""
     namespaces = args.namespaces or [n for n in env.get("PDSERVE_NAMESPACES", "").split(",") if n]
-    resync_text = (
-        args.resync_seconds
-        if args.resync_seconds is not None
-        else env.get("PDSERVE_RESYNC_SECONDS", "60")
-    )
-    try:
-        resync = float(resync_text)
-    except ValueError:
-        raise ValueError(
-            f"PDSERVE_RESYNC_SECONDS={resync_text!r} is not a number of seconds"
-        ) from None
+    resync = seconds(args.resync_seconds, env, "resync-seconds", "60")
     if resync <= 0:
         raise ValueError(f"--resync-seconds must be > 0, got {resync}")
+    engine_metrics = seconds(args.engine_metrics_seconds, env, "engine-metrics-seconds", "15")
+    if engine_metrics < 0:
+        raise ValueError(f"--engine-metrics-seconds must be >= 0, got {engine_metrics}")
     log_format = args.log_format or env.get("PDSERVE_LOG_FORMAT", "plain")
     if log_format not in ("plain", "json"):
         raise ValueError(f"PDSERVE_LOG_FORMAT must be plain or json, got {log_format!r}")
@@ -153,6 +165,7 @@ def from_arguments(
         network_policies=network_settings(args, env),
         namespaces=tuple(sorted(set(namespaces))),
         resync_seconds=resync,
+        engine_metrics_seconds=engine_metrics,
         log_format=log_format,
         log_level=log_level,
         kubeconfig=args.kubeconfig or env.get("PDSERVE_KUBECONFIG"),

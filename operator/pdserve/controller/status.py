@@ -17,6 +17,7 @@ from pdserve.api.status import (
 )
 from pdserve.builders import Component, endpoint
 from pdserve.builders.names import COMPONENT_LABEL, SLICE_LABEL
+from pdserve.controller.health import HealthVerdict
 from pdserve.controller.transport import verified_condition
 
 # Container waiting reasons that will not fix themselves.
@@ -37,6 +38,7 @@ class Observation:
     problems: list[str] = field(default_factory=list)  # invalid spec: nothing was applied
     warnings: list[str] = field(default_factory=list)  # e.g. a missing chat-template ConfigMap
     transport: list[SliceTransport] = field(default_factory=list)  # preflight verdicts
+    health: HealthVerdict | None = None  # decode engines' NIXL metrics, last interval
 
 
 def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
@@ -129,6 +131,16 @@ def stuck_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
                     f"{pool} pod {name}: {waiting['reason']}: {waiting.get('message', '')}"
                 )
     return found
+
+
+def health_condition(
+    dm: DisaggregatedModel, verdict: HealthVerdict | None
+) -> tuple[bool | None, str, str]:
+    if not dm.spec.disaggregated:
+        return None, "NotDisaggregated", "no KV transfers: serving is aggregated"
+    if verdict is None:
+        return None, "NotMeasured", "no KV transfers measured yet"
+    return verdict.healthy, verdict.reason, verdict.message
 
 
 def condition(
@@ -229,6 +241,10 @@ def compute_status(
             ConditionType.transport_verified, verified, reason, message, generation, before, now
         )
     )
+    conditions.append(
+        condition(ConditionType.transport_healthy, *health_condition(dm, seen.health), generation,
+                  before, now)
+    )  # fmt: skip
     if degraded_reasons:
         phase = Phase.degraded
     elif ready:
