@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.controller.health import (
     HealthVerdict,
     TransferCounters,
     judge_health,
+    kv_policy,
     parse_counters,
 )
 
@@ -60,3 +64,29 @@ def test_expired_leases_name_the_fix() -> None:
     assert verdict is not None
     assert (verdict.healthy, verdict.reason) == (False, "LeasesExpiring")
     assert "raise kvTransfer.leaseDurationSeconds" in verdict.message
+
+
+def lease_model(**kv: Any) -> DisaggregatedModel:
+    spec: dict[str, Any] = {"model": {"name": "org/m"}, "prefill": {}, "kvTransfer": kv}
+    if "ttft" in kv:
+        spec["gateway"] = {"slo": {"ttftMs": kv.pop("ttft")}}
+    return parse_resource({"metadata": {"name": "m", "namespace": "ns"}, "spec": spec})
+
+
+def test_kv_lease_is_checked_against_the_slo_and_the_measured_handoff() -> None:
+    assert kv_policy(lease_model(), None) == (
+        True, "Consistent", "kvTransfer.leaseDurationSeconds 30 s (vLLM default)",
+    )  # fmt: skip
+    short = kv_policy(lease_model(leaseDurationSeconds=1, ttft=2000), None)
+    assert short[:2] == (False, "LeaseTooShort")
+    assert "kvTransfer.leaseDurationSeconds 1 s is shorter than the TTFT SLO (2 s)" in short[2]
+    busy = HealthVerdict(True, "Healthy", "", transfer_seconds=1.3, queue_seconds=10.0)
+    measured = kv_policy(lease_model(leaseDurationSeconds=20), busy)
+    assert measured == (
+        False, "LeaseTooShort",
+        "kvTransfer.leaseDurationSeconds 20 s is less than 2x the measured decode queueing "
+        "10.00 s + transfer 1.30 s; raise kvTransfer.leaseDurationSeconds or add decode capacity",
+    )  # fmt: skip
+    assert kv_policy(lease_model(leaseDurationSeconds=60), busy)[:2] == (True, "Consistent")
+    aggregated = parse_resource({"metadata": {"name": "m"}, "spec": {"model": {"name": "o/m"}}})
+    assert kv_policy(aggregated, busy)[:2] == (None, "NoLease")

@@ -18,6 +18,7 @@ class ConditionType(StrEnum):
     placement = "Placement"
     transport_verified = "TransportVerified"
     transport_healthy = "TransportHealthy"
+    kv_policy = "KVPolicy"
 
 
 class Condition(ApiModel):

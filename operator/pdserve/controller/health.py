@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,14 +29,12 @@ class TransferCounters:
     seconds: float = 0.0
     failed: float = 0.0
     expired: float = 0.0
+    queued: float = 0.0  # requests that left decode's queue (vllm:request_queue_time_seconds)
+    queue_seconds: float = 0.0
 
     def __add__(self, other: TransferCounters) -> TransferCounters:
-        return TransferCounters(
-            self.transfers + other.transfers,
-            self.seconds + other.seconds,
-            self.failed + other.failed,
-            self.expired + other.expired,
-        )
+        pairs = zip(astuple(self), astuple(other), strict=True)
+        return TransferCounters(*(a + b for a, b in pairs))
 
     def since(self, before: TransferCounters | None) -> TransferCounters:
         """What happened since `before`; a counter that went down (engine restarted) counts
@@ -48,13 +46,13 @@ class TransferCounters:
             return now - then if now >= then else now
 
         return TransferCounters(
-            delta(self.transfers, before.transfers), delta(self.seconds, before.seconds),
-            delta(self.failed, before.failed), delta(self.expired, before.expired),
-        )  # fmt: skip
+            *(delta(a, b) for a, b in zip(astuple(self), astuple(before), strict=True))
+        )
 
 
 def parse_counters(text: str) -> TransferCounters:
-    totals = {"transfers": 0.0, "seconds": 0.0, "failed": 0.0, "expired": 0.0}
+    totals = dict.fromkeys(("transfers", "seconds", "failed", "expired", "queued",
+                            "queue_seconds"), 0.0)  # fmt: skip
     wanted = {
         "vllm:nixl_xfer_time_seconds_count": "transfers",
         "vllm:nixl_xfer_time_seconds_sum": "seconds",
@@ -62,6 +60,8 @@ def parse_counters(text: str) -> TransferCounters:
         "vllm:nixl_num_failed_transfers": "failed",
         "vllm:nixl_num_kv_expired_reqs_total": "expired",
         "vllm:nixl_num_kv_expired_reqs": "expired",
+        "vllm:request_queue_time_seconds_count": "queued",
+        "vllm:request_queue_time_seconds_sum": "queue_seconds",
     }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -76,6 +76,9 @@ class HealthVerdict:
     healthy: bool | None
     reason: str
     message: str
+    # Measured over the window: average KV transfer and decode queueing, seconds.
+    transfer_seconds: float | None = field(default=None, compare=False)
+    queue_seconds: float | None = field(default=None, compare=False)
 
 
 def transfer_budget_seconds(dm: DisaggregatedModel) -> float | None:
@@ -88,22 +91,57 @@ def judge_health(window: TransferCounters, budget: float | None) -> HealthVerdic
     if window.transfers == 0 and window.failed == 0 and window.expired == 0:
         return None
     average = window.seconds / window.transfers if window.transfers else None
+    queueing = window.queue_seconds / window.queued if window.queued else None
+    measured = {"transfer_seconds": average, "queue_seconds": queueing}
     numbers = f"{int(window.transfers)} transfers"
     if average is not None:
         numbers += f", average {average * 1000:.0f} ms"
     if budget is not None:
         numbers += f" (budget {budget * 1000:.0f} ms: half the TTFT SLO)"
     if window.failed:
-        return HealthVerdict(False, "TransferFailures",
-                             f"{int(window.failed)} failed KV transfers; {numbers}")  # fmt: skip
+        message = f"{int(window.failed)} failed KV transfers; {numbers}"
+        return HealthVerdict(False, "TransferFailures", message, **measured)
     if window.expired:
         return HealthVerdict(False, "LeasesExpiring",
                              f"{int(window.expired)} KV leases expired before decode pulled "
                              f"them (raise kvTransfer.leaseDurationSeconds or add decode "
-                             f"capacity); {numbers}")  # fmt: skip
+                             f"capacity); {numbers}", **measured)  # fmt: skip
     if average is not None and budget is not None and average > budget:
-        return HealthVerdict(False, "SlowTransfers", numbers)
-    return HealthVerdict(True, "Healthy", numbers)
+        return HealthVerdict(False, "SlowTransfers", numbers, **measured)
+    return HealthVerdict(True, "Healthy", numbers, **measured)
+
+
+VLLM_DEFAULT_LEASE_SECONDS = 30  # kv_lease_duration when the spec leaves it unset
+LEASE_HEADROOM = 2.0  # the lease should cover twice the measured queueing + transfer
+
+
+def kv_policy(
+    dm: DisaggregatedModel, verdict: HealthVerdict | None
+) -> tuple[bool | None, str, str]:
+    """Whether the KV lease fits the TTFT SLO and what the engines measure: a lease that runs
+    out before decode pulls makes prefill's work wasted (expired leases, recomputed prefixes)."""
+    kv = dm.spec.kv_transfer
+    if not dm.spec.disaggregated or not kv.connector.value.startswith("Nixl"):
+        return None, "NoLease", "no NIXL KV leases: serving is aggregated or not over NIXL"
+    lease = kv.lease_duration_seconds or VLLM_DEFAULT_LEASE_SECONDS
+    field_name = "kvTransfer.leaseDurationSeconds"
+    setting = f"{field_name} {lease} s" + ("" if kv.lease_duration_seconds else " (vLLM default)")
+    problems = []
+    ttft_ms = dm.spec.gateway.slo.ttft_ms
+    if ttft_ms is not None and lease < ttft_ms / 1000:
+        problems.append(f"{setting} is shorter than the TTFT SLO ({ttft_ms / 1000:g} s): a "
+                        "request can meet its SLO and still lose its KV")  # fmt: skip
+    measured = ""
+    if verdict is not None and verdict.transfer_seconds is not None:
+        expected = verdict.transfer_seconds + (verdict.queue_seconds or 0.0)
+        measured = (f"measured decode queueing {verdict.queue_seconds or 0.0:.2f} s + transfer "
+                    f"{verdict.transfer_seconds:.2f} s")  # fmt: skip
+        if lease < LEASE_HEADROOM * expected:
+            problems.append(f"{setting} is less than {LEASE_HEADROOM:g}x the {measured}; raise "
+                            f"{field_name} or add decode capacity")  # fmt: skip
+    if problems:
+        return False, "LeaseTooShort", "; ".join(problems)
+    return True, "Consistent", f"{setting}" + (f" covers the {measured}" if measured else "")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pdserve.api.status import (
 )
 from pdserve.builders import Component, endpoint
 from pdserve.builders.names import COMPONENT_LABEL, SLICE_LABEL
-from pdserve.controller.health import HealthVerdict
+from pdserve.controller.health import HealthVerdict, kv_policy
 from pdserve.controller.transport import verified_condition
 
 # Container waiting reasons that will not fix themselves.
@@ -245,6 +245,9 @@ def compute_status(
         condition(ConditionType.transport_healthy, *health_condition(dm, seen.health), generation,
                   before, now)
     )  # fmt: skip
+    conditions.append(
+        condition(ConditionType.kv_policy, *kv_policy(dm, seen.health), generation, before, now)
+    )
     if degraded_reasons:
         phase = Phase.degraded
     elif ready:
