@@ -508,20 +508,33 @@ LONG = {**PLAIN, "messages": [{"role": "user", "content": " ".join(["hello world
 async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill(
     stack: Stack,
 ) -> None:
-    client = await pd_stack(stack, mode="Auto")
+    client = await pd_stack(stack, mode="Auto", load_scrape_seconds=None)
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert stack.engines["prefill"].core.prefix_queries == 0  # short: prefilled on decode
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
-    assert stack.engines["prefill"].core.prefix_queries > 0  # long: prefill pool
+    # Nothing else runs on decode: a local prefill stalls no stream, and skips the handoff.
+    assert stack.engines["prefill"].core.prefix_queries == 0
+    busy_decode(stack)
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    assert stack.engines["prefill"].core.prefix_queries > 0  # long, decode busy: prefill pool
     metrics = (await client.get("/metrics")).text
-    assert 'pdserve_gateway_auto_decisions_total{reason="short_prompt"} 1.0' in metrics
-    assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 1.0' in metrics
+    for reason in ("short_prompt", "decode_idle", "long_prompt"):
+        assert f'pdserve_gateway_auto_decisions_total{{reason="{reason}"}} 1.0' in metrics
+
+
+def busy_decode(stack: Stack) -> None:
+    """Streams of other clients on the decode replica, as its scraped metrics would say."""
+    for endpoint in stack.gateway_server.endpoints.pools["decode"]:
+        endpoint.running = 3
 
 
 async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: Stack) -> None:
     slow = engine("decode")
     slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
-    client = await pd_stack(stack, decode_config=slow, mode="Auto", slo={"ttftMs": 100})
+    client = await pd_stack(
+        stack, decode_config=slow, mode="Auto", slo={"ttftMs": 100}, load_scrape_seconds=None
+    )
+    busy_decode(stack)
     first = await sse_events(client, LONG)
     assert first[-1] == "[DONE]"
     second = await client.post("/v1/chat/completions", json=LONG)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.gateway.policy import AutoPolicy, PolicySettings
+from pdserve.gateway.policy import AutoPolicy, PolicySettings, QueueState
 
 
 class Clock:
@@ -84,3 +84,33 @@ def test_a_handoff_slower_than_the_budget_counts_as_a_failure() -> None:
     auto.health.observe(5.0, 8000, ttft_budget=2.0)
     auto.health.observe(5.0, 8000, ttft_budget=2.0)
     assert auto.health.degraded
+
+
+def test_an_idle_decode_replica_prefills_locally() -> None:
+    auto, _ = policy()
+    idle = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                       queues=QueueState(decode_active=0, prefill_ahead=0))  # fmt: skip
+    assert (idle.disaggregated, idle.reason) == (False, "decode_idle")
+    busy = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                       queues=QueueState(decode_active=2, prefill_ahead=0))  # fmt: skip
+    assert (busy.disaggregated, busy.reason) == (True, "long_prompt")
+    off, _ = policy(local_when_decode_idle=False)
+    assert off.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                      queues=QueueState(decode_active=0)).disaggregated  # fmt: skip
+
+
+def test_a_prefill_queue_that_would_break_the_ttft_slo_goes_local() -> None:
+    auto, _ = policy()
+    auto.health.observe_prefill(0.5, 8000)  # 8k tokens prefill in 0.5 s
+    auto.health.observe(0.3, 8000, ttft_budget=2.0)
+    busy = QueueState(decode_active=4, prefill_ahead=1)
+    # One request ahead: 2 x 0.5 s + 0.3 s handoff = 1.3 s, within 2 s.
+    assert auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                       queues=busy).disaggregated  # fmt: skip
+    # Four ahead: 5 x 0.5 + 0.3 = 2.8 s; locally 0.5 s fits.
+    queued = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                         queues=QueueState(decode_active=4, prefill_ahead=4))  # fmt: skip
+    assert (queued.disaggregated, queued.reason) == (False, "prefill_queue_over_ttft_budget")
+    # If even a local prefill cannot meet the SLO, keep P/D (it at least spares decode's ITL).
+    assert auto.decide(prompt_tokens=40000, prefill_available=True, ttft_budget=2.0,
+                       queues=QueueState(decode_active=4, prefill_ahead=4)).disaggregated  # fmt: skip

@@ -6,7 +6,11 @@ and decides with it:
 - no prefill endpoint, or the P/D path is degraded (recent transfer failures, expired leases,
   handoffs over the TTFT budget): local, except a small share of probes that detect recovery;
 - short prompts: local (their prefill barely disturbs decode, and a handoff only adds latency);
+- an idle decode replica (nothing running or queued): local, since no stream's ITL can suffer
+  and the handoff is pure added latency (at low rates this gives aggregated serving's TTFT);
 - a predicted handoff (EWMA seconds per prompt token x prompt tokens) over the TTFT budget: local;
+- a predicted P/D TTFT (the prefill queue ahead + this prefill + the handoff) over the budget
+  while local prefill would fit it: local;
 - otherwise disaggregated.
 Pure logic with an injected clock: every rule is tested deterministically."""
 
@@ -31,6 +35,18 @@ class PolicySettings:
     """While degraded, every Nth eligible request still tries P/D to detect recovery."""
     recover_after_successes: int = 2
     """Consecutive successful probes that end the degraded state."""
+    local_when_decode_idle: bool = True
+    """Prefill locally on a decode replica with nothing running or queued."""
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """The engines' queues as the gateway sees them (scraped metrics + its own in-flight)."""
+
+    decode_active: float | None = None
+    """Requests running or waiting on the least busy decode replica."""
+    prefill_ahead: float | None = None
+    """Requests running or waiting on the least busy prefill replica."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class HandoffHealth:
         self.settings = settings
         self.clock = clock
         self.seconds_per_token: float | None = None
+        self.prefill_seconds_per_token: float | None = None
         self.failures: deque[float] = deque()
         self.degraded = False
         self.successes_while_degraded = 0
@@ -73,6 +90,15 @@ class HandoffHealth:
                 self.degraded = False
                 self.failures.clear()
 
+    def observe_prefill(self, seconds: float, prompt_tokens: int) -> None:
+        """A prefill call on the prefill pool: its speed predicts the queue ahead of the next."""
+        per_token = seconds / max(1, prompt_tokens)
+        alpha = self.settings.ewma_alpha
+        before = self.prefill_seconds_per_token
+        self.prefill_seconds_per_token = (
+            per_token if before is None else alpha * per_token + (1 - alpha) * before
+        )
+
     def failure(self) -> None:
         """A failed transfer, an expired or expiring lease, or a handoff over budget."""
         now = self.clock()
@@ -95,7 +121,12 @@ class AutoPolicy:
         self.health = HandoffHealth(self.settings, clock)
 
     def decide(
-        self, *, prompt_tokens: int | None, prefill_available: bool, ttft_budget: float | None
+        self,
+        *,
+        prompt_tokens: int | None,
+        prefill_available: bool,
+        ttft_budget: float | None,
+        queues: QueueState | None = None,
     ) -> Decision:
         if not prefill_available:
             return Decision(False, "no_prefill")
@@ -107,7 +138,18 @@ class AutoPolicy:
             if health.eligible_while_degraded % self.settings.probe_every == 0:
                 return Decision(True, "probe")
             return Decision(False, "degraded")
-        predicted = health.predicted_handoff(prompt_tokens or 0)
-        if ttft_budget is not None and predicted is not None and predicted > ttft_budget:
+        queues = queues or QueueState()
+        if self.settings.local_when_decode_idle and queues.decode_active == 0:
+            return Decision(False, "decode_idle")
+        tokens = prompt_tokens or 0
+        handoff = health.predicted_handoff(tokens)
+        if ttft_budget is not None and handoff is not None and handoff > ttft_budget:
             return Decision(False, "handoff_over_ttft_budget")
+        speed = health.prefill_seconds_per_token
+        if ttft_budget is not None and speed is not None and queues.prefill_ahead is not None:
+            this_prefill = speed * tokens
+            # Requests ahead are assumed about as long as this one: a coarse but monotone guess.
+            pd_ttft = (queues.prefill_ahead + 1) * this_prefill + (handoff or 0.0)
+            if pd_ttft > ttft_budget >= this_prefill:
+                return Decision(False, "prefill_queue_over_ttft_budget")
         return Decision(True, "long_prompt")

@@ -36,7 +36,7 @@ from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selectio
 from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
 from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.policy import AutoPolicy, PolicySettings
+from pdserve.gateway.policy import AutoPolicy, PolicySettings, QueueState
 from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
 
@@ -274,12 +274,29 @@ class Gateway:
         ttft_ms = self.config.routing.slo.ttft_ms
         return None if ttft_ms is None else ttft_ms / 1000
 
-    def auto_decision(self, prompt_tokens: int | None, prefill_available: bool) -> bool:
+    @staticmethod
+    def queue_state(selection: Selection) -> QueueState:
+        """The least busy replica of each engine pool: queued plus running requests (the
+        gateway's own in-flight count when it is ahead of the last scrape)."""
+
+        def active(endpoint: Endpoint) -> float:
+            return endpoint.waiting + max(endpoint.running, endpoint.inflight)
+
+        pools = selection.pools
+        return QueueState(
+            decode_active=min(map(active, pools.get("decode", [])), default=None),
+            prefill_ahead=min(map(active, pools.get("prefill", [])), default=None),
+        )
+
+    def auto_decision(
+        self, prompt_tokens: int | None, prefill_available: bool, selection: Selection
+    ) -> bool:
         """Routing mode Auto: P/D or local prefill for this request (see policy.py)."""
         decision = self.policy.decide(
             prompt_tokens=prompt_tokens,
             prefill_available=prefill_available,
             ttft_budget=self.ttft_budget(),
+            queues=self.queue_state(selection),
         )
         self.metrics.auto_decisions.labels(decision.reason).inc()
         return decision.disaggregated
@@ -586,6 +603,7 @@ class Context:
         )
         try:
             async with gw.admission.admit(request_class, len(self.selection.pools["prefill"])):
+                begun = time.monotonic()
                 endpoint, answer = await gw.post_json(
                     "prefill",
                     self.selection.pools["prefill"],
@@ -595,6 +613,7 @@ class Context:
                     self.settings.prefill_timeout,
                     affinity=self.affinity("prefill", token_ids),
                 )
+                gw.policy.health.observe_prefill(time.monotonic() - begun, prompt_tokens)
             self.remember("prefill", endpoint, token_ids)
         except UpstreamFailed as error:
             log.warning(
@@ -641,7 +660,7 @@ class Context:
         generate = generates[0]
         generate["request_id"] = self.request_id
         if self.gw.config.routing.mode == "Auto":
-            self.pd = self.gw.auto_decision(len(generate["token_ids"]), self.pd)
+            self.pd = self.gw.auto_decision(len(generate["token_ids"]), self.pd, self.selection)
         prefill_endpoint: Endpoint | None = None
         kv: dict[str, Any] | None = None
         if self.pd:
@@ -909,7 +928,7 @@ class Context:
         kv: dict[str, Any] | None = None
         prefill_endpoint: Endpoint | None = None
         if self.gw.config.routing.mode == "Auto":
-            self.pd = self.gw.auto_decision(self.estimated_prompt_tokens(), self.pd)
+            self.pd = self.gw.auto_decision(self.estimated_prompt_tokens(), self.pd, self.selection)
         if self.pd:
             prefill_body = {**self.body, "stream": False, "max_tokens": 1, "n": 1}
             if "max_completion_tokens" in prefill_body:
