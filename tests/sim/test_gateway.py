@@ -138,6 +138,7 @@ async def pd_stack(
     mode: str = "Disaggregated",
     slo: dict[str, int] | None = None,
     policy: str = "fail",
+    kv_transfer: dict[str, Any] | None = None,
     **gateway_settings: Any,
 ) -> httpx.AsyncClient:
     """A render server, a prefill and a decode engine, and a gateway over them."""
@@ -145,7 +146,10 @@ async def pd_stack(
     prefill = await stack.engine("prefill", prefill_config or engine("prefill"))
     decode = await stack.engine("decode", decode_config or engine("decode", policy=policy))
     endpoints = {"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
-    return await stack.gateway(routing(mode=mode, slo=slo, endpoints=endpoints), **gateway_settings)
+    config = routing(mode=mode, slo=slo, endpoints=endpoints)
+    if kv_transfer is not None:
+        config["kvTransfer"] = kv_transfer
+    return await stack.gateway(config, **gateway_settings)
 
 
 async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
@@ -725,3 +729,50 @@ async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: S
         assert gone.reason == "MetricsUnreachable"
     finally:
         await monitor.close()
+
+
+async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_prefill(
+    stack: Stack,
+) -> None:
+    def bidirectional(role: str) -> EngineConfig:
+        config = engine(role)
+        config.transfer = TransferConfig(bidirectional=True)
+        return config
+
+    client = await pd_stack(
+        stack,
+        prefill_config=bidirectional("prefill"),
+        decode_config=bidirectional("decode"),
+        kv_transfer={"bidirectional": True},
+        load_scrape_seconds=None,
+    )
+    history = [{"role": "user", "content": " ".join(["tell me about the weather"] * 30)}]
+    first = await client.post(
+        "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-1"}
+    )
+    assert first.status_code == 200, first.text
+    history += [
+        first.json()["choices"][0]["message"],
+        {"role": "user", "content": "and tomorrow?"},
+    ]
+    second = await client.post(
+        "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-1"}
+    )
+    assert second.status_code == 200, second.text
+    gateway_metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_bidirectional_reuse_total{outcome="reused"} 1.0' in gateway_metrics
+    prefill_metrics = stack.engines["prefill"].metrics.registry
+    reused = sum(
+        float(sample.value)
+        for metric in prefill_metrics.collect()
+        for sample in metric.samples
+        if sample.name == "pdserve_sim_bidirectional_reused_tokens_total"
+    )
+    assert reused >= 150  # the first turn's prompt, at least, came back from decode
+
+    # Another conversation never gets this one's KV.
+    other = await client.post(
+        "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-2"}
+    )
+    assert other.status_code == 200
+    assert 'outcome="reused"} 1.0' in (await client.get("/metrics")).text

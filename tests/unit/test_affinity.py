@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
+from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex, block_hashes
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 
 
@@ -39,3 +39,23 @@ def test_conversations_remember_their_engine_per_stage() -> None:
     assert conversations.endpoint("c1", "decode") is None  # evicted: the oldest of three
     assert conversations.endpoint("c1", "prefill") == "http://p"
     assert conversations.endpoint("c2", "decode") == "http://b"
+
+
+def test_decode_kv_is_reused_only_while_held_and_as_far_as_tokens_match() -> None:
+    now = [1000.0]
+    store = DecodeKv(max_conversations=2, default_ttl=60, clock=lambda: now[0])
+    params = {"remote_request_id": "r1", "remote_host": "10.0.0.5", "remote_port": 8000}
+    store.keep("c1", params, list(range(100)))
+    assert store.reuse("c1", [*range(100), 7, 8], min_tokens=16) == (params, "reused", 100)
+    # A template that rewrote history: only 10 tokens agree, less than a block.
+    assert store.reuse("c1", [*range(10), 999, *range(11, 100)], min_tokens=16) == (
+        None, "prefix_mismatch", 10,
+    )  # fmt: skip
+    assert store.reuse("nobody", [1, 2], min_tokens=16) == (None, "none", 0)
+    now[0] += 61
+    assert store.reuse("c1", list(range(100)), min_tokens=16) == (None, "expired", 0)
+    # The engine's own expiry wins over the default TTL; the store stays bounded.
+    store.keep("c2", {**params, "remote_blocks_expiry_time": now[0] + 5}, [1])
+    store.keep("c3", params, [1])
+    store.keep("c4", params, [1])
+    assert sorted(store.held) == ["c3", "c4"]

@@ -7,8 +7,11 @@ ids say what an engine's prefix cache really holds."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -67,3 +70,59 @@ class Conversations:
 
     def endpoint(self, conversation: str, stage: str) -> str | None:
         return self.last.get((conversation, stage))
+
+
+@dataclass(frozen=True)
+class HeldKv:
+    """The KV a conversation's last decode turn left on its decode engine (prompt + answer)."""
+
+    params: dict[str, Any]
+    token_ids: tuple[int, ...]
+    expires_at: float
+
+
+class DecodeKv:
+    """conversation id -> the decode engine's held KV of its last turn (bidirectional_kv_xfer),
+    handed to the next turn's prefill only as far as the token ids really match: a reasoning
+    template that strips <think> from history changes the prompt right after the old one."""
+
+    def __init__(
+        self,
+        max_conversations: int = 100_000,
+        default_ttl: float = 480.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max = max_conversations
+        self.default_ttl = default_ttl  # vLLM's decoder_kv_blocks_ttl
+        self.clock = clock
+        self.held: OrderedDict[str, HeldKv] = OrderedDict()
+
+    def keep(self, conversation: str, params: Mapping[str, Any], token_ids: Sequence[int]) -> None:
+        expiry = params.get("remote_blocks_expiry_time")
+        expires_at = (
+            float(expiry) if isinstance(expiry, int | float) else self.clock() + self.default_ttl
+        )
+        self.held[conversation] = HeldKv(dict(params), tuple(token_ids), expires_at)
+        self.held.move_to_end(conversation)
+        while len(self.held) > self.max:
+            self.held.popitem(last=False)
+
+    def reuse(
+        self, conversation: str, prompt_ids: Sequence[int], min_tokens: int
+    ) -> tuple[dict[str, Any] | None, str, int]:
+        """(params for the prefill, outcome, matching tokens). Outcomes: none, expired,
+        prefix_mismatch (fewer than min_tokens agree), reused."""
+        held = self.held.get(conversation)
+        if held is None:
+            return None, "none", 0
+        if held.expires_at <= self.clock():
+            del self.held[conversation]
+            return None, "expired", 0
+        matched = 0
+        for mine, theirs in zip(prompt_ids, held.token_ids, strict=False):
+            if mine != theirs:
+                break
+            matched += 1
+        if matched < min_tokens:
+            return None, "prefix_mismatch", matched
+        return dict(held.params), "reused", matched

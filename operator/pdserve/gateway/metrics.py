@@ -90,6 +90,18 @@ class GatewayMetrics:
             "Long prompts admitted by aging (waited max_wait_seconds)",
             registry=r,
         )
+        self.bidirectional = Counter(
+            "pdserve_gateway_bidirectional_reuse",
+            "Conversation turns whose prefill could reuse decode's KV of the last turn, by outcome "
+            "(reused, prefix_mismatch, expired)",
+            ["outcome"],
+            registry=r,
+        )
+        self.bidirectional_tokens = Counter(
+            "pdserve_gateway_bidirectional_reused_tokens",
+            "Prompt tokens whose KV the gateway pointed prefill to on decode (bidirectional)",
+            registry=r,
+        )
         self.aborts = Counter(
             "pdserve_gateway_upstream_aborts",
             "abort_requests sent after a client went away",

@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from pdserve.controller.kube import Kube
-from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
+from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex, block_hashes
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
@@ -121,6 +121,7 @@ class Gateway:
         self.prefixes = PrefixIndex()
         self.admission = PrefillAdmission(self.settings.fair_queue)
         self.conversations = Conversations()
+        self.decode_kv = DecodeKv()
         self.request_log = (
             RequestLog(self.settings.request_log) if self.settings.request_log else None
         )
@@ -669,7 +670,7 @@ class Context:
             prefill_body["stream_options"] = None
             params = prefill_body["sampling_params"]
             params.update({"max_tokens": 1, "min_tokens": 0, "n": 1})
-            handoff = prefill_handoff_params()
+            handoff = self.bidirectional_handoff(generate["token_ids"])
             prefill_body["kv_transfer_params"] = handoff
             params["extra_args"] = {
                 **(params.get("extra_args") or {}),
@@ -683,6 +684,35 @@ class Context:
         if self.stream:
             return await self.stream_generate(generate, kv, prefill_endpoint)
         return await self.generate_once(generate, kv, prefill_endpoint)
+
+    def bidirectional_handoff(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """The prefill's kv_transfer_params: with bidirectional KV and a conversation whose last
+        decode turn left its KV on decode, point prefill at it, if the token ids still match
+        for at least a block."""
+        handoff = prefill_handoff_params()
+        gw = self.gw
+        if not (gw.config.kv_transfer.bidirectional and self.conversation):
+            return handoff
+        held, outcome, matched = gw.decode_kv.reuse(
+            self.conversation, prompt_ids, gw.config.block_size
+        )
+        if outcome != "none":
+            gw.metrics.bidirectional.labels(outcome).inc()
+        if held is None:
+            return handoff
+        gw.metrics.bidirectional_tokens.inc(matched)
+        return {**held, "do_remote_decode": True, "do_remote_prefill": False}
+
+    def keep_decode_kv(self, prompt_ids: list[int], answer: Mapping[str, Any]) -> None:
+        """What decode holds after a non-streamed turn (streamed turns return no
+        kv_transfer_params, so they leave nothing to reuse)."""
+        params = answer.get("kv_transfer_params")
+        choices = answer.get("choices") or []
+        if not (self.gw.config.kv_transfer.bidirectional and self.conversation):
+            return
+        if isinstance(params, dict) and params.get("remote_request_id") and len(choices) == 1:
+            output = list(choices[0].get("token_ids") or [])
+            self.gw.decode_kv.keep(self.conversation, params, [*prompt_ids, *output])
 
     def decode_body(
         self, generate: Mapping[str, Any], kv: Mapping[str, Any] | None
@@ -749,6 +779,7 @@ class Context:
             prefill_endpoint,
             generate["token_ids"],
         )
+        self.keep_decode_kv(generate["token_ids"], answer)
         path = "/v1/chat/completions/derender" if self.chat else "/v1/completions/derender"
         _, result = await gw.post_json(
             "derender",
