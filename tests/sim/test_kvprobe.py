@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +37,23 @@ def port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def run_pair(tmp_path: Path, env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_pair(
+    tmp_path: Path, env: dict[str, str], server_late_by: float = 0.0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     port = port_pair()
     common = ["--peer", "127.0.0.1", "--port", str(port), "--megabytes", "8",
               "--iterations", "3", "--timeout", "60"]  # fmt: skip
     reports = {role: tmp_path / f"{role}.json" for role in ("server", "client")}
-    processes = {
-        role: subprocess.Popen(
-            [sys.executable, str(PROBE), "--role", role, "--report", str(path), *common],
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    for role in ("client", "server"):
+        if role == "server" and server_late_by:
+            time.sleep(server_late_by)  # the scenario: the server pod starts late, not a sync
+        processes[role] = subprocess.Popen(
+            [sys.executable, str(PROBE), "--role", role, "--report", str(reports[role]), *common],
             env={**env, "NODE_NAME": f"node-{role}"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for role, path in reports.items()
-    }
     outputs = {role: p.communicate(timeout=120)[0].decode() for role, p in processes.items()}
     for role, path in reports.items():
         assert path.exists(), f"{role} wrote no report:\n{outputs[role][-2000:]}"
@@ -76,6 +80,16 @@ def test_same_host_probe_moves_intact_data_over_shared_memory(
     assert client["bandwidthGBps"] > 0
     assert server["bytes"] == client["bytes"] == 8 * 2**20
     assert len(json.dumps(client)) < kvprobe.REPORT_LIMIT
+
+
+def test_a_server_that_starts_after_the_client_is_waited_for(
+    tmp_path: Path, base_env: dict[str, str]
+) -> None:
+    """Job pods start in any order: the client repeats the metadata exchange until the server
+    listens."""
+    server, client = run_pair(tmp_path, base_env, server_late_by=3.0)
+    assert client["ok"], client
+    assert server["ok"], server
 
 
 def test_tcp_only_ucx_is_reported_as_tcp_and_judged_a_fallback(

@@ -185,8 +185,21 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         result = json.loads(next(n for n in notes if n.startswith(b"done"))[4:])
         return {"role": "server", **result}
     server_ip = resolve(args.peer, args.timeout)
-    agent.fetch_remote_metadata("server", server_ip, args.port)
-    agent.send_local_metadata(server_ip, args.port)
+    # The two pods start independently: until the server listens, an exchange is lost, so
+    # repeat it until the server's metadata arrives.
+    deadline = time.monotonic() + args.timeout
+    while True:
+        agent.fetch_remote_metadata("server", server_ip, args.port)
+        agent.send_local_metadata(server_ip, args.port)
+        try:
+            wait_for("the server's metadata", lambda: agent.check_remote_metadata("server"), 2.0)
+            break
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"timed out after {args.timeout:.0f}s waiting for the server at "
+                    f"{server_ip}:{args.port}"
+                ) from None
     notes = []
 
     def descriptors() -> bytes | None:
@@ -196,7 +209,14 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     remote = agent.deserialize_descs(
         wait_for("the server's descriptors", descriptors, args.timeout)
     )
-    wait_for("the server's metadata", lambda: agent.check_remote_metadata("server"), args.timeout)
+    # Metadata fetched before the server registered its buffer lacks it: fetch again until the
+    # descriptors it sent are known.
+    deadline = time.monotonic() + args.timeout
+    while not agent.check_remote_metadata("server", remote):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the server's metadata never listed its buffer")
+        agent.fetch_remote_metadata("server", server_ip, args.port)
+        time.sleep(0.05)  # a retry period for the peer's answer, not synchronization
     handle = agent.initialize_xfer("READ", local, remote, "server")
     seconds = []
     for _ in range(args.iterations):
