@@ -16,6 +16,8 @@ from pdserve.controller.kube import Kube, load_credentials
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints
+from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.peers import PeerAdmission
 from tests.cluster.localplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
@@ -61,7 +63,8 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
     config = GatewayConfig.model_validate(routing_config(dm, "hash-new"))
     endpoints = Endpoints(config)
     kube = Kube(load_credentials(str(control_plane.kubeconfig())))
-    discovery = PodDiscovery(kube, config, endpoints)
+    peers = PeerAdmission(PrefillAdmission(), lambda: None)  # type: ignore[arg-type,return-value]
+    discovery = PodDiscovery(kube, config, endpoints, peers, own_pod="gateway-self")
     task = asyncio.create_task(discovery.run())
     try:
         for body in (
@@ -69,6 +72,8 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
             pod("prefill-0", "prefill", "hash-old"),
             pod("decode-0", "decode", "hash-new"),
             pod("decode-1", "decode", "hash-new", ready=False),
+            pod("gateway-self", "gateway", "hash-new"),
+            pod("gateway-peer", "gateway", "hash-new"),
         ):
             created = await asyncio.to_thread(
                 http_api.post, f"/api/v1/namespaces/{namespace}/pods", json=body
@@ -79,6 +84,10 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
             return all(endpoints.pools[p] for p in ("render", "prefill", "decode"))
 
         await wait_for(pools_filled)
+        # The other gateway replica shares the long-prefill limit; this one is not its own peer.
+        await wait_for(lambda: len(peers.urls) == 1)
+        [peer_pod] = [p for p in discovery.pods.values() if p["metadata"]["name"] == "gateway-peer"]
+        assert peers.urls == [f"http://{peer_pod['status']['podIP']}:8000"]
         assert [e.parity_hash for e in endpoints.pools["decode"]] == [
             "hash-new"
         ]  # decode-1 unready

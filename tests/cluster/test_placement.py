@@ -49,16 +49,23 @@ def gpus_free_of_other_tests(http: httpx.Client, namespace: str) -> None:
     """Earlier tests' namespaces are deleted asynchronously; their GPU pods must be gone before
     a test that counts on the domains' capacity."""
 
+    def holds_gpus(pod: dict[str, Any]) -> bool:
+        return any(
+            "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})
+            for c in pod.get("spec", {}).get("containers", [])
+        )
+
     def others() -> list[str]:
         pods = http.get("/api/v1/pods").json()["items"]
         return [
             f"{p['metadata']['namespace']}/{p['metadata']['name']}"
             for p in pods
             if p["metadata"]["namespace"] != namespace
-            and p.get("spec", {}).get("nodeName", "").startswith("gpu-")
+            and p.get("spec", {}).get("nodeName")
+            and holds_gpus(p)
         ]
 
-    wait_until("GPU pods of earlier tests to go away", lambda: not others(), timeout=60)
+    wait_until("GPU pods of earlier tests to go away", lambda: not others(), timeout=120)
 
 
 SLICED: dict[str, Any] = {

@@ -776,3 +776,39 @@ async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_pre
     )
     assert other.status_code == 200
     assert 'outcome="reused"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_long_prefill_limit_is_shared_by_gateway_replicas(stack: Stack) -> None:
+    """Two gateway replicas over one prefill replica, limit 1: while a document prefills through
+    one, the other holds its document until the first finishes (not until aging)."""
+    from pdserve.gateway.fairqueue import FairQueueSettings
+
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode"))
+    endpoints = {"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+    ports = [free_port(), free_port()]
+    fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=30)
+    gateways, clients = [], []
+    for mine, theirs in ((ports[0], ports[1]), (ports[1], ports[0])):
+        config = routing(endpoints={**endpoints, "peers": [f"http://127.0.0.1:{theirs}"]})
+        gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair))
+        url = await stack.start(gateway, mine)
+        gateways.append(gateway)
+        clients.append(
+            await stack.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
+        )
+    async with httpx.AsyncClient() as admin:
+        await admin.post(f"{prefill}/sim/faults", json={"hang": 1})
+    first = asyncio.create_task(clients[0].post("/v1/chat/completions", json=LONG))
+    while gateways[1].peers.total() == 0:  # noqa: ASYNC110 - the second replica polls the first
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(clients[1].post("/v1/chat/completions", json=LONG))
+    while not gateways[1].admission.queue:  # noqa: ASYNC110 - held by the shared limit
+        await asyncio.sleep(0.01)
+    assert (await clients[1].get("/admission")).json() == {"longInFlight": 0, "queued": 1}
+    first.cancel()  # the hung document's client leaves: its slot frees on replica 0
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await first
+    assert (await second).status_code == 200
+    assert gateways[1].admission.aged == 0  # admitted by the peer's release, not by aging

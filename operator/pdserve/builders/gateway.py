@@ -53,6 +53,8 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> dict[str, Any]:
             if spec.disaggregated
             else None,
             "decode": _pool_ref(dm, Component.decode, ENGINE_PORT),
+            # Peers: the replicas that share the cluster-wide long-prefill limit.
+            "gateway": _pool_ref(dm, Component.gateway, GATEWAY_CONTAINER_PORT),
         },
         "kvTransfer": {
             "connector": kv.connector.value,
@@ -69,7 +71,11 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
     name = child_name(dm, Component.gateway)
     # Indented so a GitOps diff of the ConfigMap shows which setting changed.
     config_text = json.dumps(routing_config(dm, parity), indent=2, sort_keys=True) + "\n"
-    env: list[dict[str, Any]] = []
+    # Its own pod name: the gateway tells itself apart from the peers it shares the prefill
+    # admission limit with.
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
     if spec.api_key_secret_ref is not None:
         ref = spec.api_key_secret_ref
         env.append({"name": "PDSERVE_API_KEY",
@@ -85,8 +91,7 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
         **http_probes("/health", slow_start=False),
         "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
     }
-    if env:
-        container["env"] = env
+    container["env"] = env
     annotations = pod_annotations(parity, {
         # A routing change rolls the gateway, so no replica serves with an old config.
         CONFIG_HASH_ANNOTATION: hashlib.sha256(config_text.encode()).hexdigest()[:16],

@@ -29,6 +29,8 @@ class Pools(_Model):
     render: PoolRef | None = None
     prefill: PoolRef | None = None
     decode: PoolRef
+    gateway: PoolRef | None = None
+    """The gateway's own replicas (peers in the cluster-wide prefill admission)."""
 
 
 class Slo(_Model):
@@ -62,6 +64,8 @@ class StaticEndpoints(_Model):
     render: list[StaticEndpoint] = Field(default_factory=list)
     prefill: list[StaticEndpoint] = Field(default_factory=list)
     decode: list[StaticEndpoint] = Field(default_factory=list)
+    peers: list[str] = Field(default_factory=list)
+    """Other gateway replicas' base URLs (their /admission) for the shared long-prefill limit."""
 
 
 class GatewayConfig(_Model):

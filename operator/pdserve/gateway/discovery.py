@@ -15,6 +15,7 @@ from pdserve.builders.names import KV_TRANSPORT_ANNOTATION, PARITY_HASH_ANNOTATI
 from pdserve.controller.kube import KINDS, Kube, KubeError
 from pdserve.gateway.config import GatewayConfig, PoolRef
 from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.peers import PeerAdmission
 
 log = logging.getLogger("pdserve.gateway.discovery")
 POD = KINDS[("v1", "Pod")]
@@ -34,8 +35,16 @@ def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
 
 
 class PodDiscovery:
-    def __init__(self, kube: Kube, config: GatewayConfig, endpoints: Endpoints) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        config: GatewayConfig,
+        endpoints: Endpoints,
+        peers: PeerAdmission | None = None,
+        own_pod: str | None = None,
+    ) -> None:
         self.kube, self.config, self.endpoints = kube, config, endpoints
+        self.peers, self.own_pod = peers, own_pod
         self.pools: dict[str, PoolRef] = {
             name: ref
             for name in ("render", "prefill", "decode")
@@ -63,6 +72,15 @@ class PodDiscovery:
                 if matches(pod["metadata"].get("labels", {}), ref.selector) and pod_ready(pod)
             ]
             self.endpoints.replace(pool, sorted(found, key=lambda e: e.url))
+        gateways = self.config.pools.gateway
+        if self.peers is not None and gateways is not None:
+            self.peers.set_peers([
+                f"http://{pod['status']['podIP']}:{gateways.port}"
+                for name, pod in self.pods.items()
+                if name != self.own_pod
+                and matches(pod["metadata"].get("labels", {}), gateways.selector)
+                and pod_ready(pod)
+            ])  # fmt: skip
 
     async def list_pods(self) -> str:
         result = await self.kube._send(

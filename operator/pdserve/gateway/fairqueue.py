@@ -3,8 +3,9 @@
 Requests are classed by prompt length (or `X-PDServe-Class: document|chat`). Short ones are never
 held back: they overtake. Long ones get at most `max_long_per_replica` prefills in flight per
 prefill replica, first come first served; a long request that has waited `max_wait_seconds` is
-admitted anyway, so documents cannot starve however busy the pool is. The limit is per gateway
-replica (each enforces its share)."""
+admitted anyway, so documents cannot starve however busy the pool is. The limit is cluster-wide:
+`others` counts the long prefills the peer gateway replicas report (polled, so two replicas
+admitting in the same instant can overshoot by one each until the next poll)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class PrefillAdmission:
         self.long_in_flight = 0
         self.queue: deque[_Waiter] = deque()
         self.aged = 0
+        self.replicas = 1
+        self.others: Callable[[], int] = lambda: 0  # peers' long prefills in flight
 
     def request_class(self, prompt_tokens: int | None, declared: str | None) -> str:
         if declared in ("document", "long"):
@@ -53,14 +56,21 @@ class PrefillAdmission:
     def oldest_wait(self) -> float:
         return self.clock() - self.queue[0].since if self.queue else 0.0
 
-    def _release(self, replicas: int) -> None:
-        self.long_in_flight -= 1
-        limit = self.settings.max_long_per_replica * max(1, replicas)
-        while self.queue and self.long_in_flight < limit:
+    def _room(self) -> bool:
+        limit = self.settings.max_long_per_replica * self.replicas
+        return self.long_in_flight + self.others() < limit
+
+    def wake(self) -> None:
+        """Admit queued long requests while there is room (after a release here or a peer's)."""
+        while self.queue and self._room():
             waiter = self.queue.popleft()
             if not waiter.admitted.done():
                 self.long_in_flight += 1
                 waiter.admitted.set_result(None)
+
+    def _release(self) -> None:
+        self.long_in_flight -= 1
+        self.wake()
 
     @asynccontextmanager
     async def admit(self, request_class: str, replicas: int) -> AsyncIterator[None]:
@@ -68,8 +78,8 @@ class PrefillAdmission:
         if request_class != "long":
             yield
             return
-        limit = self.settings.max_long_per_replica * max(1, replicas)
-        if self.long_in_flight < limit and not self.queue:
+        self.replicas = max(1, replicas)
+        if self._room() and not self.queue:
             self.long_in_flight += 1
         else:
             waiter = _Waiter(self.clock())
@@ -90,9 +100,9 @@ class PrefillAdmission:
                 if waiter in self.queue:
                     self.queue.remove(waiter)
                 if waiter.admitted.done():
-                    self._release(replicas)  # admitted as the client left: pass the slot on
+                    self._release()  # admitted as the client left: pass the slot on
                 raise
         try:
             yield
         finally:
-            self._release(replicas)
+            self._release()

@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
     gateway = Gateway(config, settings)
     if config.endpoints is None:
         try:
-            gateway.discover_pods(Kube(load_credentials(args.kubeconfig)))
+            # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
+            gateway.discover_pods(
+                Kube(load_credentials(args.kubeconfig)), own_pod=os.environ.get("POD_NAME")
+            )
         except Exception as error:  # the kubernetes loaders raise their own exception types
             print(f"error: pod discovery needs cluster credentials: {error}", file=sys.stderr)
             return 2

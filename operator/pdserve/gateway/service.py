@@ -36,6 +36,7 @@ from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selectio
 from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
 from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.policy import AutoPolicy, PolicySettings, QueueState
 from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
@@ -120,6 +121,10 @@ class Gateway:
         self.policy = AutoPolicy(settings.policy if settings else None)
         self.prefixes = PrefixIndex()
         self.admission = PrefillAdmission(self.settings.fair_queue)
+        self.peers = PeerAdmission(self.admission, lambda: self.client)
+        if config.endpoints is not None:
+            self.peers.set_peers([u.rstrip("/") for u in config.endpoints.peers])
+        self._peers_task: asyncio.Task[None] | None = None
         self.conversations = Conversations()
         self.decode_kv = DecodeKv()
         self.request_log = (
@@ -136,13 +141,15 @@ class Gateway:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/status", self.status)
+        app.router.add_get("/admission", self.admission_state)
         app.on_startup.append(self._start_discovery)
         app.on_cleanup.append(self._close)
         return app
 
-    def discover_pods(self, kube: Kube) -> None:
-        """Find endpoints by watching the model's pods (in a cluster) instead of a static list."""
-        self._discovery = PodDiscovery(kube, self.config, self.endpoints)
+    def discover_pods(self, kube: Kube, own_pod: str | None = None) -> None:
+        """Find endpoints (and peer gateways) by watching the model's pods (in a cluster)
+        instead of a static list."""
+        self._discovery = PodDiscovery(kube, self.config, self.endpoints, self.peers, own_pod)
 
     @property
     def client(self) -> aiohttp.ClientSession:
@@ -164,10 +171,13 @@ class Gateway:
             self._scrape_task = asyncio.create_task(scraper.run(), name="load-scraper")
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
+        if self._discovery is not None or self.peers.urls:
+            self._peers_task = asyncio.create_task(self.peers.run(), name="peer-admission")
 
     async def _close(self, _: web.Application) -> None:
-        if self._scrape_task is not None:
-            self._scrape_task.cancel()
+        for task in (self._scrape_task, self._peers_task):
+            if task is not None:
+                task.cancel()
         if self.request_log is not None:
             await self.request_log.stop()
         if self._discovery_task is not None:
@@ -176,6 +186,12 @@ class Gateway:
             await self._discovery.kube.close()
         if self._session is not None:
             await self._session.close()
+
+    async def admission_state(self, _: web.Request) -> web.Response:
+        """What peers count against the shared long-prefill limit."""
+        return web.json_response(
+            {"longInFlight": self.admission.long_in_flight, "queued": len(self.admission.queue)}
+        )
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")
