@@ -17,22 +17,16 @@ from pdserve.controller.transport import (
     slice_verdicts,
     verified_condition,
 )
+from tests.unit.test_placement import BASE as GPU_POOLS
 
-BODY: dict[str, Any] = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "DisaggregatedModel",
-    "metadata": {"name": "m", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "org/model"},
-        "prefill": {"replicas": 1, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
-        "decode": {"replicas": 1, "resources": {"requests": {"cpu": "4", "memory": "32Gi"}}},
-        "kvTransfer": {"ucxTransports": "rc,cuda_copy", "verify": "Required"},
-        "placement": {
-            "slices": 2,
-            "domain": {"topologyKey": "nvidia.com/gpu.clique"},
-            "rdma": {"resource": "rdma/rdma_shared_device_a", "networks": ["roce"]},
-        },
-    },
+# Two slices of 1 prefill + 1 decode over RDMA, verified before use.
+BODY: dict[str, Any] = copy.deepcopy(GPU_POOLS)
+BODY["spec"]["decode"]["replicas"] = 1
+BODY["spec"]["kvTransfer"] = {"ucxTransports": "rc,cuda_copy", "verify": "Required"}
+BODY["spec"]["placement"] = {
+    "slices": 2,
+    "domain": {"topologyKey": "nvidia.com/gpu.clique"},
+    "rdma": {"resource": "rdma/rdma_shared_device_a", "networks": ["roce"]},
 }
 PAIRS = {0: NodePair("gpu-a", "gpu-b"), 1: NodePair("gpu-c", "gpu-c")}
 
