@@ -67,6 +67,8 @@ def sim_render_argv(
 class Proc:
     process: subprocess.Popen[bytes]
     url: str
+    log: Path
+    argv: list[str]
 
 
 class Processes:
@@ -88,24 +90,37 @@ class Processes:
     ) -> None:
         self.stop()
 
-    def start(self, argv: list[str], port: int, health: str = "/health") -> Proc:
-        """Run argv (serving on 127.0.0.1:port) and wait until health answers 200."""
+    def spawn(self, argv: list[str], port: int) -> Proc:
+        """Run argv (to serve on 127.0.0.1:port) without waiting for it: see wait_ready."""
         log_path = self._workdir / f"{len(self.items)}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        proc = Proc(process, f"http://127.0.0.1:{port}")
+        proc = Proc(process, f"http://127.0.0.1:{port}", log_path, argv)
         self.items.append(proc)
+        return proc
+
+    def wait_ready(self, *procs: Proc, health: str = "/health") -> None:
+        """Poll each until its health check answers 200; fail with its log if it exits or the
+        startup timeout passes."""
         deadline = time.monotonic() + self.startup_timeout
-        while True:
-            try:
-                if httpx.get(proc.url + health, timeout=1).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{' '.join(argv[3:6])} did not start:\n{tail}")
-            time.sleep(0.1)
+        for proc in procs:
+            while True:
+                try:
+                    if httpx.get(proc.url + health, timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.process.poll() is not None or time.monotonic() > deadline:
+                    tail = proc.log.read_text(errors="replace")[-2000:]
+                    command = " ".join(proc.argv[3:6])
+                    raise RuntimeError(f"{command} did not start:\n{tail}")
+                time.sleep(0.1)
+
+    def start(self, argv: list[str], port: int, health: str = "/health") -> Proc:
+        """Run argv (serving on 127.0.0.1:port) and wait until health answers 200."""
+        proc = self.spawn(argv, port)
+        self.wait_ready(proc, health=health)
+        return proc
 
     def engine(
         self,
