@@ -53,8 +53,9 @@ class Load:
     max_inflight: int = 1024
     request_timeout: float = 600.0
     """Per request, real seconds."""
-    metrics_interval: float = 0.2
-    """Real seconds between gateway queue samples."""
+    metrics_interval: float | None = None
+    """Real seconds between gateway queue samples; default half a simulated second, between
+    20 and 200 real ms."""
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -63,6 +64,11 @@ class Load:
             raise ValueError("the time scale must be positive")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+
+    def sample_every(self) -> float:
+        if self.metrics_interval is not None:
+            return self.metrics_interval
+        return max(0.02, min(0.2, 0.5 * self.time_scale))
 
 
 @dataclass(frozen=True)
@@ -351,7 +357,7 @@ async def run_load(
         sampler: asyncio.Task[bool] | None = None
         if target.metrics_url:
             sampler = asyncio.create_task(
-                sample_queue(client, target.metrics_url, clock, load.metrics_interval, samples)
+                sample_queue(client, target.metrics_url, clock, load.sample_every(), samples)
             )
         if load.rate is not None:
             for request in requests:
@@ -378,8 +384,10 @@ async def run_load(
                 task = asyncio.create_task(worker())
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-        while tasks and await _unless_stopped(stop, asyncio.ensure_future(_any(tasks))):
-            pass
+        while tasks and not stop.is_set():
+            finished = asyncio.ensure_future(_any(tasks))
+            if not await _unless_stopped(stop, finished):
+                finished.cancel()
         interrupted = stop.is_set()
         for task in list(tasks):
             task.cancel()
