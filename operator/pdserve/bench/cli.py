@@ -35,7 +35,8 @@ from pdserve.bench.workload import (
 USAGE = """usage: pdserve bench {run,scenario} ...
 
   run [flags]          load an OpenAI-compatible endpoint (a pdserve gateway, vLLM, the simulator)
-  scenario NAME        a scripted scenario on simulated engines: article, chunked, routing, all
+  scenario NAME        a scripted scenario on simulated engines: article, chunked, routing,
+                       timescale, all
 
 `pdserve bench run --help` and `pdserve bench scenario --help` list the flags."""
 
@@ -147,7 +148,9 @@ def run_parser() -> argparse.ArgumentParser:
     target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     load = parser.add_argument_group("load")
     rates = load.add_mutually_exclusive_group()
-    rates.add_argument("--rate", type=_numbers, help="offered requests/s, a sweep: 0.2,0.4,1")
+    rates.add_argument(
+        "--rate", type=_numbers, help="offered requests/s, a sweep: 0.2,0.4,1 (default 1)"
+    )
     rates.add_argument(
         "--concurrency",
         type=lambda t: _numbers(t, int),

@@ -779,7 +779,8 @@ def main(argv: Sequence[str]) -> int:
         progress=args.progress,
     )
     options.results.mkdir(parents=True, exist_ok=True)
-    flags = [a for a in argv if a != args.name]
+    # The report's command: what changes the numbers (not --fresh or --no-progress).
+    flags = [a for a in argv if a not in (args.name, "--fresh", "--no-progress")]
     names = list(SCENARIOS) if args.name == "all" else [args.name]
     for name in names:
         options.reused = options.measured = 0
