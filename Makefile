@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment images e2e-kind crd clean
+.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -57,6 +57,9 @@ measure-ready: install cluster-build ## time from DisaggregatedModel creation to
 
 sim-experiment: install ## the seed article's DP=2 vs 1P1D experiment on simulated engines (~3 min)
 	$(VENV)/bin/pdserve sim experiment article
+
+bench: install ## pdserve bench scenarios on simulated engines -> docs/benchmarks.md (~30 min)
+	$(VENV)/bin/pdserve bench scenario all --docs docs/benchmarks.md
 
 VERSION = $(shell $(PY) -c 'import pdserve; print(pdserve.__version__)' 2>/dev/null)
 

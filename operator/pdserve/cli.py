@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_network_arguments(manifests)
     sub.add_parser("sim", help="run a simulated vLLM server: pdserve sim {render,engine,vllm} ...")
+    sub.add_parser(
+        "bench",
+        help="measure TTFT, ITL, goodput and fairness: pdserve bench {run,scenario} ...",
+    )
     gateway = sub.add_parser("gateway", help="serve the OpenAI API over the model's pools")
     add_gateway_arguments(gateway)
     operator = sub.add_parser("operator", help="run the operator (kopf) against the cluster")
@@ -60,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["bench"]:  # its own subcommands and flags
+        from pdserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "version":

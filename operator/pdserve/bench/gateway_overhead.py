@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pdserve.bench.procs import Proc, Processes, cpu_seconds, free_port
+from pdserve.bench.stats import percentile
 
 ZERO_LATENCY = [
     "--sim-step-base-ms",
@@ -48,119 +46,22 @@ MODEL = "qwen"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+SIM_MODEL = "Qwen/Qwen3-8B"
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def start_engine(procs: Processes, role: str, *, tokens: bool, reasoning: bool = False) -> Proc:
+    extra = [*ZERO_LATENCY, *(["--sim-reasoning"] if reasoning else [])]
+    return procs.engine(
+        SIM_MODEL, role=role, tokens_only=tokens, served_model_name=MODEL, extra=extra
+    )
 
 
-@dataclass
-class Proc:
-    process: subprocess.Popen[bytes]
-    url: str
+def start_render(procs: Processes) -> Proc:
+    return procs.render(SIM_MODEL, served_model_name=MODEL, extra=["--reasoning-parser", "qwen3"])
 
 
-class Processes:
-    def __init__(self) -> None:
-        self.items: list[Proc] = []
-
-    def start(self, argv: list[str], port: int, health: str = "/health") -> Proc:
-        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        proc = Proc(process, f"http://127.0.0.1:{port}")
-        self.items.append(proc)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(proc.url + health, timeout=1).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{argv[:4]} did not start")
-            time.sleep(0.1)
-
-    def engine(self, role: str, *, tokens: bool, reasoning: bool = False) -> Proc:
-        port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "sim",
-            "engine",
-            "Qwen/Qwen3-8B",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL,
-            "--role",
-            role,
-            *ZERO_LATENCY,
-        ]
-        if tokens:
-            argv.append("--tokens-only")
-        if reasoning:
-            argv.append("--sim-reasoning")
-        return self.start(argv, port)
-
-    def render(self) -> Proc:
-        port = free_port()
-        return self.start(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "sim",
-                "render",
-                "Qwen/Qwen3-8B",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--served-model-name",
-                MODEL,
-                "--reasoning-parser",
-                "qwen3",
-            ],
-            port,
-        )
-
-    def gateway(self, config: dict[str, object], *extra: str) -> Proc:
-        port = free_port()
-        path = Path(tempfile.mkdtemp()) / "routing.json"
-        path.write_text(json.dumps(config))
-        return self.start(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "gateway",
-                "--config",
-                str(path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--max-inflight",
-                "4096",
-                *extra,
-            ],
-            port,
-        )
-
-    def stop(self) -> None:
-        for proc in self.items:
-            proc.process.terminate()
-        for proc in self.items:
-            proc.process.wait(timeout=10)
+def start_gateway(procs: Processes, config: dict[str, object], *extra: str) -> Proc:
+    return procs.gateway(config, "--max-inflight", "4096", *extra)
 
 
 def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, object]:
@@ -212,12 +113,10 @@ def measure(name: str, url: str, pid: int | None, concurrency: int, seconds: flo
     _, done = asyncio.run(closed_loop(url, concurrency, seconds))
     wall = time.monotonic() - started
     used = (cpu_seconds(pid) - before) if pid else 0.0
-    ordered = sorted(light)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     return Row(
         name,
         statistics.median(light) * 1000,
-        p99 * 1000,
+        percentile(light, 99) * 1000,
         done / wall,
         (done / used) if used > 0 else None,
     )
@@ -262,14 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs = Processes()
     rows: list[Row] = []
     try:
-        prefill = procs.engine("prefill", tokens=False)
-        decode = procs.engine("decode", tokens=False)
-        direct = procs.engine("both", tokens=False)
+        prefill = start_engine(procs, "prefill", tokens=False)
+        decode = start_engine(procs, "decode", tokens=False)
+        direct = start_engine(procs, "both", tokens=False)
         rows.append(
             measure("decode engine, direct", direct.url, None, args.concurrency, args.seconds)
         )
-        route2 = procs.gateway(
-            routing("openai", {"prefill": [prefill.url], "decode": [decode.url]})
+        route2 = start_gateway(
+            procs, routing("openai", {"prefill": [prefill.url], "decode": [decode.url]})
         )
         rows.append(
             measure(
@@ -311,14 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.seconds,
                 )
             )
-        render = procs.render()
-        tprefill = procs.engine("prefill", tokens=True)
-        tdecode = procs.engine("decode", tokens=True)
-        route1 = procs.gateway(
+        render = start_render(procs)
+        tprefill = start_engine(procs, "prefill", tokens=True)
+        tdecode = start_engine(procs, "decode", tokens=True)
+        route1 = start_gateway(
+            procs,
             routing(
                 "tokens",
                 {"render": [render.url], "prefill": [tprefill.url], "decode": [tdecode.url]},
-            )
+            ),
         )
         rows.append(
             measure(
@@ -350,10 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("pipelined", ()),
             ("one call per token", ("--no-derender-pipelining",)),
         ):
-            stream_render = procs.render()
-            engine = procs.engine("both", tokens=True)
-            gateway = procs.gateway(
-                routing("tokens", {"render": [stream_render.url], "decode": [engine.url]}), *extra
+            stream_render = start_render(procs)
+            engine = start_engine(procs, "both", tokens=True)
+            gateway = start_gateway(
+                procs,
+                routing("tokens", {"render": [stream_render.url], "decode": [engine.url]}),
+                *extra,
             )
             before = cpu_seconds(stream_render.process.pid)
             tokens, ttfts = asyncio.run(stream_load(gateway.url, args.streams, args.stream_tokens))

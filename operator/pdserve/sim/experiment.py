@@ -14,15 +14,14 @@ import json
 import logging
 import random
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.bench.procs import Processes
+from pdserve.bench.stats import percentile
 from pdserve.sim.tokenizer import SimTokenizer
 from pdserve.vllm_protocol import prefill_handoff_params
 
@@ -41,75 +40,18 @@ class RequestTiming:
     gaps: list[float] = field(default_factory=list)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
-    return ordered[index]
+ENGINE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@asynccontextmanager
-async def engines(roles: Sequence[str], time_scale: float) -> AsyncIterator[list[str]]:
-    processes, urls = [], []
-    try:
-        for role in roles:
-            port = free_port()
-            args = [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "sim",
-                "engine",
-                "Qwen/Qwen2.5-7B-Instruct",
-                "--port",
-                str(port),
-                "--host",
-                "127.0.0.1",
-                "--tokens-only",
-                "--no-enable-prefix-caching",
-                "--max-num-batched-tokens",
-                "2048",
-                "--sim-time-scale",
-                str(time_scale),
-            ]
-            if role != "both":
-                kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-                args += [
-                    "--kv-transfer-config",
-                    json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role}),
-                ]
-            # Engines in their own processes: the load generator must not share their loop.
-            processes.append(
-                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: ASYNC220
-            )
-            urls.append(f"http://127.0.0.1:{port}")
-        async with httpx.AsyncClient() as client:
-            for url in urls:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        if (await client.get(f"{url}/health")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"simulated engine at {url} did not start")
-                    await asyncio.sleep(0.1)
-        yield urls
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=10)
+def engine_flags(time_scale: float) -> list[str]:
+    """The article's engines: no prefix caching, a 2048-token budget (L40S default)."""
+    return [
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "2048",
+        "--sim-time-scale",
+        str(time_scale),
+    ]
 
 
 async def stream_tokens(
@@ -166,8 +108,9 @@ async def one_request(
     return await stream_tokens(client, urls[1], body, started, scale)
 
 
-async def run_rate(
+async def send_load(
     mode: str,
+    urls: list[str],
     rate: float,
     requests: int,
     prompt_len: int,
@@ -177,8 +120,7 @@ async def run_rate(
 ) -> list[RequestTiming]:
     rng = random.Random(seed)
     words = SimTokenizer().word_ids()
-    roles = ["both", "both"] if mode == "DP=2" else ["prefill", "decode"]
-    async with engines(roles, scale) as urls, httpx.AsyncClient(timeout=None) as client:
+    async with httpx.AsyncClient(timeout=None) as client:
         tasks = []
         for index in range(requests):
             prompt = [rng.choice(words) for _ in range(prompt_len)]
@@ -189,6 +131,26 @@ async def run_rate(
             )
             await asyncio.sleep(rng.expovariate(rate) * scale)  # Poisson arrivals, scaled
         return list(await asyncio.gather(*tasks))
+
+
+def run_rate(
+    mode: str,
+    rate: float,
+    requests: int,
+    prompt_len: int,
+    output_len: int,
+    scale: float,
+    seed: int,
+) -> list[RequestTiming]:
+    roles = ["both", "both"] if mode == "DP=2" else ["prefill", "decode"]
+    with Processes() as procs:
+        urls = [
+            procs.engine(ENGINE_MODEL, role=role, tokens_only=True, extra=engine_flags(scale)).url
+            for role in roles
+        ]
+        return asyncio.run(
+            send_load(mode, urls, rate, requests, prompt_len, output_len, scale, seed)
+        )
 
 
 def summarize(timings: list[RequestTiming]) -> dict[str, float]:
@@ -217,16 +179,14 @@ def main(argv: Sequence[str]) -> int:
     started = time.monotonic()
     for rate in rates:
         for mode in ("DP=2", "1P1D"):
-            timings = asyncio.run(
-                run_rate(
-                    mode,
-                    rate,
-                    args.requests,
-                    args.prompt_len,
-                    args.output_len,
-                    args.time_scale,
-                    args.seed,
-                )
+            timings = run_rate(
+                mode,
+                rate,
+                args.requests,
+                args.prompt_len,
+                args.output_len,
+                args.time_scale,
+                args.seed,
             )
             results[(mode, rate)] = summarize(timings)
             print(

@@ -1,0 +1,69 @@
+"""The gateway for scenarios on time-scaled simulators: `pdserve gateway` with its own time
+constants (fair-queue aging, Auto's failure window, load scraping) scaled like the engines',
+so the simulated deployment behaves as the real one would at time scale 1; and fair queueing
+optionally off. Benchmark harness only: a real deployment runs `pdserve gateway`.
+
+    python -m pdserve.bench.simgateway --config routing.json --port 8000 --time-scale 0.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.gateway.config import ConfigError, load_config
+from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.policy import PolicySettings
+from pdserve.gateway.service import Gateway, GatewaySettings
+
+NO_LIMIT = 1_000_000
+
+
+def scaled_settings(time_scale: float, *, fair_queue: bool) -> GatewaySettings:
+    defaults = GatewaySettings()
+    queue = defaults.fair_queue
+    return GatewaySettings(
+        max_inflight=4096,
+        policy=dataclasses.replace(
+            PolicySettings(),
+            failure_window_seconds=defaults.policy.failure_window_seconds * time_scale,
+        ),
+        fair_queue=FairQueueSettings(
+            long_prompt_tokens=queue.long_prompt_tokens,
+            max_long_per_replica=queue.max_long_per_replica if fair_queue else NO_LIMIT,
+            max_wait_seconds=queue.max_wait_seconds * time_scale,
+        ),
+        # Scaled too, but no faster than 10 scrapes a second: the engines share the host's CPU.
+        load_scrape_seconds=max(0.1, (defaults.load_scrape_seconds or 0.5) * time_scale),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.simgateway", description=__doc__)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--no-fair-queue", dest="fair_queue", action="store_false")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    gateway = Gateway(config, scaled_settings(args.time_scale, fair_queue=args.fair_queue))
+    web.run_app(
+        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
