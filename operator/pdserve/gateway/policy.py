@@ -37,6 +37,9 @@ class PolicySettings:
     """Consecutive successful probes that end the degraded state."""
     local_when_decode_idle: bool = True
     """Prefill locally on a decode replica with nothing running or queued."""
+    pd_ttft_share: float = 0.9
+    """P/D must be predicted to take at most this share of the TTFT budget (predictions are
+    averages; a TTFT right at the budget misses it half the time)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,6 @@ class AutoPolicy:
             this_prefill = speed * tokens
             # Requests ahead are assumed about as long as this one: a coarse but monotone guess.
             pd_ttft = (queues.prefill_ahead + 1) * this_prefill + (handoff or 0.0)
-            if pd_ttft > ttft_budget >= this_prefill:
+            if pd_ttft > self.settings.pd_ttft_share * ttft_budget and this_prefill <= ttft_budget:
                 return Decision(False, "prefill_queue_over_ttft_budget")
         return Decision(True, "long_prompt")
