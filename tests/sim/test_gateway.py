@@ -524,6 +524,9 @@ async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill
     metrics = (await client.get("/metrics")).text
     for reason in ("short_prompt", "decode_idle", "long_prompt"):
         assert f'pdserve_gateway_auto_decisions_total{{reason="{reason}"}} 1.0' in metrics
+    # Requests are counted under the route they took, not the one Auto started from.
+    assert 'pdserve_gateway_requests_total{outcome="ok",route="render"} 2.0' in metrics
+    assert 'pdserve_gateway_requests_total{outcome="ok",route="render_pd"} 1.0' in metrics
 
 
 def busy_decode(stack: Stack) -> None:

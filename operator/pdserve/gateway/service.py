@@ -385,6 +385,7 @@ class Gateway:
                 context = Context(self, request, body, chat, request_id, selection, pd, started)
                 route = context.route
                 response = await context.run()
+                route = context.route  # Auto mode decides P/D or local inside run()
                 self.metrics.requests.labels(route, "ok").inc()
                 self.metrics.e2e.labels(route).observe(time.monotonic() - started)
                 context.log_finished()
