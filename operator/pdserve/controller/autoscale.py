@@ -280,6 +280,10 @@ class Decision:
         return "down" if self.replicas < self.current else "hold"
 
 
+def throughout(window: float) -> str:
+    return f" throughout {window:g} s" if window else ""
+
+
 def decide(
     current: int, recommended: int, now: float, state: ScalerState, behaviour: Behaviour
 ) -> tuple[Decision, ScalerState]:
@@ -295,20 +299,20 @@ def decide(
     down = max(r for t, r in history if now - t <= behaviour.down_window)
     target, why = current, "within the stabilization windows"
     if up > current and now - started >= behaviour.up_window:
-        target, why = up, f"recommended {up} throughout {behaviour.up_window:g} s"
+        target, why = up, f"recommended {up}" + throughout(behaviour.up_window)
     elif down < current and now - started >= behaviour.down_window:
-        target, why = down, f"recommended at most {down} throughout {behaviour.down_window:g} s"
+        target, why = down, f"recommended at most {down}" + throughout(behaviour.down_window)
     state = replace(state, history=history, started=started)
     if target > current:
         if state.last_up is not None and now - state.last_up < behaviour.cooldown:
             target, why = current, f"scale-up cooldown ({behaviour.cooldown:g} s)"
-        else:
-            target = min(target, current + behaviour.up_step)
+        elif target > current + behaviour.up_step:
+            target, why = current + behaviour.up_step, why + f"; {behaviour.up_step} per step"
     elif target < current:
         if state.last_down is not None and now - state.last_down < behaviour.cooldown:
             target, why = current, f"scale-down cooldown ({behaviour.cooldown:g} s)"
-        else:
-            target = max(target, current - behaviour.down_step)
+        elif target < current - behaviour.down_step:
+            target, why = current - behaviour.down_step, why + f"; {behaviour.down_step} per step"
     bounded = max(behaviour.min_replicas, min(behaviour.max_replicas, target))
     if bounded != target:
         why += f"; bounded to {behaviour.min_replicas}-{behaviour.max_replicas}"
@@ -368,12 +372,12 @@ def built_plan(dm: DisaggregatedModel, plan: ReplicaPlan) -> ReplicaPlan:
 
 @dataclass
 class Targets:
-    """The metrics URLs of one model's pods, by pool (render pods by pod name)."""
+    """The metrics URLs of one model's pods, by pool and pod name."""
 
     render: dict[str, str] = field(default_factory=dict)
-    gateway: list[str] = field(default_factory=list)
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
+    gateway: dict[str, str] = field(default_factory=dict)
+    prefill: dict[str, str] = field(default_factory=dict)
+    decode: dict[str, str] = field(default_factory=dict)
 
 
 TargetResolver = Callable[[Mapping[str, Any]], str | None]
@@ -394,12 +398,9 @@ def targets_of(pods: Iterable[Mapping[str, Any]], resolve: TargetResolver) -> Ta
         component = pod["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if url is None:
             continue
-        if component == Component.render.value:
-            found.render[pod["metadata"]["name"]] = url
-        elif component == Component.gateway.value:
-            found.gateway.append(url)
-        elif component in (Component.prefill.value, Component.decode.value):
-            getattr(found, component).append(url)
+        pools = (Component.render, Component.gateway, Component.prefill, Component.decode)
+        if component in {c.value for c in pools}:
+            getattr(found, component)[pod["metadata"]["name"]] = url
     return found
 
 
@@ -408,7 +409,7 @@ class _Model:
     dm: DisaggregatedModel
     targets: Targets
     current: ReplicaPlan
-    samples: dict[str, tuple[float, Totals]] = field(default_factory=dict)  # url -> (t, totals)
+    samples: dict[str, tuple[float, Totals]] = field(default_factory=dict)  # pod -> (t, totals)
     states: dict[str, ScalerState] = field(default_factory=dict)
     decided: dict[str, Decision] = field(default_factory=dict)  # not yet live
     announced: set[str] = field(default_factory=set)
@@ -515,19 +516,20 @@ class Autoscaler:
             return None
 
     async def _windows(
-        self, model: _Model, urls: Sequence[str], select: Selector
+        self, model: _Model, pods: Mapping[str, str], select: Selector
     ) -> list[tuple[str, float, Totals]]:
-        """(url, seconds, deltas) of every pod that answered now and at the previous scrape."""
-        results = await asyncio.gather(*(self._fetch(u, select) for u in urls))
+        """(pod, seconds, deltas) of every pod that answered now and at the previous scrape."""
+        names = sorted(pods)
+        results = await asyncio.gather(*(self._fetch(pods[n], select) for n in names))
         now = self.clock()
         out = []
-        for url, totals in zip(urls, results, strict=True):
+        for name, totals in zip(names, results, strict=True):
             if totals is None:
                 continue
-            before = model.samples.get(url)
-            model.samples[url] = (now, totals)
+            before = model.samples.get(name)
+            model.samples[name] = (now, totals)
             if before is not None and now > before[0]:
-                out.append((url, now - before[0], window(totals, before[1])))
+                out.append((name, now - before[0], window(totals, before[1])))
         return out
 
     async def scrape_once(self) -> None:
@@ -579,18 +581,17 @@ class Autoscaler:
 
     async def _render(self, model: _Model, current: int) -> Recommendation | None:
         render = model.dm.spec.render
-        servers = await self._windows(model, list(model.targets.render.values()), render_series)
+        servers = await self._windows(model, model.targets.render, render_series)
         gateways = await self._windows(model, model.targets.gateway, gateway_series)
-        by_url = {url: name for name, url in model.targets.render.items()}
         seen: dict[str, float] = {}  # gateway view, busy s/s per render pod
         for _, seconds, deltas in gateways:
             for series, value in deltas.items():
                 pod = series.removeprefix("busy:")
                 seen[pod] = seen.get(pod, 0.0) + value / seconds
         busy, cpu = [], []
-        for url, seconds, deltas in servers:
+        for name, seconds, deltas in servers:
             own = deltas.get("busy", 0.0) / seconds
-            busy.append(max(own, seen.get(by_url[url], 0.0)))
+            busy.append(max(own, seen.get(name, 0.0)))
             if "cpu" in deltas:
                 cpu.append(deltas["cpu"] / seconds)
         scaling = render.autoscaling
