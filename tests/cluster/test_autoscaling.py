@@ -29,44 +29,10 @@ from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
 from tests.cluster.localplane import OPERATOR_USER, ControlPlane
-from tests.cluster.resources import SMALL_PD_SPEC, apply_dm, events_for
+from tests.cluster.resources import KEDA_CRD, SMALL_PD_SPEC, apply_dm, events_for
 from tests.sim.conftest import serving
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
-
-# A minimal ScaledObject CRD (keda.sh/v1alpha1): enough for the API server to accept and store
-# the object pdserve builds; KEDA's own CRD validates the fields in a real cluster.
-KEDA_CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "scaledobjects.keda.sh"},
-    "spec": {
-        "group": "keda.sh",
-        "scope": "Namespaced",
-        "names": {"kind": "ScaledObject", "listKind": "ScaledObjectList",
-                  "plural": "scaledobjects", "singular": "scaledobject"},
-        "versions": [{
-            "name": "v1alpha1", "served": True, "storage": True,
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "required": ["spec"],
-                "properties": {"spec": {
-                    "type": "object",
-                    "required": ["scaleTargetRef", "triggers"],
-                    "x-kubernetes-preserve-unknown-fields": True,
-                    "properties": {
-                        "scaleTargetRef": {"type": "object", "required": ["name"],
-                                           "x-kubernetes-preserve-unknown-fields": True},
-                        "triggers": {"type": "array", "minItems": 1, "items": {
-                            "type": "object", "required": ["type", "metadata"],
-                            "x-kubernetes-preserve-unknown-fields": True,
-                        }},
-                    },
-                }},
-            }},
-        }],
-    },
-}  # fmt: skip
 
 
 async def eventually(
