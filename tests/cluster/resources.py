@@ -20,6 +20,40 @@ SMALL_PD_SPEC: dict[str, Any] = {
     "gateway": {"replicas": 1},
 }
 
+# A minimal ScaledObject CRD (keda.sh/v1alpha1): enough for the API server to accept and store
+# the object pdserve builds; KEDA's own CRD validates the fields in a real cluster.
+KEDA_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "scaledobjects.keda.sh"},
+    "spec": {
+        "group": "keda.sh",
+        "scope": "Namespaced",
+        "names": {"kind": "ScaledObject", "listKind": "ScaledObjectList",
+                  "plural": "scaledobjects", "singular": "scaledobject"},
+        "versions": [{
+            "name": "v1alpha1", "served": True, "storage": True,
+            "schema": {"openAPIV3Schema": {
+                "type": "object",
+                "required": ["spec"],
+                "properties": {"spec": {
+                    "type": "object",
+                    "required": ["scaleTargetRef", "triggers"],
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "properties": {
+                        "scaleTargetRef": {"type": "object", "required": ["name"],
+                                           "x-kubernetes-preserve-unknown-fields": True},
+                        "triggers": {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["type", "metadata"],
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }},
+                    },
+                }},
+            }},
+        }],
+    },
+}  # fmt: skip
+
 
 def dm_url(namespace: str, name: str = "") -> str:
     base = f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/disaggregatedmodels"

@@ -13,9 +13,17 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.builders.scaling import (
+    GATEWAY_BUSY_METRIC,
+    GATEWAY_DURATION_SERIES,
+    PARSER_BUSY_METRIC,
+    RENDER_HANDLERS,
+    SERVER_DURATION_SERIES,
+)
 from pdserve.controller.reconcile import MANAGED_KINDS
 from tests.cluster.clitools import Kubectl, ensure_cli_tools
 from tests.cluster.localplane import wait_until
+from tests.cluster.resources import KEDA_CRD
 
 pytestmark = pytest.mark.cluster
 
@@ -55,13 +63,14 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
-# Every optional object on: NetworkPolicies (operator flags, RBAC, the operator pod's policy) and
-# the Grafana dashboard ConfigMap.
+# Every optional object on: NetworkPolicies (operator flags, RBAC, the operator pod's policy),
+# the Grafana dashboard ConfigMap and the Prometheus Adapter rules ConfigMap.
 OPTIONS_ON = (
     "networkPolicy.enabled=true",
     "networkPolicy.metricsNamespaces={monitoring}",
     "grafana.dashboard.enabled=true",
     "grafana.dashboard.labels.team=ml",
+    "prometheusAdapter.rules.enabled=true",
 )
 GATEWAY_FROM = (
     '[{"namespaceSelector":{"matchLabels":{"team":"apps"}}},{"ipBlock":{"cidr":"10.0.0.0/8"}}]'
@@ -141,6 +150,10 @@ def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
         ("grafana.dashboard.namespace=Grafana", "namespace"),
         ("grafana.dashboard.folderAnnotation=grafana folder", "folderAnnotation"),
         ("grafana.dashbord.enabled=true", "dashbord"),
+        ("operator.autoscaleSeconds=-1", "autoscaleSeconds"),
+        ("operator.metricsPort=70000", "metricsPort"),
+        ("prometheusAdapter.rules.enabled=maybe", "enabled"),
+        ("prometheusAdapter.rules.namespace=Monitoring", "namespace"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(tmp_path: Path, value: str, field: str) -> None:
@@ -156,6 +169,10 @@ def can_i(kubectl: Kubectl, account: str, verb: str, resource: str) -> str:
 
 def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "-f", str(CHART / "crds"), check=True)
+    # KEDA's ScaledObject kind (a minimal CRD): `auth can-i` answers only for known resources.
+    kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(KEDA_CRD), check=True)
+    kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=30s",
+            check=True)  # fmt: skip
     namespace = yaml.safe_dump(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NAMESPACE}}
     )
@@ -227,11 +244,20 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
 def test_pod_monitor_scrapes_every_managed_pool(tmp_path: Path) -> None:
     assert not [d for d in render(tmp_path) if d["kind"] == "PodMonitor"]
     docs = render(tmp_path, "monitoring.podMonitor.enabled=true", "operator.watchNamespaces={llm}")
-    [monitor] = by_kind(docs, "PodMonitor")
+    monitor, operator = by_kind(docs, "PodMonitor")
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve"}
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    # The operator's own metrics (its autoscaling decisions), on the port its pod names.
+    [endpoint] = operator["spec"]["podMetricsEndpoints"]
+    [deployment] = by_kind(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    assert endpoint["port"] == "metrics"
+    assert (
+        operator["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    )
 
 
 def test_network_policy_option_switches_the_operator_and_protects_its_pod(tmp_path: Path) -> None:
@@ -258,7 +284,12 @@ def test_network_policy_option_switches_the_operator_and_protects_its_pod(tmp_pa
     [policy] = by_kind(docs, "NetworkPolicy")
     selector = by_kind(docs, "Deployment")[0]["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["podSelector"]["matchLabels"] == selector
-    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9443}]}]
+    metrics_from = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
+                                                            "monitoring"}}}]  # fmt: skip
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 9443}]},
+        {"ports": [{"protocol": "TCP", "port": 8081}], "from": metrics_from},
+    ]
 
     docs = render(tmp_path, "networkPolicy.enabled=true", "webhook.enabled=false",
                   "operator.watchNamespaces={llm}")  # fmt: skip
@@ -274,7 +305,7 @@ def test_grafana_dashboard_option_ships_the_chart_dashboard_to_the_sidecar(tmp_p
     ]
     docs = render(tmp_path, *OPTIONS_ON, "grafana.dashboard.namespace=grafana",
                   "grafana.dashboard.annotations.team=ml-platform")  # fmt: skip
-    [config_map] = by_kind(docs, "ConfigMap")
+    [config_map] = [d for d in by_kind(docs, "ConfigMap") if "dashboard" in d["metadata"]["name"]]
     meta = config_map["metadata"]
     assert (meta["name"], meta["namespace"]) == ("pdserve-dashboard", "grafana")
     assert meta["labels"]["grafana_dashboard"] == "1"
@@ -291,3 +322,36 @@ def test_grafana_dashboard_option_ships_the_chart_dashboard_to_the_sidecar(tmp_p
     assert "grafana_dashboard" not in config_map["metadata"]["labels"]
     assert config_map["metadata"]["labels"]["my-sidecar"] == "yes"
     assert config_map["metadata"]["namespace"] == RELEASE_NAMESPACE
+
+
+def test_prometheus_adapter_rules_serve_the_metrics_the_render_hpa_names(tmp_path: Path) -> None:
+    assert not [d for d in by_kind(render(tmp_path), "ConfigMap")]
+    docs = render(tmp_path, "prometheusAdapter.rules.enabled=true",
+                  "prometheusAdapter.rules.namespace=monitoring")  # fmt: skip
+    [config_map] = by_kind(docs, "ConfigMap")
+    meta = config_map["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("pdserve-prometheus-adapter-rules", "monitoring")
+    rules = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    # The names the builders put in the HPA's Pods metrics, from the code: they cannot drift.
+    assert [r["name"]["as"] for r in rules] == [PARSER_BUSY_METRIC, GATEWAY_BUSY_METRIC]
+    parser, gateway = rules
+    assert parser["seriesQuery"].startswith(SERVER_DURATION_SERIES + "{")
+    assert f'handler=~"{RENDER_HANDLERS}"' in parser["metricsQuery"]
+    assert parser["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert gateway["seriesQuery"].startswith(GATEWAY_DURATION_SERIES + "{")
+    # The gateway series is per gateway pod; its render_pod label names the render pod.
+    assert gateway["resources"]["overrides"]["render_pod"] == {"resource": "pod"}
+    for rule in rules:
+        assert "rate(<<.Series>>{<<.LabelMatchers>>" in rule["metricsQuery"]
+        assert "by (<<.GroupBy>>)" in rule["metricsQuery"]
+
+
+def test_operator_runs_the_builtin_autoscaler_at_the_chosen_period(tmp_path: Path) -> None:
+    args = by_kind(render(tmp_path), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--autoscale-seconds=15" in args["args"]
+    assert "--metrics-port=8081" in args["args"]
+    docs = render(tmp_path, "operator.autoscaleSeconds=0", "operator.metricsPort=0")
+    container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--autoscale-seconds=0" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--metrics-port")]
+    assert [p["name"] for p in container["ports"]] == ["health", "webhook"]

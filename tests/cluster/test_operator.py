@@ -174,8 +174,13 @@ def test_hand_edited_parity_flag_is_reported_and_repaired(
         )
 
     wait_until("the operator to repair --block-size", repaired, timeout=30)
-    drift = [e for e in events_for(http_api, namespace, "qwen") if e["reason"] == "ParityDrift"]
-    assert drift, "no ParityDrift event"
+
+    def drift_events() -> list[dict[str, Any]]:
+        return [e for e in events_for(http_api, namespace, "qwen") if e["reason"] == "ParityDrift"]
+
+    # The event is posted right after the repairing apply: poll for it.
+    wait_until("a ParityDrift event", lambda: bool(drift_events()), timeout=10)
+    drift = drift_events()
     assert "--block-size is '32', spec says '16'" in drift[0]["message"]
     assert drift[0]["type"] == "Warning"
 

@@ -311,6 +311,8 @@ async def test_vllm_metric_names_are_exported(engines: Engines) -> None:
         "vllm:request_decode_time_seconds_bucket",
         "vllm:request_success_total",
         "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+        "vllm:request_prompt_tokens_sum",  # prompt lengths: queued prompt tokens for autoscaling
     ):
         assert name in text, name
     assert 'model_name="qwen"' in text

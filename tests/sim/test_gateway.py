@@ -209,6 +209,14 @@ async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: St
     metrics = (await client.get("/metrics")).text
     for stage in ("render", "prefill", "derender", "decode_first_token", "kv_handoff"):
         assert f'pdserve_gateway_stage_seconds_count{{stage="{stage}"}}' in metrics, stage
+    # Per render replica (named by its URL in a static list): its calls and their time, the
+    # render autoscalers' gateway-side signal; nothing left in flight.
+    render_url = stack.gateway_server.endpoints.pools["render"][0].url
+    calls = f'pdserve_gateway_render_call_seconds_count{{render_pod="{render_url}",stage='
+    derenders = [line for line in metrics.splitlines() if line.startswith(calls + '"derender"}')]
+    assert float(derenders[0].split()[-1]) >= 2  # the whole answer, then the stream's calls
+    assert calls + '"render"} 2.0' in metrics
+    assert f'pdserve_gateway_render_inflight{{render_pod="{render_url}"}} 0.0' in metrics
 
 
 async def test_streamed_tool_call_arrives_whole(stack: Stack) -> None:

@@ -229,6 +229,14 @@ async def test_parser_load_metrics_count_calls_streams_and_cpu(render: httpx.Asy
     assert calls == len(TOKENIZER.encode("<think>\nx\n</think>\n\ny"))
     assert metrics["pdserve_sim_render_derender_streams_total"] == 1
     assert metrics["pdserve_sim_render_parse_cpu_seconds_total"] > 0
+    # What a real render server exposes and the autoscalers read: HTTP time per handler (as
+    # prometheus-fastapi-instrumentator names it) and the process's CPU.
+    handler = '{handler="/v1/chat/completions/derender",method="POST"}'
+    assert metrics[f"http_request_duration_seconds_count{handler}"] == calls
+    assert metrics[f"http_request_duration_seconds_sum{handler}"] > 0
+    ok = '{handler="/v1/chat/completions/derender",method="POST",status="2xx"}'
+    assert metrics[f"http_requests_total{ok}"] == calls
+    assert metrics["process_cpu_seconds_total"] > 0
 
 
 async def test_health_and_models(render: httpx.AsyncClient) -> None:

@@ -235,13 +235,19 @@ def test_settings_come_from_flags_then_env_then_defaults() -> None:
     settings = parse_settings([], env)
     assert (settings.namespaces, settings.resync_seconds) == (("a", "b"), 5.0)
     assert parse_settings(["-n", "x", "--resync-seconds", "9"], env).namespaces == ("x",)
+    defaults = parse_settings([], {})
+    assert (defaults.autoscale_seconds, defaults.metrics_port) == (15.0, None)
+    scaling = parse_settings(["--metrics-port", "8081"], {"PDSERVE_AUTOSCALE_SECONDS": "0"})
+    assert (scaling.autoscale_seconds, scaling.metrics_port) == (0.0, 8081)
 
 
 @pytest.mark.parametrize(
     ("env", "message"),
     [({"PDSERVE_RESYNC_SECONDS": "soon"}, "PDSERVE_RESYNC_SECONDS='soon' is not a number"),
      ({"PDSERVE_LOG_FORMAT": "xml"}, "PDSERVE_LOG_FORMAT must be plain or json"),
-     ({"PDSERVE_RESYNC_SECONDS": "0"}, "--resync-seconds must be > 0")],
+     ({"PDSERVE_RESYNC_SECONDS": "0"}, "--resync-seconds must be > 0"),
+     ({"PDSERVE_AUTOSCALE_SECONDS": "-1"}, "--autoscale-seconds must be >= 0"),
+     ({"PDSERVE_METRICS_PORT": "http"}, "PDSERVE_METRICS_PORT='http' is not a port")],
 )  # fmt: skip
 def test_bad_settings_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

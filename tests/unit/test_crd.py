@@ -87,7 +87,11 @@ def test_defaults_and_enums_come_from_the_models() -> None:
     assert spec["kvTransfer"]["properties"]["connector"]["enum"] == [
         "NixlConnector", "NixlPushConnector", "LMCacheConnectorV1", "MooncakeConnector",
     ]  # fmt: skip
-    assert spec["render"]["properties"]["resources"]["default"]["requests"]["cpu"] == "1"
+    # No CPU default: it follows render.workers (a core per worker).
+    assert spec["render"]["properties"]["resources"]["default"]["requests"] == {"memory": "2Gi"}
+    scaling = spec["render"]["properties"]["autoscaling"]["properties"]
+    assert scaling["engine"]["enum"] == ["HPA", "KEDA", "Builtin"]
+    assert scaling["engine"]["default"] == "HPA"
 
 
 def test_render_is_stable_yaml_without_anchors() -> None:

@@ -46,6 +46,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, delete]
+# render.autoscaling.engine KEDA: the render pool's ScaledObject (applied, pruned when the
+# engine changes; KEDA itself need not be installed for the others). The Builtin engine needs no
+# /scale rights: the operator writes replicas in the workloads it applies anyway.
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]

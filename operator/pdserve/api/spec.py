@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -334,30 +335,10 @@ class VllmPoolFields(ApiModel):
     """Annotations on the pool's pods."""
 
 
-class EnginePoolSpec(VllmPoolFields):
-    """A pool of GPU engines (prefill or decode), one StatefulSet."""
-
-    replicas: Annotated[int, Field(ge=0, le=1024)] = 1
-    """Engine replicas (pods). prefill.replicas 0 means aggregated serving on the decode pool."""
-    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
-    """GPUs one engine shards each layer over (--tensor-parallel-size)."""
-    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
-    """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
-    tensorParallelSize x dataParallelSize."""
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set."""
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
-    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
-    """Scheduler knobs."""
-
-    @property
-    def gpus(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
-
-
-class RenderAutoscalingSpec(ApiModel):
-    """HorizontalPodAutoscaler of the render pool."""
+class ScalingBehaviour(ApiModel):
+    """How fast an autoscaler may move: bounds, stabilization windows against flapping, steps
+    and cooldowns. The same semantics for every engine (the HPA/KEDA behaviour fields are derived
+    from them; the Builtin engine applies them itself)."""
 
     model_config = with_rules(
         [
@@ -370,24 +351,161 @@ class RenderAutoscalingSpec(ApiModel):
         ]
     )
 
-    enabled: bool = True
-    """Create an HPA and leave the Deployment's replicas to it."""
     min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
-    """Fewest render replicas."""
+    """Fewest replicas."""
     max_replicas: Annotated[int, Field(ge=1, le=1000)] = 4
-    """Most render replicas."""
-    target_cpu_utilization_percentage: Annotated[
-        int, Field(ge=1, le=100, alias="targetCPUUtilizationPercentage")
-    ] = 70
-    """Average CPU utilization the HPA aims for."""
+    """Most replicas."""
+    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
+    """A scale-up follows the lowest recommendation of this window (a short spike does not
+    add replicas)."""
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 300
+    """A scale-down follows the highest recommendation of this window (load must stay low this
+    long before replicas go)."""
+    scale_up_step: Annotated[int, Field(ge=1, le=1000)] = 4
+    """Most replicas added in one step."""
+    scale_down_step: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Most replicas removed in one step."""
+    cooldown_seconds: Annotated[int, Field(ge=0, le=1800)] = 30
+    """After a step, no further step in the same direction for this long (the HPA policy's
+    periodSeconds)."""
 
     @model_validator(mode="after")
-    def _bounds(self) -> RenderAutoscalingSpec:
+    def _bounds(self) -> ScalingBehaviour:
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"maxReplicas ({self.max_replicas}) must be >= minReplicas ({self.min_replicas})"
             )
         return self
+
+
+class EngineAutoscaler(StrEnum):
+    builtin = "Builtin"
+    external = "External"
+
+
+class EngineAutoscalingSpec(ScalingBehaviour):
+    """SLO-driven autoscaling of an engine pool. Builtin: the operator scrapes the engines and
+    sets the StatefulSets' replicas (prefill from queued prompt tokens and measured prefill
+    throughput against the TTFT SLO; decode from KV-cache use and ITL against the ITL SLO; with
+    placement.slices > 1 whole slices, so P:D and the topology domain hold). External: your
+    HPA or KEDA ScaledObject drives the StatefulSet's /scale; the operator never sets its
+    replicas."""
+
+    engine: EngineAutoscaler = EngineAutoscaler.builtin
+    """Builtin (the operator) or External (an HPA/KEDA targeting the StatefulSet
+    <name>-prefill or <name>-decode; one slice only)."""
+    min_replicas: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Fewest engine pods of the pool (all slices together)."""
+    max_replicas: Annotated[int, Field(ge=1, le=1024)] = 4
+    """Most engine pods of the pool (all slices together)."""
+    target_utilization_percent: Annotated[int, Field(ge=10, le=100)] = 80
+    """prefill: share of the measured prefill throughput (prompt tokens per busy second) the
+    pool may be loaded to; decode: KV-cache usage the pool aims for."""
+    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
+    """A scale-up follows the lowest recommendation of this window (GPU pods are expensive:
+    load must stay high this long)."""
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = 600
+    """A scale-down follows the highest recommendation of this window."""
+    scale_up_step: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Most replicas (or slices) added in one step."""
+    scale_down_step: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Most replicas (or slices) removed in one step."""
+    cooldown_seconds: Annotated[int, Field(ge=0, le=1800)] = 300
+    """After a step, no further step in the same direction for this long (engines load weights
+    for minutes before they take load)."""
+
+
+class EnginePoolSpec(VllmPoolFields):
+    """A pool of GPU engines (prefill or decode), one StatefulSet."""
+
+    replicas: Annotated[int, Field(ge=0, le=1024)] = 1
+    """Engine replicas (pods). prefill.replicas 0 means aggregated serving on the decode pool.
+    With placement.slices > 1: per slice (the P:D ratio). With autoscaling and one slice: the
+    starting count, kept within its bounds."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """GPUs one engine shards each layer over (--tensor-parallel-size)."""
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
+    tensorParallelSize x dataParallelSize."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Scheduler knobs."""
+    autoscaling: EngineAutoscalingSpec | None = None
+    """Replicas from SLOs (Builtin) or from your own HPA/KEDA (External). Unset: replicas."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+class RenderAutoscaler(StrEnum):
+    hpa = "HPA"
+    keda = "KEDA"
+    builtin = "Builtin"
+
+
+class RenderAutoscalingSpec(ScalingBehaviour):
+    """Autoscaling of the render pool on parser load: busy seconds per second of the render
+    servers' render/derender handlers (their http_request_duration_seconds, and the gateway's
+    own per-replica derender timing) per worker, with CPU utilization as the floor signal."""
+
+    model_config = with_rules(
+        [
+            rule(
+                "!has(self.maxReplicas) || !has(self.minReplicas)"
+                " || self.maxReplicas >= self.minReplicas",
+                "maxReplicas must be >= minReplicas",
+                ".maxReplicas",
+            ),
+            rule(
+                "!has(self.engine) || self.engine != 'KEDA' || has(self.prometheusAddress)",
+                "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)",
+                ".prometheusAddress",
+            ),
+        ]
+    )
+
+    enabled: bool = True
+    """Autoscale the render pool and leave the Deployment's replicas to the autoscaler."""
+    engine: RenderAutoscaler = RenderAutoscaler.hpa
+    """HPA: an autoscaling/v2 HorizontalPodAutoscaler on CPU plus the Pods metric
+    pdserve_render_parser_busy (served by the Prometheus Adapter rule the chart ships). KEDA: a
+    keda.sh ScaledObject with a Prometheus and a CPU trigger. Builtin: the operator scrapes the
+    render pods and gateways itself and sets replicas (clusters with neither adapter)."""
+    target_cpu_utilization_percentage: Annotated[
+        int, Field(ge=1, le=100, alias="targetCPUUtilizationPercentage")
+    ] = 70
+    """Average CPU utilization (of the CPU request) aimed for: the floor signal."""
+    target_parser_busy_percent: Annotated[int, Field(ge=10, le=100)] = 70
+    """Busy seconds per second of render/derender work per worker aimed for (100: every worker
+    always busy). Over it, derender calls queue and streamed tokens stall."""
+    prometheus_address: Annotated[str, Field(pattern=r"^https?://.+")] | None = None
+    """Prometheus URL the KEDA trigger queries, e.g.
+    http://prometheus-operated.monitoring.svc:9090 (engine KEDA)."""
+
+    @model_validator(mode="after")
+    def _keda_needs_prometheus(self) -> RenderAutoscalingSpec:
+        if self.engine is RenderAutoscaler.keda and self.prometheus_address is None:
+            raise ValueError(
+                "render.autoscaling.engine KEDA needs render.autoscaling.prometheusAddress (the "
+                "Prometheus its trigger queries, e.g. http://prometheus-operated.monitoring.svc"
+                ":9090), or use engine HPA or Builtin"
+            )
+        return self
+
+
+def cpu_cores(quantity: Quantity | None) -> float | None:
+    """A CPU quantity in cores: "250m" -> 0.25, "2" or 2 -> 2.0; None when unset or unreadable."""
+    if quantity is None:
+        return None
+    text = str(quantity).strip()
+    try:
+        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
 
 
 class RenderSpec(VllmPoolFields):
@@ -398,16 +516,35 @@ class RenderSpec(VllmPoolFields):
     """Run a render pool; engines then run --tokens-only. false: engines speak OpenAI."""
     replicas: Annotated[int, Field(ge=1, le=1000)] = 2
     """Replicas when autoscaling is disabled."""
-    workers: Annotated[int, Field(ge=1, le=256)] = 1
-    """Render worker threads per pod (--renderer-num-workers)."""
+    workers: Annotated[int, Field(ge=1, le=256)] | None = None
+    """Render worker threads per pod (--renderer-num-workers). Default: one per requested CPU
+    core (resources.requests.cpu, rounded up); without a CPU request, 1 and a 1-core request."""
     resources: ResourceRequirements = Field(
         default_factory=lambda: ResourceRequirements(
-            requests={"cpu": "1", "memory": "2Gi"}, limits={"memory": "4Gi"}
+            requests={"memory": "2Gi"}, limits={"memory": "4Gi"}
         )
     )
-    """CPU and memory of the render container (CPU requests drive the HPA)."""
+    """CPU and memory of the render container. Unset requests.cpu: one core per worker."""
+    drain_seconds: Annotated[int, Field(ge=0, le=300)] = 5
+    """On scale-down (and rollouts) a render pod keeps serving this long after it is marked for
+    deletion, so gateways stop picking it before its in-flight derender calls are drained (the
+    server then finishes them on SIGTERM). Render is stateless: a stream's next chunk goes to
+    another replica."""
     autoscaling: RenderAutoscalingSpec = Field(default_factory=RenderAutoscalingSpec)
-    """CPU-based autoscaling."""
+    """Autoscaling on parser load (HPA, KEDA or the operator's Builtin loop)."""
+
+    @property
+    def worker_count(self) -> int:
+        if self.workers is not None:
+            return self.workers
+        cores = cpu_cores(self.resources.requests.get("cpu"))
+        return max(1, math.ceil(cores)) if cores else 1
+
+    @property
+    def cpu_request(self) -> Quantity:
+        """The CPU request: the one set, else a core per worker."""
+        explicit = self.resources.requests.get("cpu")
+        return explicit if explicit is not None else str(self.worker_count)
 
 
 # ---- KV transfer -------------------------------------------------------------------------------
@@ -707,7 +844,68 @@ class DisaggregatedModelSpec(ApiModel):
                         )
             if self.placement.wants_guaranteed_qos:
                 guaranteed_resources(name, engine.resources)
+        self._check_engine_autoscaling()
         return self
+
+    def engine_pools(self) -> list[tuple[str, EnginePoolSpec]]:
+        """The engine pools that run: ("prefill", ...) when disaggregated, then ("decode", ...)."""
+        pools = [("prefill", self.prefill)] if self.disaggregated else []
+        return [*pools, ("decode", self.decode)]  # type: ignore[list-item]
+
+    def slice_bounds(self) -> tuple[int, int]:
+        """(fewest, most) active slices when placement.slices > 1 and the engines autoscale:
+        every autoscaled pool's minReplicas / maxReplicas in whole slices of its per-slice
+        replicas, the most capped at placement.slices."""
+        low, high = 1, self.placement.slices
+        for _, pool in self.engine_pools():
+            if pool.autoscaling is not None:
+                low = max(low, math.ceil(pool.autoscaling.min_replicas / pool.replicas))
+                high = min(high, pool.autoscaling.max_replicas // pool.replicas)
+        return low, high
+
+    def _check_engine_autoscaling(self) -> None:
+        if self.prefill is not None and self.prefill.autoscaling and not self.prefill.replicas:
+            raise ValueError(
+                "spec.prefill.autoscaling needs spec.prefill.replicas >= 1 (0 means aggregated "
+                "serving on decode): set replicas, or remove prefill.autoscaling"
+            )
+        auto = self.prefill.autoscaling if self.disaggregated and self.prefill else None
+        builtin = auto is not None and auto.engine is EngineAutoscaler.builtin
+        if builtin and self.gateway.slo.ttft_ms is None:
+            raise ValueError(
+                "spec.prefill.autoscaling (engine Builtin) scales prefill to the TTFT SLO: set "
+                "spec.gateway.slo.ttftMs, or use engine External"
+            )
+        pools = self.engine_pools()
+        scaled = [name for name, pool in pools if pool.autoscaling is not None]
+        slices = self.placement.slices
+        if slices == 1 or not scaled:
+            return
+        for name, pool in pools:
+            if pool.autoscaling is None:
+                raise ValueError(
+                    f"spec.{scaled[0]}.autoscaling with placement.slices {slices}: the operator "
+                    f"scales whole slices, so set spec.{name}.autoscaling too (or remove it)"
+                )
+            if pool.autoscaling.engine is EngineAutoscaler.external:
+                raise ValueError(
+                    f"spec.{name}.autoscaling.engine External cannot keep the P:D ratio and the "
+                    f"topology domain across placement.slices ({slices}) StatefulSets: use "
+                    "engine Builtin, which scales whole slices"
+                )
+        low, high = self.slice_bounds()
+        if high < low:
+            detail = ", ".join(
+                f"{name} {pool.autoscaling.min_replicas}-{pool.autoscaling.max_replicas} "
+                f"replicas of {pool.replicas} per slice"
+                for name, pool in pools
+                if pool.autoscaling is not None
+            )
+            raise ValueError(
+                f"spec.decode.autoscaling: no whole number of slices fits every pool's bounds "
+                f"({detail}, at most placement.slices {slices}): widen minReplicas/maxReplicas "
+                "to multiples of the per-slice replicas"
+            )
 
     @property
     def disaggregated(self) -> bool:

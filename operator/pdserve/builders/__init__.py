@@ -14,12 +14,14 @@ from pdserve.builders.names import Component, child_name
 from pdserve.builders.network import NetworkPolicyOptions, network_policies
 from pdserve.builders.parity import content_digest, parity_hash, parity_set
 from pdserve.builders.render import render_pool
+from pdserve.builders.scaling import ReplicaPlan
 
 # Apply order: identities and config before the workloads that use them.
 # NetworkPolicies come before the workloads, so no pod of the model starts unprotected.
 KIND_ORDER = [
     "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "Service",
-    "StatefulSet", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job",
+    "StatefulSet", "Deployment", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget",
+    "Job",
 ]  # fmt: skip
 
 
@@ -32,17 +34,19 @@ def build_all(
     *,
     chat_template_digest: str | None = None,
     network: NetworkPolicyOptions | None = None,
+    plan: ReplicaPlan | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object pdserve owns for this resource, in apply order. `network`: also the
-    model's NetworkPolicies (None: none, and the operator prunes those it made before)."""
+    model's NetworkPolicies (None: none, and the operator prunes those it made before).
+    `plan`: replicas of Builtin-autoscaled pools (None: their starting counts)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []
     if dm.spec.disaggregated:
         assert dm.spec.prefill is not None
-        objects += engine_pool(dm, Component.prefill, dm.spec.prefill, parity)
-    objects += engine_pool(dm, Component.decode, dm.spec.decode, parity)
+        objects += engine_pool(dm, Component.prefill, dm.spec.prefill, parity, plan)
+    objects += engine_pool(dm, Component.decode, dm.spec.decode, parity, plan)
     if dm.spec.render.enabled:
-        objects += render_pool(dm, parity)
+        objects += render_pool(dm, parity, plan)
     objects += gateway(dm, parity)
     if network is not None:
         objects += network_policies(dm, network)
@@ -53,6 +57,7 @@ __all__ = [
     "KIND_ORDER",
     "Component",
     "NetworkPolicyOptions",
+    "ReplicaPlan",
     "build_all",
     "child_name",
     "content_digest",

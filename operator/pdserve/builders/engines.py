@@ -32,6 +32,7 @@ from pdserve.builders.pods import (
     pod_annotations,
     pod_template,
 )
+from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
@@ -54,7 +55,11 @@ def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
 
 
 def engine_pool(
-    dm: DisaggregatedModel, component: Component, pool: EnginePoolSpec, parity: str
+    dm: DisaggregatedModel,
+    component: Component,
+    pool: EnginePoolSpec,
+    parity: str,
+    plan: ReplicaPlan | None = None,
 ) -> list[dict[str, Any]]:
     """The objects of one engine pool: a StatefulSet per slice, one headless Service and one PDB.
     Roles: prefill produces KV, decode consumes it; without a prefill pool, decode serves
@@ -111,6 +116,10 @@ def engine_pool(
         selector = {**selector_labels(dm, component), **slice_labels(dm, slice_index)}
         selector.pop(MODEL_LABEL)  # selectors are immutable: keep the one models always had
         template["metadata"]["labels"].update(selector)
+        spec: dict[str, Any] = {"serviceName": service_name}
+        replicas = engine_replicas(dm, component, pool, slice_index, plan)
+        if replicas is not None:  # None: an External autoscaler owns them
+            spec["replicas"] = replicas
         objects.append({
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
@@ -119,8 +128,7 @@ def engine_pool(
                 "labels": template["metadata"]["labels"],
             },
             "spec": {
-                "serviceName": service_name,
-                "replicas": pool.replicas,
+                **spec,
                 "podManagementPolicy": "Parallel",
                 "selector": {"matchLabels": selector},
                 "updateStrategy": {"type": "RollingUpdate"},

@@ -122,5 +122,5 @@ def engine_args(
 def render_args(dm: DisaggregatedModel, port: int) -> list[str]:
     """`vllm launch render` arguments."""
     render = dm.spec.render
-    args = [*model_flags(dm, port), "--renderer-num-workers", str(render.workers)]
+    args = [*model_flags(dm, port), "--renderer-num-workers", str(render.worker_count)]
     return args + text_parity_flags(dm) + list(render.extra_args)

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_resource
 from pdserve.builders.names import INSTANCE_LABEL
@@ -18,6 +20,20 @@ from pdserve.controller.settings import OperatorSettings
 log = logging.getLogger("pdserve.operator")
 MANAGED = {"app.kubernetes.io/managed-by": "pdserve"}
 WEBHOOK_CONFIGURATION = "validate.pdserve.io"
+
+
+async def serve_metrics(registry: CollectorRegistry, port: int) -> web.AppRunner:
+    """The operator's /metrics (its scaling decisions), on all interfaces."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()  # scraped by Prometheus
+    return runner
 
 
 def build_registry(
@@ -57,19 +73,31 @@ def build_registry(
             state["health"] = asyncio.create_task(
                 reconciler.health.run_forever(), name="transport health"
             )
+        if reconciler.autoscaler is not None:
+            state["autoscale"] = asyncio.create_task(
+                reconciler.autoscaler.run_forever(), name="autoscale"
+            )
+            if operator_settings.metrics_port is not None:
+                state["metrics"] = await serve_metrics(
+                    reconciler.autoscaler.metrics.registry, operator_settings.metrics_port
+                )
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        for task_name in ("resync", "health"):
+        for task_name in ("resync", "health", "autoscale"):
             task = state.get(task_name)
             if task is not None:
                 task.cancel()
+        if "metrics" in state:
+            await state["metrics"].cleanup()
         reconciler: Reconciler | None = state.get("reconciler")
         if reconciler is not None:
             await reconciler.drain()
             await reconciler.kube.close()
             if reconciler.health is not None:
                 await reconciler.health.close()
+            if reconciler.autoscaler is not None:
+                await reconciler.autoscaler.close()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def on_model(type: str, namespace: str | None, name: str, **_: Any) -> None:

@@ -46,6 +46,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+        Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("batch/v1", "Job", "jobs"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),

@@ -21,7 +21,7 @@ from pdserve.api import (
     SpecError,
     parse_resource,
 )
-from pdserve.api.spec import normalize_flag
+from pdserve.api.spec import RenderAutoscaler, normalize_flag
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
     KIND_ORDER,
@@ -41,6 +41,7 @@ from pdserve.builders.names import (
 )
 from pdserve.builders.parity import parity_hash
 from pdserve.builders.preflight import preflight
+from pdserve.controller.autoscale import Autoscaler, live_plan
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.kube import KINDS, Kind, Kube, KubeError, kind_of
@@ -60,6 +61,7 @@ MANAGED_KINDS: list[Kind] = sorted(
 )
 DM_KIND = KINDS[(API_VERSION, KIND)]
 NETWORK_POLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
+SCALED_OBJECT = KINDS[("keda.sh/v1alpha1", "ScaledObject")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 
@@ -281,10 +283,12 @@ async def reconcile(
     now: Callable[[], str] = utc_now,
     network: NetworkPolicyOptions | None = None,
     health: TransportMonitor | None = None,
+    autoscaler: Autoscaler | None = None,
 ) -> Outcome:
     """Converge the children of `body`; events to post are returned in the outcome. `network`:
     the operator's NetworkPolicy settings (None: the model gets none, and loses those it has).
-    `health`: the background scraper of decode engines' NIXL metrics (None: not measured)."""
+    `health`: the background scraper of decode engines' NIXL metrics (None: not measured).
+    `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live replicas)."""
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
@@ -306,11 +310,21 @@ async def reconcile(
     digest, warnings = await chat_template_digest(kube, dm)
     selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
     pods_before = await kube.list(POD, dm.namespace, label_selector=selector)
-    built = build_all(dm, chat_template_digest=digest, network=network)
+    optional = set() if network is not None else {NETWORK_POLICY}
+    scaling = dm.spec.render.autoscaling
+    if not (dm.spec.render.enabled and scaling.enabled and scaling.engine is RenderAutoscaler.keda):
+        optional.add(SCALED_OBJECT)  # none wanted: a cluster without KEDA RBAC is fine
+    live = await list_children(kube, dm.namespace, dm.name, optional=frozenset(optional))
+    # Builtin-scaled pools: the live replicas, or a newer decision of the autoscaling loop.
+    plan = live_plan(dm, [o for k, o in live.items() if k[1] in ("StatefulSet", "Deployment")])
+    if autoscaler is not None:
+        plan, decisions = autoscaler.plan((dm.namespace, dm.name), dm, plan, pods_before)
+        for decision in decisions:
+            reason = "ScaledUp" if decision.direction == "up" else "ScaledDown"
+            outcome.event("Normal", reason, decision.reason)
+    built = build_all(dm, chat_template_digest=digest, network=network, plan=plan)
     built += preflight(dm, node_pairs(engine_pods(pods_before)))
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
-    optional = frozenset() if network is not None else frozenset({NETWORK_POLICY})
-    live = await list_children(kube, dm.namespace, dm.name, optional=optional)
     drift = parity_drift(desired, live)
     if drift:
         outcome.event("Warning", "ParityDrift", "repairing: " + "; ".join(drift))

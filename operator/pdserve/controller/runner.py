@@ -9,6 +9,7 @@ import logging
 
 import httpx
 
+from pdserve.controller.autoscale import Autoscaler, TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.kube import Kube, KubeError
@@ -21,7 +22,11 @@ Key = tuple[str, str]  # namespace, name
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, settings: OperatorSettings) -> None:
+    def __init__(
+        self, kube: Kube, settings: OperatorSettings, *, resolve: TargetResolver = pod_metrics_url
+    ) -> None:
+        """`resolve`: a pod -> its /metrics URL, for the autoscaling loop (tests point it at
+        simulators on loopback)."""
         self.kube = kube
         self.settings = settings
         self.known: set[Key] = set()
@@ -33,6 +38,12 @@ class Reconciler:
             self.health = TransportMonitor(
                 lambda key: self.trigger(*key), interval=settings.engine_metrics_seconds
             )
+        self.autoscaler: Autoscaler | None = None
+        if settings.autoscale_seconds > 0:
+            self.autoscaler = Autoscaler(
+                lambda key: self.trigger(*key), interval=settings.autoscale_seconds,
+                resolve=resolve,
+            )  # fmt: skip
 
     def trigger(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -46,6 +57,8 @@ class Reconciler:
         self.known.discard((namespace, name))
         if self.health is not None:
             self.health.forget((namespace, name))
+        if self.autoscaler is not None:
+            self.autoscaler.forget((namespace, name))
 
     async def _work(self, key: Key) -> None:
         while key in self._dirty:
@@ -69,8 +82,9 @@ class Reconciler:
             self.forget(*key)
             return
         outcome = await reconcile(
-            self.kube, body, network=self.settings.network_policies, health=self.health
-        )
+            self.kube, body, network=self.settings.network_policies, health=self.health,
+            autoscaler=self.autoscaler,
+        )  # fmt: skip
         for event in outcome.events:
             await post_event(self.kube, body, event)
 

@@ -37,6 +37,11 @@ class OperatorSettings:
     """Give every model NetworkPolicies; None: none (and those made earlier are pruned)."""
     engine_metrics_seconds: float = 15.0
     """How often decode engines' NIXL metrics are scraped for TransportHealthy; 0: never."""
+    autoscale_seconds: float = 15.0
+    """How often the Builtin autoscaler scrapes pools and decides; 0: Builtin pools keep their
+    replicas."""
+    metrics_port: int | None = None
+    """Serve the operator's Prometheus metrics (scaling decisions) on this port; None: not."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-metrics-seconds", type=float,
         help="scrape decode engines' NIXL metrics this often for condition TransportHealthy; "
         "0 turns it off (env PDSERVE_ENGINE_METRICS_SECONDS, default 15)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--autoscale-seconds", type=float,
+        help="scrape Builtin-autoscaled pools and decide their replicas this often; 0 turns the "
+        "Builtin engine off (env PDSERVE_AUTOSCALE_SECONDS, default 15)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=int,
+        help="serve the operator's Prometheus metrics (pdserve_operator_autoscale_*) on this "
+        "port at /metrics (env PDSERVE_METRICS_PORT; default: not served)",
     )  # fmt: skip
     add_network_arguments(parser)
     hook = parser.add_argument_group("validating admission webhook")
@@ -139,6 +154,20 @@ def from_arguments(
     engine_metrics = seconds(args.engine_metrics_seconds, env, "engine-metrics-seconds", "15")
     if engine_metrics < 0:
         raise ValueError(f"--engine-metrics-seconds must be >= 0, got {engine_metrics}")
+    autoscale = seconds(args.autoscale_seconds, env, "autoscale-seconds", "15")
+    if autoscale < 0:
+        raise ValueError(f"--autoscale-seconds must be >= 0, got {autoscale}")
+    port_text = (
+        args.metrics_port if args.metrics_port is not None else env.get("PDSERVE_METRICS_PORT")
+    )
+    metrics_port = None
+    if port_text not in (None, ""):
+        try:
+            metrics_port = int(port_text)
+        except ValueError:
+            raise ValueError(f"PDSERVE_METRICS_PORT={port_text!r} is not a port") from None
+        if not 1 <= metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 1-65535, got {metrics_port}")
     log_format = args.log_format or env.get("PDSERVE_LOG_FORMAT", "plain")
     if log_format not in ("plain", "json"):
         raise ValueError(f"PDSERVE_LOG_FORMAT must be plain or json, got {log_format!r}")
@@ -166,6 +195,8 @@ def from_arguments(
         namespaces=tuple(sorted(set(namespaces))),
         resync_seconds=resync,
         engine_metrics_seconds=engine_metrics,
+        autoscale_seconds=autoscale,
+        metrics_port=metrics_port,
         log_format=log_format,
         log_level=log_level,
         kubeconfig=args.kubeconfig or env.get("PDSERVE_KUBECONFIG"),

@@ -56,6 +56,7 @@ class StaticEndpoint(_Model):
     parity_hash: str | None = None
     slice: str | None = None
     kv_transport: str | None = None
+    name: str | None = None  # names the replica in metrics (in a cluster: the pod name)
 
 
 class StaticEndpoints(_Model):

@@ -67,6 +67,7 @@ class PodDiscovery:
                     kv_transport=pod["metadata"]
                     .get("annotations", {})
                     .get(KV_TRANSPORT_ANNOTATION),
+                    name=pod["metadata"]["name"],
                 )
                 for pod in self.pods.values()
                 if matches(pod["metadata"].get("labels", {}), ref.selector) and pod_ready(pod)

@@ -27,6 +27,12 @@ class Endpoint:
     # preflight verdict (pdserve.io/kv-transport: Verified, Failed, Unverified).
     slice: str | None = None
     kv_transport: str | None = None
+    name: str | None = None  # the pod's name (discovery) or a static endpoint's name
+
+    @property
+    def label(self) -> str:
+        """How metrics name this replica: its pod name, else its URL."""
+        return self.name or self.url
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
@@ -57,7 +63,11 @@ class Endpoints:
             for pool in self.pools:
                 self.pools[pool] = [
                     Endpoint(
-                        e.url.rstrip("/"), e.parity_hash, slice=e.slice, kv_transport=e.kv_transport
+                        e.url.rstrip("/"),
+                        e.parity_hash,
+                        slice=e.slice,
+                        kv_transport=e.kv_transport,
+                        name=e.name,
                     )
                     for e in getattr(config.endpoints, pool)
                 ]
@@ -71,6 +81,7 @@ class Endpoints:
             if kept is not None:
                 kept.parity_hash = endpoint.parity_hash
                 kept.slice, kept.kv_transport = endpoint.slice, endpoint.kv_transport
+                kept.name = endpoint.name
                 updated.append(kept)
             else:
                 updated.append(endpoint)

@@ -42,6 +42,22 @@ class GatewayMetrics:
             buckets=LATENCY,
             registry=r,
         )
+        # Per render replica (pod name): what the gateway sees of parser load, queueing in the
+        # render server included. The operator's Builtin render autoscaler and the Prometheus
+        # Adapter rule (pdserve_render_gateway_busy) read the seconds' rate as busy time.
+        self.render_inflight = Gauge(
+            "pdserve_gateway_render_inflight",
+            "Render and derender calls in flight per render replica",
+            ["render_pod"],
+            registry=r,
+        )
+        self.render_call = Histogram(
+            "pdserve_gateway_render_call_seconds",
+            "Render and derender call latency per render replica",
+            ["render_pod", "stage"],
+            buckets=LATENCY,
+            registry=r,
+        )
         self.derender_calls = Histogram(
             "pdserve_gateway_derender_calls_per_stream",
             "Derender calls per streamed choice",

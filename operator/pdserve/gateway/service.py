@@ -425,6 +425,9 @@ class Gateway:
             tried.append(endpoint)
             endpoint.inflight += 1
             begun = time.monotonic()
+            on_render = stage in ("render", "derender")
+            if on_render:
+                self.metrics.render_inflight.labels(endpoint.label).inc()
             try:
                 async with self.client.post(
                     f"{endpoint.url}{path}",
@@ -458,6 +461,10 @@ class Gateway:
                     raise UpstreamFailed(stage, last, status)
             finally:
                 endpoint.inflight -= 1
+                if on_render:
+                    self.metrics.render_inflight.labels(endpoint.label).dec()
+                    spent = time.monotonic() - begun
+                    self.metrics.render_call.labels(endpoint.label, stage).observe(spent)
             if not retry:
                 break
             self.metrics.retries.labels(stage, "upstream_error").inc()

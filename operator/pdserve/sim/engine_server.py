@@ -56,6 +56,10 @@ LATENCY_BUCKETS = (
 )
 
 
+# vLLM's 1-2-5 buckets up to a long context.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+
+
 @dataclass
 class TransferConfig:
     bytes_per_token: int = 56 * 1024  # Qwen2.5-7B bf16: 2 x 28 layers x 4 KV heads x 128 x 2 B
@@ -132,6 +136,9 @@ class EngineMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed", TOKEN_BUCKETS
+        )
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self.success = Counter(
             "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
@@ -219,6 +226,7 @@ class EngineServer:
                     self.sim_seconds(now - seq.first_token_at) / (seq.emitted - 1)
                 )
         m.prompt_tokens.labels(**labels).inc(len(seq.prompt_ids) - seq.cached_tokens)
+        m.request_prompt_tokens.labels(**labels).observe(len(seq.prompt_ids))
         m.success.labels(**labels, finished_reason=seq.finish_reason).inc()
 
     def _refresh_gauges(self) -> None:

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from pdserve.sim.chat import (
     BUILTIN_TEMPLATES,
@@ -94,9 +101,29 @@ class RenderConfig:
         return self.served_model_name or self.model
 
 
+# prometheus-fastapi-instrumentator's default buckets, as vLLM's API servers expose them.
+HTTP_BUCKETS = (0.1, 0.5, 1.0)
+
+
 class RenderMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # What a real `vllm launch render` exposes: HTTP metrics per handler (its parse load is
+        # the busy time of the render/derender handlers) and the process's CPU.
+        self.http_requests = Counter(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            ["method", "status", "handler"],
+            registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler.",
+            ["method", "handler"],
+            buckets=HTTP_BUCKETS,
+            registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)
         self.requests = Counter(
             "pdserve_sim_render_requests",
             "Requests by endpoint and status",
@@ -159,6 +186,7 @@ class RenderServer:
 
     def _wrap(self, path: str, handler: Any) -> Any:
         async def run(request: web.Request) -> web.StreamResponse:
+            started = time.perf_counter()
             try:
                 response: web.StreamResponse = await handler(await read_json(request))
             except HttpError as error:
@@ -166,6 +194,10 @@ class RenderServer:
             except ChatError as error:
                 response = error_response(400, str(error))
             self.metrics.requests.labels(path, str(response.status)).inc()
+            status = f"{response.status // 100}xx"
+            self.metrics.http_requests.labels(request.method, status, path).inc()
+            elapsed = time.perf_counter() - started
+            self.metrics.http_duration.labels(request.method, path).observe(elapsed)
             return response
 
         return run
