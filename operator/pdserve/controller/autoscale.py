@@ -44,9 +44,9 @@ from pdserve.builders.scaling import (
     builtin_slices,
     render_replicas,
 )
+from pdserve.controller.scraper import Key, PeriodicScraper
 
 log = logging.getLogger("pdserve.autoscale")
-Key = tuple[str, str]
 TOLERANCE = 0.1  # as the HPA: no change while the load is within 10% of the target
 QUEUE_SHARE_OF_TTFT = 0.5  # queued prompts must drain within half the TTFT SLO
 RENDER_PATHS = (
@@ -448,7 +448,7 @@ class AutoscaleMetrics:
         )
 
 
-class Autoscaler:
+class Autoscaler(PeriodicScraper):
     """Scrapes the pods of every Builtin-autoscaled model every `interval` seconds and decides;
     a decision that changes replicas triggers a reconcile (`on_change`)."""
 
@@ -463,9 +463,7 @@ class Autoscaler:
         clock: Callable[[], float] = time.monotonic,
         metrics: AutoscaleMetrics | None = None,
     ) -> None:
-        self.on_change = on_change
-        self.interval = interval
-        self.client = client or httpx.AsyncClient(timeout=timeout)
+        super().__init__(on_change, interval=interval, timeout=timeout, client=client)
         self.resolve = resolve
         self.clock = clock
         self.metrics = metrics or AutoscaleMetrics()
@@ -507,12 +505,13 @@ class Autoscaler:
 
     # ---- the loop -------------------------------------------------------------------------------
     async def _fetch(self, url: str, select: Selector) -> Totals | None:
+        text = await self.fetch_text(url)
+        if text is None:
+            return None
         try:
-            response = await self.client.get(url)
-            response.raise_for_status()
-            return scrape_totals(response.text, select)
-        except (httpx.HTTPError, ValueError) as error:
-            log.debug("scraping %s failed: %s", url, error)
+            return scrape_totals(text, select)
+        except ValueError as error:
+            log.debug("%s: unreadable metrics: %s", url, error)
             return None
 
     async def _windows(
@@ -692,11 +691,3 @@ class Autoscaler:
             log.info("%s/%s: %s", *key, message)
             changed = True
         return changed
-
-    async def run_forever(self) -> None:
-        while True:
-            await self.scrape_once()
-            await asyncio.sleep(self.interval)  # the scrape period, not synchronization
-
-    async def close(self) -> None:
-        await self.client.aclose()

@@ -9,14 +9,14 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, field
+from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api import DisaggregatedModel
+from pdserve.controller.scraper import Key, PeriodicScraper
 
 log = logging.getLogger("pdserve.health")
-Key = tuple[str, str]
 # Share of the TTFT SLO a KV handoff may take: prefill and decode's first step need the rest.
 TRANSFER_SHARE_OF_TTFT = 0.5
 
@@ -152,20 +152,11 @@ class _Tracked:
     verdict: HealthVerdict | None = None
 
 
-class TransportMonitor:
+class TransportMonitor(PeriodicScraper):
     """Scrapes the decode engines of every tracked model every `interval` seconds."""
 
-    def __init__(
-        self,
-        on_change: Callable[[Key], None],
-        *,
-        interval: float = 15.0,
-        timeout: float = 2.0,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
-        self.on_change = on_change
-        self.interval = interval
-        self.client = client or httpx.AsyncClient(timeout=timeout)
+    def __init__(self, on_change: Callable[[Key], None], **options: Any) -> None:
+        super().__init__(on_change, **options)
         self.tracked: dict[Key, _Tracked] = {}
 
     def track(self, key: Key, urls: Sequence[str], budget: float | None) -> None:
@@ -183,12 +174,11 @@ class TransportMonitor:
         return entry.verdict if entry else None
 
     async def _fetch(self, url: str) -> TransferCounters | None:
+        text = await self.fetch_text(url)
         try:
-            response = await self.client.get(url)
-            response.raise_for_status()
-            return parse_counters(response.text)
-        except (httpx.HTTPError, ValueError) as error:
-            log.debug("scraping %s failed: %s", url, error)
+            return None if text is None else parse_counters(text)
+        except ValueError as error:
+            log.debug("%s: unreadable metrics: %s", url, error)
             return None
 
     async def scrape_once(self) -> None:
@@ -209,11 +199,3 @@ class TransportMonitor:
             if verdict is not None and verdict != entry.verdict:
                 entry.verdict = verdict
                 self.on_change(key)
-
-    async def run_forever(self) -> None:
-        while True:
-            await self.scrape_once()
-            await asyncio.sleep(self.interval)  # the scrape period, not synchronization
-
-    async def close(self) -> None:
-        await self.client.aclose()
