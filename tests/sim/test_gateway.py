@@ -254,6 +254,8 @@ async def test_route2_openai_pd_and_route4_aggregated(stack: Stack) -> None:
     events = await sse_events(client, PLAIN)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    # The streamed P/D request taught Auto mode this KV path's handoff time.
+    assert (await client.get("/status")).json()["handoffSecondsPerToken"] > 0
 
     aggregated = await stack.gateway(
         routing(

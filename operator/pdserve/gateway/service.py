@@ -291,18 +291,22 @@ class Gateway:
         ttft_ms = self.config.routing.slo.ttft_ms
         return None if ttft_ms is None else ttft_ms / 1000
 
-    @staticmethod
-    def queue_state(selection: Selection) -> QueueState:
+    def queue_state(self, selection: Selection) -> QueueState:
         """The least busy replica of each engine pool: queued plus running requests (the
-        gateway's own in-flight count when it is ahead of the last scrape)."""
+        gateway's own in-flight count when it is ahead of the last scrape), and for prefill the
+        long prompts held in the gateway's admission queue, shared among the replicas."""
 
         def active(endpoint: Endpoint) -> float:
             return endpoint.waiting + max(endpoint.running, endpoint.inflight)
 
         pools = selection.pools
+        prefill = pools.get("prefill", [])
+        ahead = min(map(active, prefill), default=None)
+        if ahead is not None:
+            ahead += len(self.admission.queue) / max(1, len(prefill))
         return QueueState(
             decode_active=min(map(active, pools.get("decode", [])), default=None),
-            prefill_ahead=min(map(active, pools.get("prefill", [])), default=None),
+            prefill_ahead=ahead,
         )
 
     def auto_decision(
@@ -567,6 +571,18 @@ class Context:
     @property
     def settings(self) -> GatewaySettings:
         return self.gw.settings
+
+    def note_handoff(self, first_token_at: float, prompt_tokens: int) -> None:
+        """Prefill answered -> decode's first streamed token: the KV pull plus one decode step,
+        what Auto mode predicts the next handoffs from."""
+        if self.prefill_done_at is None:
+            return
+        gw = self.gw
+        handoff = first_token_at - self.prefill_done_at
+        self.prefill_done_at = None  # once per request
+        gw.metrics.stage.labels("kv_handoff").observe(handoff)
+        gw.policy.health.observe(handoff, prompt_tokens, gw.ttft_budget())
+        gw.metrics.pd_degraded.set(int(gw.policy.health.degraded))
 
     def decode_candidates(self, with_kv: bool) -> list[Endpoint]:
         """Decode replicas for this request: with prefill's KV to pull, those in the prefill
@@ -919,15 +935,7 @@ class Context:
                             first_event = False
                             now = time.monotonic()
                             gw.metrics.stage.labels("decode_first_token").observe(now - opened)
-                            if self.prefill_done_at is not None:
-                                # Prefill answered -> decode's first token: the KV pull plus
-                                # one decode step.
-                                handoff = now - self.prefill_done_at
-                                gw.metrics.stage.labels("kv_handoff").observe(handoff)
-                                gw.policy.health.observe(
-                                    handoff, len(generate["token_ids"]), gw.ttft_budget()
-                                )
-                                gw.metrics.pd_degraded.set(int(gw.policy.health.degraded))
+                            self.note_handoff(now, len(generate["token_ids"]))
                         if event.get("usage") is not None:
                             usage = event["usage"]
                         for choice in event.get("choices") or []:
@@ -1050,6 +1058,8 @@ class Context:
                         if line == "data: [DONE]":
                             done = True
                             break
+                        if "kv_transfer_params" in body:
+                            self.note_handoff(time.monotonic(), self.estimated_prompt_tokens())
                         writer.note_token()
                         await response.write(f"{line}\n\n".encode())
                 except (TimeoutError, aiohttp.ClientError) as error:
