@@ -825,3 +825,16 @@ async def test_long_prefill_limit_is_shared_by_gateway_replicas(stack: Stack) ->
         await first
     assert (await second).status_code == 200
     assert gateways[1].admission.aged == 0  # admitted by the peer's release, not by aging
+
+
+async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replica(
+    stack: Stack,
+) -> None:
+    """A short prompt stays local (no handoff), and with the decode replica busy the least loaded
+    engine of both pools serves it: a prefill engine answers a request without KV params."""
+    client = await pd_stack(stack, mode="Auto", load_scrape_seconds=None)
+    busy_decode(stack)
+    answer = await client.post("/v1/chat/completions", json=PLAIN)
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["message"]["content"]
+    assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (1, 0)

@@ -37,6 +37,9 @@ class PolicySettings:
     """Consecutive successful probes that end the degraded state."""
     local_when_decode_idle: bool = True
     """Prefill locally on a decode replica with nothing running or queued."""
+    local_on_prefill_pool: bool = True
+    """A request Auto prefills locally may run whole on a prefill replica too (the least loaded
+    of both pools): with a KV path too slow for the SLO, the prefill pool still serves."""
     pd_ttft_share: float = 0.9
     """P/D must be predicted to take at most this share of the TTFT budget (predictions are
     averages; a TTFT right at the budget misses it half the time)."""

@@ -586,9 +586,16 @@ class Context:
 
     def decode_candidates(self, with_kv: bool) -> list[Endpoint]:
         """Decode replicas for this request: with prefill's KV to pull, those in the prefill
-        replica's slice first (same topology domain, the verified path)."""
+        replica's slice first (same topology domain, the verified path). A request Auto mode
+        prefills locally may also run whole on a prefill replica (engines serve a request
+        without kv_transfer_params end to end)."""
+        gw = self.gw
         pool = self.selection.pools["decode"]
-        return self.gw.endpoints.same_slice(pool, self.prefilled_on if with_kv else None)
+        if with_kv:
+            return gw.endpoints.same_slice(pool, self.prefilled_on)
+        if gw.config.routing.mode == "Auto" and gw.policy.settings.local_on_prefill_pool:
+            return pool + self.selection.pools.get("prefill", [])
+        return pool
 
     def estimated_prompt_tokens(self) -> int:
         """Without a render pool there are no token ids: ~4 characters a token."""
