@@ -830,11 +830,16 @@ async def test_long_prefill_limit_is_shared_by_gateway_replicas(stack: Stack) ->
 async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replica(
     stack: Stack,
 ) -> None:
-    """A short prompt stays local (no handoff), and with the decode replica busy the least loaded
-    engine of both pools serves it: a prefill engine answers a request without KV params."""
+    """While the P/D path is unusable (here: degraded by failures), local requests may run on the
+    least loaded engine of both pools: a prefill engine answers a request without KV params.
+    Otherwise local requests stay on decode, keeping the prefill pool for P/D."""
     client = await pd_stack(stack, mode="Auto", load_scrape_seconds=None)
     busy_decode(stack)
-    answer = await client.post("/v1/chat/completions", json=PLAIN)
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (0, 1)
+    stack.gateway_server.policy.health.degraded = True
+    answer = await client.post("/v1/chat/completions", json=LONG)
     assert answer.status_code == 200
-    assert answer.json()["choices"][0]["message"]["content"]
-    assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (1, 0)
+    message = answer.json()["choices"][0]["message"]
+    assert message.get("content") or message.get("reasoning_content")
+    assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (1, 1)

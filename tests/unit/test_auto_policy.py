@@ -114,3 +114,21 @@ def test_a_prefill_queue_that_would_break_the_ttft_slo_goes_local() -> None:
     # If even a local prefill cannot meet the SLO, keep P/D (it at least spares decode's ITL).
     assert auto.decide(prompt_tokens=40000, prefill_available=True, ttft_budget=2.0,
                        queues=QueueState(decode_active=4, prefill_ahead=4)).disaggregated  # fmt: skip
+
+
+def test_a_kv_path_too_slow_for_the_slo_frees_the_prefill_pool_for_whole_requests() -> None:
+    auto, _ = policy()
+    auto.health.observe_prefill(0.65, 8000)  # the article: 8k tokens prefill in ~0.65 s
+    auto.health.observe(1.3, 8000, ttft_budget=2.0)  # ... and move in ~1.3 s
+    slow = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                       queues=QueueState(decode_active=3, prefill_ahead=0))  # fmt: skip
+    assert (slow.disaggregated, slow.reason, slow.anywhere) == (
+        False, "kv_path_over_ttft_budget", True,
+    )  # fmt: skip
+    fast, _ = policy()
+    fast.health.observe_prefill(0.65, 8000)
+    fast.health.observe(0.02, 8000, ttft_budget=2.0)
+    congested = fast.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                            queues=QueueState(decode_active=3, prefill_ahead=3))  # fmt: skip
+    # Congestion, not the path: local on decode only, the prefill pool stays with P/D.
+    assert (congested.reason, congested.anywhere) == ("prefill_queue_over_ttft_budget", False)

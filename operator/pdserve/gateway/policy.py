@@ -9,8 +9,10 @@ and decides with it:
 - an idle decode replica (nothing running or queued): local, since no stream's ITL can suffer
   and the handoff is pure added latency (at low rates this gives aggregated serving's TTFT);
 - a predicted handoff (EWMA seconds per prompt token x prompt tokens) over the TTFT budget: local;
+- this prefill + the predicted handoff over the budget (the KV path itself is too slow):
+  local, on the least loaded engine of both pools (the prefill pool cannot serve P/D usefully);
 - a predicted P/D TTFT (the prefill queue ahead + this prefill + the handoff) over the budget
-  while local prefill would fit it: local;
+  while local prefill would fit it: local on decode (congestion: keep the prefill pool for P/D);
 - otherwise disaggregated.
 Pure logic with an injected clock: every rule is tested deterministically."""
 
@@ -59,6 +61,9 @@ class QueueState:
 class Decision:
     disaggregated: bool
     reason: str
+    anywhere: bool = False
+    """Local, and the P/D path itself is unusable (too slow or failing): the request may run
+    whole on a prefill replica too, so the prefill pool keeps serving."""
 
 
 class HandoffHealth:
@@ -143,19 +148,24 @@ class AutoPolicy:
             health.eligible_while_degraded += 1
             if health.eligible_while_degraded % self.settings.probe_every == 0:
                 return Decision(True, "probe")
-            return Decision(False, "degraded")
+            return Decision(False, "degraded", anywhere=True)
         queues = queues or QueueState()
         if self.settings.local_when_decode_idle and queues.decode_active == 0:
             return Decision(False, "decode_idle")
         tokens = prompt_tokens or 0
         handoff = health.predicted_handoff(tokens)
         if ttft_budget is not None and handoff is not None and handoff > ttft_budget:
-            return Decision(False, "handoff_over_ttft_budget")
+            return Decision(False, "handoff_over_ttft_budget", anywhere=True)
         speed = health.prefill_seconds_per_token
-        if ttft_budget is not None and speed is not None and queues.prefill_ahead is not None:
+        if ttft_budget is not None and speed is not None:
             this_prefill = speed * tokens
+            target = self.settings.pd_ttft_share * ttft_budget
+            if this_prefill <= ttft_budget and this_prefill + (handoff or 0.0) > target:
+                # Even an idle prefill pool would miss the SLO: the KV path is the problem.
+                return Decision(False, "kv_path_over_ttft_budget", anywhere=True)
             # Requests ahead are assumed about as long as this one: a coarse but monotone guess.
-            pd_ttft = (queues.prefill_ahead + 1) * this_prefill + (handoff or 0.0)
-            if pd_ttft > self.settings.pd_ttft_share * ttft_budget and this_prefill <= ttft_budget:
+            ahead = queues.prefill_ahead or 0.0
+            if (ahead + 1) * this_prefill + (handoff or 0.0) > target >= this_prefill:
+                # Congestion, not the path: spill to decode, not onto the busy prefill pool.
                 return Decision(False, "prefill_queue_over_ttft_budget")
         return Decision(True, "long_prompt")

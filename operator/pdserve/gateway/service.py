@@ -37,7 +37,7 @@ from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
 from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
-from pdserve.gateway.policy import AutoPolicy, PolicySettings, QueueState
+from pdserve.gateway.policy import AutoPolicy, Decision, PolicySettings, QueueState
 from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
 
@@ -311,7 +311,7 @@ class Gateway:
 
     def auto_decision(
         self, prompt_tokens: int | None, prefill_available: bool, selection: Selection
-    ) -> bool:
+    ) -> Decision:
         """Routing mode Auto: P/D or local prefill for this request (see policy.py)."""
         decision = self.policy.decide(
             prompt_tokens=prompt_tokens,
@@ -320,7 +320,7 @@ class Gateway:
             queues=self.queue_state(selection),
         )
         self.metrics.auto_decisions.labels(decision.reason).inc()
-        return decision.disaggregated
+        return decision
 
     async def status(self, _: web.Request) -> web.Response:
         health = self.policy.health
@@ -534,6 +534,7 @@ class Context:
         self.conversation = str(conversation) if conversation else None
         self.prefill_done_at: float | None = None
         self.prefilled_on: Endpoint | None = None
+        self.local_anywhere = False  # Auto found the P/D path unusable (see policy.Decision)
         self.sent_at_ms = int(time.time() * 1000)
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
@@ -572,6 +573,11 @@ class Context:
     def settings(self) -> GatewaySettings:
         return self.gw.settings
 
+    def decide_auto(self, prompt_tokens: int) -> None:
+        decision = self.gw.auto_decision(prompt_tokens, self.pd, self.selection)
+        self.pd = decision.disaggregated
+        self.local_anywhere = decision.anywhere
+
     def note_handoff(self, first_token_at: float, prompt_tokens: int) -> None:
         """Prefill answered -> decode's first streamed token: the KV pull plus one decode step,
         what Auto mode predicts the next handoffs from."""
@@ -593,7 +599,7 @@ class Context:
         pool = self.selection.pools["decode"]
         if with_kv:
             return gw.endpoints.same_slice(pool, self.prefilled_on)
-        if gw.config.routing.mode == "Auto" and gw.policy.settings.local_on_prefill_pool:
+        if self.local_anywhere and gw.policy.settings.local_on_prefill_pool:
             return pool + self.selection.pools.get("prefill", [])
         return pool
 
@@ -708,7 +714,7 @@ class Context:
         generate = generates[0]
         generate["request_id"] = self.request_id
         if self.gw.config.routing.mode == "Auto":
-            self.pd = self.gw.auto_decision(len(generate["token_ids"]), self.pd, self.selection)
+            self.decide_auto(len(generate["token_ids"]))
         prefill_endpoint: Endpoint | None = None
         kv: dict[str, Any] | None = None
         if self.pd:
@@ -998,7 +1004,7 @@ class Context:
         kv: dict[str, Any] | None = None
         prefill_endpoint: Endpoint | None = None
         if self.gw.config.routing.mode == "Auto":
-            self.pd = self.gw.auto_decision(self.estimated_prompt_tokens(), self.pd, self.selection)
+            self.decide_auto(self.estimated_prompt_tokens())
         if self.pd:
             prefill_body = {**self.body, "stream": False, "max_tokens": 1, "n": 1}
             if "max_completion_tokens" in prefill_body:
