@@ -843,3 +843,20 @@ async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replic
     message = answer.json()["choices"][0]["message"]
     assert message.get("content") or message.get("reasoning_content")
     assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (1, 1)
+
+
+async def test_openai_streams_count_on_their_engine_at_once(stack: Stack) -> None:
+    """Two streams sent before any metrics scrape land on different engines: the gateway
+    counts a stream (and its prompt still to prefill) on its engine when it opens it."""
+    urls = [await stack.engine(n, engine("both", api="openai")) for n in ("first", "second")]
+    client = await stack.gateway(
+        routing("openai", render=False, prefill=False,
+                endpoints={"decode": [ep(u) for u in urls]}),
+        load_scrape_seconds=None,
+    )  # fmt: skip
+    streams = [asyncio.create_task(sse_events(client, LONG)) for _ in range(2)]
+    for events in await asyncio.gather(*streams):
+        assert events[-1] == "[DONE]"
+    assert [finished(stack.engines[n]) for n in ("first", "second")] == [1, 1]
+    pool = stack.gateway_server.endpoints.pools["decode"]
+    assert [(e.inflight, e.prefill_backlog) for e in pool] == [(0, 0), (0, 0)]

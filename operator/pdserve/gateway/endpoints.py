@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from pdserve.gateway.config import GatewayConfig
 
+# One unit of load per this many queued prompt tokens (about two engine steps of prefill at
+# vLLM's default 2048-token budget).
+PREFILL_TOKENS_PER_LOAD_UNIT = 4096
+
 
 @dataclass
 class Endpoint:
@@ -27,6 +31,10 @@ class Endpoint:
     # preflight verdict (pdserve.io/kv-transport: Verified, Failed, Unverified).
     slice: str | None = None
     kv_transport: str | None = None
+    # Prompt tokens this gateway sent to the engine that have not produced a first token yet:
+    # prefill work queued there, which a request count alone hides (one 8k-token prompt holds
+    # an engine ~30x longer than a short chat).
+    prefill_backlog: int = 0
     name: str | None = None  # the pod's name (discovery) or a static endpoint's name
 
     @property
@@ -41,7 +49,13 @@ class Endpoint:
         """Lower is better. Queued requests weigh most (they wait for everything running); the
         gateway's own in-flight count moves at once, so replicas share traffic between scrapes;
         a nearly full KV cache means preemptions ahead."""
-        return 4 * self.waiting + self.running + self.inflight + 8 * max(0.0, self.kv_usage - 0.9)
+        return (
+            4 * self.waiting
+            + self.running
+            + self.inflight
+            + self.prefill_backlog / PREFILL_TOKENS_PER_LOAD_UNIT
+            + 8 * max(0.0, self.kv_usage - 0.9)
+        )
 
 
 class NoEndpoints(Exception):

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -421,13 +421,16 @@ class Gateway:
         *,
         retry: bool = True,
         affinity: Mapping[str, int] | None = None,
+        prefill_tokens: int = 0,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
-        """POST to one replica of a pool; on connection errors or 5xx try the next one."""
+        """POST to one replica of a pool; on connection errors or 5xx try the next one.
+        `prefill_tokens`: the prompt the call prefills, counted on the replica meanwhile."""
         tried: list[Endpoint] = []
         last = "no endpoint"
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
             endpoint.inflight += 1
+            endpoint.prefill_backlog += prefill_tokens
             begun = time.monotonic()
             on_render = stage in ("render", "derender")
             if on_render:
@@ -465,6 +468,7 @@ class Gateway:
                     raise UpstreamFailed(stage, last, status)
             finally:
                 endpoint.inflight -= 1
+                endpoint.prefill_backlog -= prefill_tokens
                 if on_render:
                     self.metrics.render_inflight.labels(endpoint.label).dec()
                     spent = time.monotonic() - begun
@@ -666,6 +670,7 @@ class Context:
                     self.headers,
                     self.settings.prefill_timeout,
                     affinity=self.affinity("prefill", token_ids),
+                    prefill_tokens=prompt_tokens,
                 )
                 gw.policy.health.observe_prefill(time.monotonic() - begun, prompt_tokens)
             self.remember("prefill", endpoint, token_ids)
@@ -1036,6 +1041,26 @@ class Context:
         if endpoint is None:
             raise GatewayError(503, "no healthy decode endpoint")
         self.remember("decode", endpoint, None)
+        # Count the stream on its engine at once: the next pick must not wait for a scrape.
+        backlog = 0 if "kv_transfer_params" in body else self.estimated_prompt_tokens()
+        endpoint.inflight += 1
+        endpoint.prefill_backlog += backlog
+
+        def prefilled() -> None:
+            nonlocal backlog
+            endpoint.prefill_backlog -= backlog
+            backlog = 0
+
+        try:
+            return await self._proxy_stream(endpoint, path, body, prefilled)
+        finally:
+            endpoint.inflight -= 1
+            prefilled()
+
+    async def _proxy_stream(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any], prefilled: Callable[[], None]
+    ) -> web.StreamResponse:
+        gw = self.gw
         try:
             upstream = await gw.client.post(
                 f"{endpoint.url}{path}",
@@ -1073,6 +1098,7 @@ class Context:
                             break
                         if "kv_transfer_params" in body:
                             self.note_handoff(time.monotonic(), self.estimated_prompt_tokens())
+                        prefilled()
                         writer.note_token()
                         await response.write(f"{line}\n\n".encode())
                 except (TimeoutError, aiohttp.ClientError) as error:
