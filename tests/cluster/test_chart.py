@@ -151,6 +151,7 @@ def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
         ("grafana.dashboard.folderAnnotation=grafana folder", "folderAnnotation"),
         ("grafana.dashbord.enabled=true", "dashbord"),
         ("operator.autoscaleSeconds=-1", "autoscaleSeconds"),
+        ("operator.engineMetricsSeconds=-1", "engineMetricsSeconds"),
         ("operator.metricsPort=70000", "metricsPort"),
         ("prometheusAdapter.rules.enabled=maybe", "enabled"),
         ("prometheusAdapter.rules.namespace=Monitoring", "namespace"),
