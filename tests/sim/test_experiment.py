@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.stats import percentile
 from pdserve.sim.experiment import main
-
-
-def test_percentile_interpolates_like_numpy_and_vllm_bench() -> None:
-    values = [float(v) for v in range(100, 0, -1)]  # order does not matter
-    assert percentile(values, 99) == pytest.approx(99.01)  # numpy.percentile(1..100, 99)
-    assert percentile(values, 50) == pytest.approx(50.5)
-    assert percentile(values, 100) == 100.0
-    assert percentile([3.0], 99) == 3.0
 
 
 def test_experiment_prints_sim_and_article_figures(capsys: pytest.CaptureFixture[str]) -> None:

@@ -335,21 +335,20 @@ class VllmPoolFields(ApiModel):
     """Annotations on the pool's pods."""
 
 
+# Subclasses that add CEL rules replace the parent's list: each repeats this one.
+MIN_MAX_REPLICAS = rule(
+    "!has(self.maxReplicas) || !has(self.minReplicas) || self.maxReplicas >= self.minReplicas",
+    "maxReplicas must be >= minReplicas",
+    ".maxReplicas",
+)
+
+
 class ScalingBehaviour(ApiModel):
     """How fast an autoscaler may move: bounds, stabilization windows against flapping, steps
     and cooldowns. The same semantics for every engine (the HPA/KEDA behaviour fields are derived
     from them; the Builtin engine applies them itself)."""
 
-    model_config = with_rules(
-        [
-            rule(
-                "!has(self.maxReplicas) || !has(self.minReplicas)"
-                " || self.maxReplicas >= self.minReplicas",
-                "maxReplicas must be >= minReplicas",
-                ".maxReplicas",
-            )
-        ]
-    )
+    model_config = with_rules([MIN_MAX_REPLICAS])
 
     min_replicas: Annotated[int, Field(ge=1, le=1000)] = 1
     """Fewest replicas."""
@@ -454,12 +453,7 @@ class RenderAutoscalingSpec(ScalingBehaviour):
 
     model_config = with_rules(
         [
-            rule(
-                "!has(self.maxReplicas) || !has(self.minReplicas)"
-                " || self.maxReplicas >= self.minReplicas",
-                "maxReplicas must be >= minReplicas",
-                ".maxReplicas",
-            ),
+            MIN_MAX_REPLICAS,
             rule(
                 "!has(self.engine) || self.engine != 'KEDA' || has(self.prometheusAddress)",
                 "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)",
