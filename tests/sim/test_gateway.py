@@ -710,7 +710,8 @@ async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: S
     changed: list[tuple[str, str]] = []
     monitor = TransportMonitor(changed.append, interval=0)
     key = ("llm", "qwen")
-    monitor.track(key, [f"{decode}/metrics"], budget=2.5)
+    gateway = str(client.base_url).rstrip("/")
+    monitor.track(key, [f"{decode}/metrics"], budget=2.5, gateways=[gateway])
     try:
         await monitor.scrape_once()
         assert monitor.verdict(key) is None  # no transfer yet
@@ -735,6 +736,17 @@ async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: S
         assert (slow.healthy, slow.reason) == (False, "SlowTransfers")
         assert "budget 2500 ms" in slow.message
         assert changed == [key, key, key]  # each flip asks for a reconcile
+        # The gateway gave up on P/D (Auto mode degraded): the condition says so, whatever the
+        # engines' last window looked like, until the gateway recovers.
+        stack.gateway_server.policy.health.degraded = True
+        await monitor.scrape_once()
+        fallback = monitor.verdict(key)
+        assert fallback is not None
+        assert (fallback.healthy, fallback.reason) == (False, "GatewayFallback")
+        assert fallback.message.startswith("1 of 1 gateway replicas prefill everything locally")
+        stack.gateway_server.policy.health.degraded = False
+        await monitor.scrape_once()
+        assert monitor.verdict(key) == slow
         await stack.exits.aclose()  # engines gone
         await monitor.scrape_once()
         gone = monitor.verdict(key)

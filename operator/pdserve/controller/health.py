@@ -6,6 +6,7 @@ derived from its TTFT SLO. Reconcile reads the cached verdict into TransportHeal
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, field
@@ -148,8 +149,10 @@ def kv_policy(
 class _Tracked:
     urls: list[str]
     budget: float | None
+    gateways: list[str] = field(default_factory=list)
     last: TransferCounters | None = None
-    verdict: HealthVerdict | None = None
+    verdict: HealthVerdict | None = None  # from the engines' metrics
+    gateway_fallback: str | None = None  # gateways that route everything local, in words
 
 
 class TransportMonitor(PeriodicScraper):
@@ -159,19 +162,52 @@ class TransportMonitor(PeriodicScraper):
         super().__init__(on_change, **options)
         self.tracked: dict[Key, _Tracked] = {}
 
-    def track(self, key: Key, urls: Sequence[str], budget: float | None) -> None:
+    def track(
+        self, key: Key, urls: Sequence[str], budget: float | None, gateways: Sequence[str] = ()
+    ) -> None:
+        """`urls`: decode engines' /metrics; `gateways`: the model's gateway base URLs, whose
+        /status says whether Auto mode degraded P/D to local prefill."""
         entry = self.tracked.get(key)
         if entry is None:
-            self.tracked[key] = _Tracked(list(urls), budget)
-        else:
-            entry.urls, entry.budget = list(urls), budget
+            entry = self.tracked[key] = _Tracked(list(urls), budget)
+        entry.urls, entry.budget, entry.gateways = list(urls), budget, list(gateways)
 
     def forget(self, key: Key) -> None:
         self.tracked.pop(key, None)
 
     def verdict(self, key: Key) -> HealthVerdict | None:
+        """The gateways' fallback when they route everything local, else the engines' verdict."""
         entry = self.tracked.get(key)
-        return entry.verdict if entry else None
+        if entry is None:
+            return None
+        if entry.gateway_fallback is not None:
+            engines = entry.verdict
+            return HealthVerdict(
+                False, "GatewayFallback", entry.gateway_fallback,
+                transfer_seconds=engines.transfer_seconds if engines else None,
+                queue_seconds=engines.queue_seconds if engines else None,
+            )  # fmt: skip
+        return entry.verdict
+
+    async def _gateway_state(self, url: str) -> dict[str, Any] | None:
+        text = await self.fetch_text(f"{url}/status")
+        try:
+            state = None if text is None else json.loads(text)
+        except ValueError:
+            return None
+        return state if isinstance(state, dict) else None
+
+    async def _gateway_fallback(self, gateways: list[str]) -> str | None:
+        states = [s for s in await asyncio.gather(*map(self._gateway_state, gateways)) if s]
+        degraded = [s for s in states if s.get("pdDegraded")]
+        if not degraded:
+            return None
+        failures = sum(int(s.get("recentFailures") or 0) for s in degraded)
+        return (
+            f"{len(degraded)} of {len(states)} gateway replicas prefill everything locally: "
+            f"{failures} recent P/D handoff failures (failed or expired transfers, handoffs over "
+            "the TTFT budget); they probe P/D and recover on their own"
+        )
 
     async def _fetch(self, url: str) -> TransferCounters | None:
         text = await self.fetch_text(url)
@@ -183,6 +219,10 @@ class TransportMonitor(PeriodicScraper):
 
     async def scrape_once(self) -> None:
         for key, entry in list(self.tracked.items()):
+            fallback = await self._gateway_fallback(entry.gateways) if entry.gateways else None
+            if fallback != entry.gateway_fallback:
+                entry.gateway_fallback = fallback
+                self.on_change(key)
             if not entry.urls:
                 continue
             results = await asyncio.gather(*(self._fetch(u) for u in entry.urls))

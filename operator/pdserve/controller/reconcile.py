@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -35,6 +35,7 @@ from pdserve.builders.names import (
     COMPONENT_LABEL,
     ENGINE_PORT,
     FIELD_MANAGER,
+    GATEWAY_CONTAINER_PORT,
     INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
     PARITY_HASH_ANNOTATION,
@@ -258,21 +259,29 @@ def transition_events(
 
 
 def watch_transport(
-    health: TransportMonitor | None, dm: DisaggregatedModel, engines: list[Mapping[str, Any]]
+    health: TransportMonitor | None, dm: DisaggregatedModel, pods: Sequence[Mapping[str, Any]]
 ) -> HealthVerdict | None:
-    """Point the scraper at the model's ready decode engines; its last verdict."""
+    """Point the scraper at the model's decode engines and gateways; its last verdict."""
     if health is None:
         return None
     key = (dm.namespace, dm.name)
     if not dm.spec.disaggregated:
         health.forget(key)
         return None
-    urls = [
-        f"http://{pod['status']['podIP']}:{ENGINE_PORT}/metrics"
-        for pod in component_pods(engines, Component.decode)
-        if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
-    ]
-    health.track(key, sorted(urls), transfer_budget_seconds(dm))
+
+    def addresses(component: Component) -> list[str]:
+        return sorted(
+            pod["status"]["podIP"]
+            for pod in component_pods(pods, component)
+            if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
+        )
+
+    health.track(
+        key,
+        [f"http://{ip}:{ENGINE_PORT}/metrics" for ip in addresses(Component.decode)],
+        transfer_budget_seconds(dm),
+        gateways=[f"http://{ip}:{GATEWAY_CONTAINER_PORT}" for ip in addresses(Component.gateway)],
+    )
     return health.verdict(key)
 
 
@@ -365,7 +374,7 @@ async def reconcile(
         outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
-        health=watch_transport(health, dm, engines),
+        health=watch_transport(health, dm, pods),
     )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()
