@@ -110,7 +110,8 @@ def dm_crd(control_plane: ControlPlane) -> Iterator[None]:
         assert response.is_success, response.text
 
         def established() -> bool:
-            conditions = http.get(f"{CRDS}/{name}").json().get("status", {}).get("conditions", [])
+            status = http.get(f"{CRDS}/{name}").json().get("status") or {}
+            conditions = status.get("conditions") or []
             return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
         wait_until("the DisaggregatedModel CRD to be Established", established, timeout=30)

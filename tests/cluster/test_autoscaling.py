@@ -88,7 +88,7 @@ async def keda_crd(kube: Kube) -> None:
 
     async def established() -> bool:
         crd = await kube.get(crd_kind, None, "scaledobjects.keda.sh") or {}
-        conditions = crd.get("status", {}).get("conditions", [])
+        conditions = (crd.get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     await eventually("the ScaledObject CRD to be Established", established, timeout=30)
