@@ -187,6 +187,50 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
 
+    @staticmethod
+    @asynccontextmanager
+    async def counted(
+        endpoint: Endpoint, prefill_tokens: int = 0
+    ) -> AsyncIterator[Callable[[], None]]:
+        """Count a request on its engine from the moment it is sent (so the next pick sees it,
+        without waiting for a scrape), with the prompt it still has to prefill until the
+        yielded `prefilled()` is called."""
+        endpoint.inflight += 1
+        endpoint.prefill_backlog += prefill_tokens
+        remaining = prefill_tokens
+
+        def prefilled() -> None:
+            nonlocal remaining
+            endpoint.prefill_backlog -= remaining
+            remaining = 0
+
+        try:
+            yield prefilled
+        finally:
+            endpoint.inflight -= 1
+            prefilled()
+
+    def stream_timeout(self) -> aiohttp.ClientTimeout:
+        """No total limit for a stream; a read that stalls this long fails it."""
+        s = self.settings
+        return aiohttp.ClientTimeout(
+            total=None, sock_connect=s.connect_timeout, sock_read=s.decode_timeout
+        )
+
+    async def post_stream(
+        self, endpoint: Endpoint, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        """Open a streamed POST; an engine that cannot be reached is marked down (the error
+        propagates for the caller to retry or report)."""
+        try:
+            return await self.client.post(
+                f"{endpoint.url}{path}", json=body, headers=dict(headers),
+                timeout=self.stream_timeout(),
+            )  # fmt: skip
+        except (TimeoutError, aiohttp.ClientError):
+            self.endpoints.mark_down(endpoint)
+            raise
+
     async def admission_state(self, _: web.Request) -> web.Response:
         """What peers count against the shared long-prefill limit."""
         return web.json_response(
@@ -637,13 +681,6 @@ class Context:
             return "render_pd" if self.pd else "render"
         return "openai_pd" if self.pd else "aggregated"
 
-    def stream_timeout(self) -> aiohttp.ClientTimeout:
-        """No total limit for a stream; a read that stalls this long fails it."""
-        s = self.settings
-        return aiohttp.ClientTimeout(
-            total=None, sock_connect=s.connect_timeout, sock_read=s.decode_timeout
-        )
-
     async def run(self) -> web.StreamResponse:
         if self.gw.config.engine_api == "tokens":
             return await self.tokens_route()
@@ -884,30 +921,25 @@ class Context:
                 )
             ) is not None:
                 body = self.decode_body(generate, attempt_kv)
-                try:
-                    response = await gw.client.post(
-                        f"{endpoint.url}/inference/v1/generate",
-                        json=body,
-                        headers=self.headers,
-                        timeout=self.stream_timeout(),
-                    )
-                except (TimeoutError, aiohttp.ClientError) as error:
-                    tried.append(endpoint)
-                    gw.endpoints.mark_down(endpoint)
-                    gw.metrics.retries.labels("decode", "connect").inc()
-                    failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
-                    continue
-                if response.status == 200:
-                    self.remember("decode", endpoint, local_ids)
-                    endpoint.inflight += 1
+                async with gw.counted(endpoint):
                     try:
-                        yield endpoint, response
-                    finally:
-                        endpoint.inflight -= 1
-                        response.release()
-                    return
-                message = upstream_message(await response.read())
-                response.release()
+                        response = await gw.post_stream(
+                            endpoint, "/inference/v1/generate", body, self.headers
+                        )
+                    except (TimeoutError, aiohttp.ClientError) as error:
+                        tried.append(endpoint)
+                        gw.metrics.retries.labels("decode", "connect").inc()
+                        failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                        continue
+                    if response.status == 200:
+                        self.remember("decode", endpoint, local_ids)
+                        try:
+                            yield endpoint, response
+                        finally:
+                            response.release()
+                        return
+                    message = upstream_message(await response.read())
+                    response.release()
                 if 400 <= response.status < 500:
                     raise GatewayError(response.status, message, kind="UpstreamError")
                 failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
@@ -1043,33 +1075,16 @@ class Context:
         self.remember("decode", endpoint, None)
         # Count the stream on its engine at once: the next pick must not wait for a scrape.
         backlog = 0 if "kv_transfer_params" in body else self.estimated_prompt_tokens()
-        endpoint.inflight += 1
-        endpoint.prefill_backlog += backlog
-
-        def prefilled() -> None:
-            nonlocal backlog
-            endpoint.prefill_backlog -= backlog
-            backlog = 0
-
-        try:
+        async with gw.counted(endpoint, backlog) as prefilled:
             return await self._proxy_stream(endpoint, path, body, prefilled)
-        finally:
-            endpoint.inflight -= 1
-            prefilled()
 
     async def _proxy_stream(
         self, endpoint: Endpoint, path: str, body: dict[str, Any], prefilled: Callable[[], None]
     ) -> web.StreamResponse:
         gw = self.gw
         try:
-            upstream = await gw.client.post(
-                f"{endpoint.url}{path}",
-                json=body,
-                headers=self.headers,
-                timeout=self.stream_timeout(),
-            )
+            upstream = await gw.post_stream(endpoint, path, body, self.headers)
         except (TimeoutError, aiohttp.ClientError) as error:
-            gw.endpoints.mark_down(endpoint)
             raise GatewayError(
                 502,
                 f"decode at {endpoint.url}: {type(error).__name__}: {error}",
