@@ -88,6 +88,10 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
         await wait_for(lambda: len(peers.urls) == 1)
         [peer_pod] = [p for p in discovery.pods.values() if p["metadata"]["name"] == "gateway-peer"]
         assert peers.urls == [f"http://{peer_pod['status']['podIP']}:8000"]
+        # Its own ready pod is its address in electing the admission leader.
+        await wait_for(lambda: peers.self_url is not None)
+        own_pod = discovery.pods["gateway-self"]
+        assert peers.self_url == f"http://{own_pod['status']['podIP']}:8000"
         assert [e.parity_hash for e in endpoints.pools["decode"]] == [
             "hash-new"
         ]  # decode-1 unready

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.gateway.config import GatewayConfig
@@ -109,7 +111,7 @@ def routing(
     render: bool = True,
     mode: str = "Disaggregated",
     slo: dict[str, int] | None = None,
-    endpoints: dict[str, list[Any]] | None = None,
+    endpoints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     pool = {"service": "x", "port": 8000}
     return {
@@ -803,40 +805,141 @@ async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_pre
     assert 'outcome="reused"} 1.0' in (await client.get("/metrics")).text
 
 
-async def test_long_prefill_limit_is_shared_by_gateway_replicas(stack: Stack) -> None:
-    """Two gateway replicas over one prefill replica, limit 1: while a document prefills through
-    one, the other holds its document until the first finishes (not until aging)."""
+@dataclass
+class Replicas:
+    gateways: list[Gateway]
+    clients: list[httpx.AsyncClient]
+    urls: list[str]
+    prefill: EngineServer
+
+    @property
+    def leader(self) -> int:
+        return self.urls.index(min(self.urls))
+
+    @property
+    def follower(self) -> int:
+        return 1 - self.leader
+
+    def reached_prefill(self, hung: int) -> int:
+        """How many of the `hung` requests the prefill engine was told to hang it received."""
+        return hung - self.prefill.faults.hang
+
+
+def local_url(above: str = "") -> str:
+    """A free loopback URL sorting after `above` (the leader is the lowest URL)."""
+    while (url := f"http://127.0.0.1:{free_port()}") <= above:
+        pass
+    return url
+
+
+async def gateway_replicas(stack: Stack, hang: int, extra_peers: tuple[str, ...] = ()) -> Replicas:
+    """Two gateway replicas over one prefill replica with a long-prefill limit of 1, each
+    knowing the other (and its own URL), the prefill engine hanging the next `hang` requests."""
     from pdserve.gateway.fairqueue import FairQueueSettings
 
     render = await stack.render()
     prefill = await stack.engine("prefill", engine("prefill"))
     decode = await stack.engine("decode", engine("decode"))
-    endpoints = {"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
-    ports = [free_port(), free_port()]
+    endpoints: dict[str, Any] = {
+        "render": [ep(render)],
+        "prefill": [ep(prefill)],
+        "decode": [ep(decode)],
+    }
+    urls = [local_url(min(extra_peers, default="")) for _ in range(2)]
     fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=30)
     gateways, clients = [], []
-    for mine, theirs in ((ports[0], ports[1]), (ports[1], ports[0])):
-        config = routing(endpoints={**endpoints, "peers": [f"http://127.0.0.1:{theirs}"]})
+    for mine, theirs in (urls, urls[::-1]):
+        config = routing(endpoints={**endpoints, "peers": [theirs, *extra_peers], "selfUrl": mine})
         gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair))
-        url = await stack.start(gateway, mine)
+        await stack.start(gateway, int(mine.rsplit(":", 1)[1]))
         gateways.append(gateway)
         clients.append(
-            await stack.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
+            await stack.exits.enter_async_context(httpx.AsyncClient(base_url=mine, timeout=60))
         )
     async with httpx.AsyncClient() as admin:
-        await admin.post(f"{prefill}/sim/faults", json={"hang": 1})
-    first = asyncio.create_task(clients[0].post("/v1/chat/completions", json=LONG))
-    while gateways[1].peers.total() == 0:  # noqa: ASYNC110 - the second replica polls the first
-        await asyncio.sleep(0.01)
-    second = asyncio.create_task(clients[1].post("/v1/chat/completions", json=LONG))
-    while not gateways[1].admission.queue:  # noqa: ASYNC110 - held by the shared limit
-        await asyncio.sleep(0.01)
-    assert (await clients[1].get("/admission")).json() == {"longInFlight": 0, "queued": 1}
-    first.cancel()  # the hung document's client leaves: its slot frees on replica 0
+        await admin.post(f"{prefill}/sim/faults", json={"hang": hang})
+    await until(lambda: all(len(g.peers.live) >= 1 for g in gateways))  # they see each other
+    return Replicas(gateways, clients, urls, stack.engines["prefill"])
+
+
+async def until(condition: Callable[[], bool], deadline_seconds: float = 20) -> None:
+    async def poll() -> None:
+        while not condition():  # noqa: ASYNC110 - the gateways' tasks change the state
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), deadline_seconds)
+
+
+async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
+    stack: Stack,
+) -> None:
+    """Limit 1 over one prefill replica: documents sent to both replicas in the same instant
+    reach the engine one at a time (each replica deciding alone admits one each: 2 at once).
+    The leader queues everyone's in arrival order; a follower's client leaving frees its slot
+    on the leader for the next document, whichever replica it came through."""
+    replicas = await gateway_replicas(stack, hang=10)
+    leader = replicas.gateways[replicas.leader]
+    # The follower's document first: its slot is held on the leader.
+    first = asyncio.create_task(
+        replicas.clients[replicas.follower].post("/v1/chat/completions", json=LONG)
+    )
+    await until(lambda: replicas.reached_prefill(10) == 1)
+    burst = [
+        asyncio.create_task(client.post("/v1/chat/completions", json=LONG))
+        for client in replicas.clients * 2
+    ]
+
+    def accounted() -> int:
+        return sum(len(g.admission.queue) for g in replicas.gateways) + replicas.reached_prefill(10)
+
+    await until(lambda: accounted() == 5)  # all five documents queued or at the engine
+    assert replicas.reached_prefill(10) == 1
+    assert (leader.admission.long_in_flight, len(leader.admission.queue)) == (1, 4)
+    assert (await replicas.clients[replicas.follower].get("/status")).json()["admission"] == {
+        "leader": replicas.urls[replicas.leader],
+        "peers": [replicas.urls[replicas.leader]],
+    }
+    assert replicas.gateways[replicas.follower].admission.long_in_flight == 0  # it decides nothing
+    state = (await replicas.clients[replicas.follower].get("/metrics")).text
+    assert "pdserve_gateway_admission_leader_errors 0.0" in state
+
+    first.cancel()  # its client leaves: the follower closes its hold, the leader passes it on
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await first
-    assert (await second).status_code == 200
-    assert gateways[1].admission.aged == 0  # admitted by the peer's release, not by aging
+    await until(lambda: len(leader.admission.queue) == 3)
+    assert leader.admission.long_in_flight == 1
+    assert replicas.reached_prefill(10) == 2
+    assert leader.admission.aged == 0  # passed on by the release, not by aging
+    for task in burst:
+        task.cancel()
+    await asyncio.gather(*burst, return_exceptions=True)
+    await until(lambda: leader.admission.long_in_flight == 0 and not leader.admission.queue)
+
+
+async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(stack: Stack) -> None:
+    """A peer that answers /admission but not /admission/hold (a stuck or older replica) sorts
+    lowest, so it leads: the replicas admit on their own, counting what each other holds, and
+    say so in a metric; no request is lost."""
+    stand_in = web.Application()
+
+    async def admission(_: web.Request) -> web.Response:
+        return web.json_response({"longInFlight": 0, "queued": 0})
+
+    stand_in.router.add_get("/admission", admission)
+    while True:  # a free port with many free ports' URLs sorting after it
+        lowest = local_url()
+        if lowest < "http://127.0.0.1:6":
+            break
+    await stack.exits.enter_async_context(serving(stand_in, port=int(lowest.rsplit(":", 1)[1])))
+    replicas = await gateway_replicas(stack, hang=0, extra_peers=(lowest,))
+    await until(lambda: all(g.peers.leader() == lowest for g in replicas.gateways))
+    answers = await asyncio.gather(
+        *(client.post("/v1/chat/completions", json=LONG) for client in replicas.clients)
+    )
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [g.peers.leader_errors for g in replicas.gateways] == [1, 1]
+    state = (await replicas.clients[0].get("/metrics")).text
+    assert "pdserve_gateway_admission_leader_errors 1.0" in state
 
 
 async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replica(

@@ -85,3 +85,20 @@ async def _until(condition: object) -> None:
             await asyncio.sleep(0)
 
     await asyncio.wait_for(poll(), timeout=2)
+
+
+def test_the_lowest_url_among_replicas_that_see_each_other_leads_admission() -> None:
+    from pdserve.gateway.peers import PeerAdmission
+
+    peers = PeerAdmission(admission(), lambda: None)  # type: ignore[arg-type,return-value]
+    peers.set_peers(["http://10.0.0.3:8000", "http://10.0.0.1:8000"], "http://10.0.0.2:8000")
+    assert peers.leader() is None  # no peer has answered yet: admit here
+    peers.live = {"http://10.0.0.3:8000"}
+    assert peers.leader() is None  # this replica sorts lowest of those alive
+    peers.live = {"http://10.0.0.3:8000", "http://10.0.0.1:8000"}
+    assert peers.leader() == "http://10.0.0.1:8000"
+    peers.set_peers(["http://10.0.0.3:8000"], "http://10.0.0.2:8000")  # .1 left the model
+    assert peers.leader() is None
+    peers.set_peers(["http://10.0.0.1:8000"], None)
+    peers.live = {"http://10.0.0.1:8000"}
+    assert peers.leader() is None  # without its own address a replica cannot follow anyone

@@ -145,7 +145,8 @@ def test_metrics_namespaces_reach_every_pool_and_gateway_peers_replace_anyone() 
     assert set(allowed) == {"prefill", "decode", "gateway"}
     for pool, paths in allowed.items():
         assert "namespaceSelector:8000" in paths, pool  # the metrics namespace (and the peer)
-    assert allowed["gateway"] == {"namespaceSelector:8000", "ipBlock:8000"}
+    # The peers, and the model's other gateway replicas (the shared long-prefill admission).
+    assert allowed["gateway"] == {"gateway:8000", "namespaceSelector:8000", "ipBlock:8000"}
     [policy] = [p for p in network_policies(example("pd-without-render"), RESTRICTED)
                 if p["metadata"]["name"].endswith("-decode")]  # fmt: skip
     metrics = policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]

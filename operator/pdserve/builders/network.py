@@ -7,7 +7,8 @@ Ingress only (egress stays open: engines download weights, the gateway calls the
   sends on ports it picks at run time (RDMA bypasses NetworkPolicies altogether) and the
   simulator carries over its HTTP port. Nothing else reaches the engines, which have no auth.
 - render: HTTP from the model's gateway pods only.
-- gateway: its port from anywhere, or from the configured peers only.
+- gateway: its port from anywhere, or from the configured peers and the model's other gateway
+  replicas only (they share the long-prefill admission through each other's /admission).
 - every pool: HTTP from the metrics namespaces (Prometheus scrapes /metrics on the HTTP port, so
   a scraper there can reach the whole HTTP API too: list only the monitoring namespace).
 
@@ -108,7 +109,7 @@ def network_policies(dm: DisaggregatedModel, options: NetworkPolicyOptions) -> l
         rules = [{"from": from_gateway, "ports": _tcp(RENDER_PORT)}]
         policies.append(_policy(dm, Component.render, rules + _metrics_rule(options, RENDER_PORT)))
     if options.gateway_from:
-        peers = [dict(peer) for peer in options.gateway_from]
+        peers = [*from_gateway, *(dict(peer) for peer in options.gateway_from)]
         gateway_rules = [{"from": peers, "ports": _tcp(GATEWAY_CONTAINER_PORT)}]
         gateway_rules += _metrics_rule(options, GATEWAY_CONTAINER_PORT)
     else:

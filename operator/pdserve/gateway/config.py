@@ -67,6 +67,9 @@ class StaticEndpoints(_Model):
     decode: list[StaticEndpoint] = Field(default_factory=list)
     peers: list[str] = Field(default_factory=list)
     """Other gateway replicas' base URLs (their /admission) for the shared long-prefill limit."""
+    self_url: str | None = None
+    """This replica's own base URL as its peers list it: with it, the replicas elect one that
+    admits every long prefill (exact limit); without, each admits on its own."""
 
 
 class GatewayConfig(_Model):

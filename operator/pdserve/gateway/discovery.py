@@ -75,13 +75,19 @@ class PodDiscovery:
             self.endpoints.replace(pool, sorted(found, key=lambda e: e.url))
         gateways = self.config.pools.gateway
         if self.peers is not None and gateways is not None:
-            self.peers.set_peers([
-                f"http://{pod['status']['podIP']}:{gateways.port}"
-                for name, pod in self.pods.items()
-                if name != self.own_pod
-                and matches(pod["metadata"].get("labels", {}), gateways.selector)
-                and pod_ready(pod)
-            ])  # fmt: skip
+
+            def url(pod: dict[str, Any]) -> str | None:
+                """A ready gateway replica's URL, as its peers reach it."""
+                if matches(pod["metadata"].get("labels", {}), gateways.selector) and pod_ready(pod):
+                    return f"http://{pod['status']['podIP']}:{gateways.port}"
+                return None
+
+            own = self.pods.get(self.own_pod or "")
+            self.peers.set_peers(
+                [u for name, pod in self.pods.items() if name != self.own_pod and (u := url(pod))],
+                # A replica takes part in electing the admission leader once its peers can see it.
+                self_url=None if own is None else url(own),
+            )
 
     async def list_pods(self) -> str:
         result = await self.kube._send(

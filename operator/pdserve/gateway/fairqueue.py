@@ -4,8 +4,9 @@ Requests are classed by prompt length (or `X-PDServe-Class: document|chat`). Sho
 held back: they overtake. Long ones get at most `max_long_per_replica` prefills in flight per
 prefill replica, first come first served; a long request that has waited `max_wait_seconds` is
 admitted anyway, so documents cannot starve however busy the pool is. The limit is cluster-wide:
-`others` counts the long prefills the peer gateway replicas report (polled, so two replicas
-admitting in the same instant can overshoot by one each until the next poll)."""
+one gateway replica (the leader, `peers.py`) runs this queue for every replica's long requests;
+`others` counts the long prefills the peer replicas report holding on their own (only while they
+cannot reach the leader)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+
+LONG, SHORT = "long", "short"
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,13 @@ class PrefillAdmission:
         self.others: Callable[[], int] = lambda: 0  # peers' long prefills in flight
 
     def request_class(self, prompt_tokens: int | None, declared: str | None) -> str:
-        if declared in ("document", "long"):
-            return "long"
-        if declared in ("chat", "short"):
-            return "short"
+        if declared in ("document", LONG):
+            return LONG
+        if declared in ("chat", SHORT):
+            return SHORT
         if prompt_tokens is not None and prompt_tokens >= self.settings.long_prompt_tokens:
-            return "long"
-        return "short"
+            return LONG
+        return SHORT
 
     def oldest_wait(self) -> float:
         return self.clock() - self.queue[0].since if self.queue else 0.0
@@ -75,7 +78,7 @@ class PrefillAdmission:
     @asynccontextmanager
     async def admit(self, request_class: str, replicas: int) -> AsyncIterator[None]:
         """Hold a long-prefill slot (short requests pass straight through)."""
-        if request_class != "long":
+        if request_class != LONG:
             yield
             return
         self.replicas = max(1, replicas)

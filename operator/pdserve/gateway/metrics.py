@@ -106,6 +106,12 @@ class GatewayMetrics:
             "Long prompts admitted by aging (waited max_wait_seconds)",
             registry=r,
         )
+        self.admission_leader_errors = Gauge(
+            "pdserve_gateway_admission_leader_errors",
+            "Long prompts admitted by this replica because the admission leader could not be "
+            "asked (the cluster-wide limit may then overshoot)",
+            registry=r,
+        )
         self.bidirectional = Counter(
             "pdserve_gateway_bidirectional_reuse",
             "Conversation turns whose prefill could reuse decode's KV of the last turn, by outcome "

@@ -33,10 +33,10 @@ from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex, block
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
-from pdserve.gateway.fairqueue import FairQueueSettings, PrefillAdmission
+from pdserve.gateway.fairqueue import LONG, FairQueueSettings, PrefillAdmission
 from pdserve.gateway.load import LoadScraper
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.peers import GRANTED, PeerAdmission
 from pdserve.gateway.policy import AutoPolicy, Decision, PolicySettings, QueueState
 from pdserve.gateway.request_log import RequestLog, p95
 from pdserve.vllm_protocol import prefill_handoff_params
@@ -123,7 +123,11 @@ class Gateway:
         self.admission = PrefillAdmission(self.settings.fair_queue)
         self.peers = PeerAdmission(self.admission, lambda: self.client)
         if config.endpoints is not None:
-            self.peers.set_peers([u.rstrip("/") for u in config.endpoints.peers])
+            own = config.endpoints.self_url
+            self.peers.set_peers(
+                [u.rstrip("/") for u in config.endpoints.peers],
+                self_url=None if own is None else own.rstrip("/"),
+            )
         self._peers_task: asyncio.Task[None] | None = None
         self.conversations = Conversations()
         self.decode_kv = DecodeKv()
@@ -142,6 +146,7 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/status", self.status)
         app.router.add_get("/admission", self.admission_state)
+        app.router.add_post("/admission/hold", self.admission_hold)
         app.on_startup.append(self._start_discovery)
         app.on_cleanup.append(self._close)
         return app
@@ -237,6 +242,30 @@ class Gateway:
             {"longInFlight": self.admission.long_in_flight, "queued": len(self.admission.queue)}
         )
 
+    async def admission_hold(self, request: web.Request) -> web.StreamResponse:
+        """A peer replica's long prefill waits in this replica's queue (it is the leader, see
+        peers.py); `granted` answers when it may go, and the slot is held until the peer closes
+        the connection (aiohttp then cancels this handler, which releases it)."""
+        try:
+            body = await request.json()
+            replicas = body["replicas"] if isinstance(body, dict) else None
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+                raise ValueError
+        except (ValueError, KeyError):
+            return error_response(
+                GatewayError(400, "replicas: expected a positive integer", param="replicas")
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        async with self.admission.admit(LONG, replicas):
+            await response.prepare(request)
+            await response.write(GRANTED)
+            # Bounded like the peer's prefill call: a holder that vanished without closing its
+            # connection cannot keep the slot for longer.
+            with suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.prefill_timeout):
+                    await asyncio.Event().wait()
+        return response
+
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -267,6 +296,7 @@ class Gateway:
         self.metrics.prefill_queue.set(len(self.admission.queue))
         self.metrics.prefill_oldest_wait.set(self.admission.oldest_wait())
         self.metrics.prefill_aged.set(self.admission.aged)
+        self.metrics.admission_leader_errors.set(self.peers.leader_errors)
         return web.Response(
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )
@@ -347,7 +377,8 @@ class Gateway:
         prefill = pools.get("prefill", [])
         ahead = min(map(active, prefill), default=None)
         if ahead is not None:
-            ahead += len(self.admission.queue) / max(1, len(prefill))
+            queued = len(self.admission.queue) + self.peers.queued()
+            ahead += queued / max(1, len(prefill))
         return QueueState(
             decode_active=min(map(active, pools.get("decode", [])), default=None),
             prefill_ahead=ahead,
@@ -374,6 +405,10 @@ class Gateway:
                 "pdDegraded": health.degraded,
                 "handoffSecondsPerToken": health.seconds_per_token,
                 "recentFailures": len(health.failures),
+                "admission": {
+                    "leader": self.peers.leader() or "self",
+                    "peers": sorted(self.peers.live),
+                },
             }
         )
 
@@ -697,7 +732,7 @@ class Context:
             prompt_tokens, self.request.headers.get("X-PDServe-Class")
         )
         try:
-            async with gw.admission.admit(request_class, len(self.selection.pools["prefill"])):
+            async with gw.peers.slot(request_class, len(self.selection.pools["prefill"])):
                 begun = time.monotonic()
                 endpoint, answer = await gw.post_json(
                     "prefill",
