@@ -916,6 +916,41 @@ async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
     await until(lambda: leader.admission.long_in_flight == 0 and not leader.admission.queue)
 
 
+async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
+    stack: Stack,
+) -> None:
+    """Limit 1 per prefill replica: a conversation's documents prefer the replica that served
+    it, but while one of them prefills there the next goes to the other replica."""
+    from pdserve.gateway.fairqueue import FairQueueSettings
+
+    render = await stack.render()
+    prefills = [await stack.engine(name, engine("prefill")) for name in ("p0", "p1")]
+    decode = await stack.engine("decode", engine("decode"))
+    endpoints = {"render": [ep(render)], "prefill": [ep(u) for u in prefills],
+                 "decode": [ep(decode)]}  # fmt: skip
+    fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=30)
+    client = await stack.gateway(routing(endpoints=endpoints), fair_queue=fair)
+    turn = {**LONG, "conversation_id": "c-1"}
+    assert (await client.post("/v1/chat/completions", json=turn)).status_code == 200
+    served = [name for name in ("p0", "p1") if stack.engines[name].core.prefix_queries]
+    assert len(served) == 1  # the conversation's replica
+    async with httpx.AsyncClient() as admin:
+        for url in prefills:
+            await admin.post(f"{url}/sim/faults", json={"hang": 2})
+    documents = [
+        asyncio.create_task(client.post("/v1/chat/completions", json=turn)) for _ in range(2)
+    ]
+
+    def hung() -> dict[str, int]:
+        return {name: 2 - stack.engines[name].faults.hang for name in ("p0", "p1")}
+
+    await until(lambda: sum(hung().values()) == 2)
+    assert hung() == {"p0": 1, "p1": 1}  # not both on the conversation's replica
+    for task in documents:
+        task.cancel()
+    await asyncio.gather(*documents, return_exceptions=True)
+
+
 async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(stack: Stack) -> None:
     """A peer that answers /admission but not /admission/hold (a stuck or older replica) sorts
     lowest, so it leads: the replicas admit on their own, counting what each other holds, and

@@ -24,10 +24,10 @@ def test_classes_come_from_length_or_the_declared_class() -> None:
 
 async def test_short_requests_overtake_a_full_long_queue() -> None:
     gate = admission(max_long_per_replica=1)
-    async with gate.admit("long", replicas=1):
+    async with gate.admit("long", replicas=["a"]):
         waiting = asyncio.create_task(_hold(gate, "long"))
         await _until(lambda: len(gate.queue) == 1)
-        async with gate.admit("short", replicas=1):
+        async with gate.admit("short", replicas=["a"]):
             assert len(gate.queue) == 1  # the short one went ahead
     await waiting
     assert gate.long_in_flight == 0
@@ -36,7 +36,7 @@ async def test_short_requests_overtake_a_full_long_queue() -> None:
 async def test_longs_wait_their_turn_in_order() -> None:
     gate = admission(max_long_per_replica=1)
     order: list[int] = []
-    async with gate.admit("long", replicas=1):
+    async with gate.admit("long", replicas=["a"]):
         tasks = [asyncio.create_task(_hold(gate, "long", order, n)) for n in range(3)]
         await _until(lambda: len(gate.queue) == 3)
         assert gate.long_in_flight == 1
@@ -44,16 +44,39 @@ async def test_longs_wait_their_turn_in_order() -> None:
     assert order == [0, 1, 2]
 
 
-async def test_more_replicas_admit_more_longs_at_once() -> None:
+async def test_each_replica_takes_its_own_long_prefills_in_order_of_preference() -> None:
     gate = admission(max_long_per_replica=1)
-    async with gate.admit("long", replicas=2), gate.admit("long", replicas=2):
-        assert gate.long_in_flight == 2
+    async with gate.admit("long", ["a", "b"]) as first, gate.admit("long", ["a", "b"]) as second:
+        assert (first, second) == ("a", "b")  # a is full: the second goes to b, not to a
+        assert gate.in_flight == {"a": 1, "b": 1}
         assert not gate.queue
+        waiting = asyncio.create_task(_granted(gate, ["b", "a"]))
+        await _until(lambda: len(gate.queue) == 1)
+    assert await waiting == "b"  # both freed at once: its first choice
+    assert gate.long_in_flight == 0
+
+
+async def test_a_request_for_a_busy_replica_does_not_hold_back_one_for_a_free_replica() -> None:
+    gate = admission(max_long_per_replica=1)
+    async with gate.admit("long", ["a"]):
+        blocked = asyncio.create_task(_granted(gate, ["a"]))
+        await _until(lambda: len(gate.queue) == 1)
+        async with gate.admit("long", ["a", "b"]) as replica:
+            assert replica == "b"
+            assert not blocked.done()
+    assert await blocked == "a"
+
+
+async def test_replicas_held_by_peers_count_against_the_limit() -> None:
+    gate = admission(max_long_per_replica=1)
+    gate.others = lambda replica: 1 if replica == "a" else 0
+    async with gate.admit("long", ["a", "b"]) as replica:
+        assert replica == "b"
 
 
 async def test_aging_admits_a_long_request_after_the_bound() -> None:
     gate = admission(max_long_per_replica=1, max_wait_seconds=0.05)
-    async with gate.admit("long", replicas=1):
+    async with gate.admit("long", replicas=["a"]):
         await asyncio.wait_for(_hold(gate, "long"), timeout=2)  # admitted although the slot is busy
     assert gate.aged == 1
     assert gate.long_in_flight == 0
@@ -61,7 +84,7 @@ async def test_aging_admits_a_long_request_after_the_bound() -> None:
 
 async def test_a_cancelled_waiter_gives_up_its_place() -> None:
     gate = admission(max_long_per_replica=1)
-    async with gate.admit("long", replicas=1):
+    async with gate.admit("long", replicas=["a"]):
         waiting = asyncio.create_task(_hold(gate, "long"))
         await _until(lambda: len(gate.queue) == 1)
         waiting.cancel()
@@ -74,9 +97,14 @@ async def test_a_cancelled_waiter_gives_up_its_place() -> None:
 async def _hold(
     gate: PrefillAdmission, kind: str, order: list[int] | None = None, n: int = 0
 ) -> None:
-    async with gate.admit(kind, replicas=1):
+    async with gate.admit(kind, replicas=["a"]):
         if order is not None:
             order.append(n)
+
+
+async def _granted(gate: PrefillAdmission, replicas: list[str]) -> str | None:
+    async with gate.admit("long", replicas) as replica:
+        return replica
 
 
 async def _until(condition: object) -> None:

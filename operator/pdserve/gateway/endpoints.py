@@ -148,6 +148,16 @@ class Endpoints:
         return min(pool, key=lambda e: e.load())
 
     @staticmethod
+    def rank(
+        candidates: list[Endpoint], affinity: Mapping[str, int] | None = None
+    ) -> list[Endpoint]:
+        """Every candidate, best first, in the order `pick` would choose them."""
+        ranked: list[Endpoint] = []
+        while (best := Endpoints.pick(candidates, ranked, affinity)) is not None:
+            ranked.append(best)
+        return ranked
+
+    @staticmethod
     def same_slice(candidates: list[Endpoint], peer: Endpoint | None) -> list[Endpoint]:
         """The candidates in the peer's slice (one topology domain: the KV stays on the fast
         path); all of them when none is there."""

@@ -1,19 +1,20 @@
 """Fair admission in front of prefill (vLLM dropped its own limit on concurrent long prefills).
 
 Requests are classed by prompt length (or `X-PDServe-Class: document|chat`). Short ones are never
-held back: they overtake. Long ones get at most `max_long_per_replica` prefills in flight per
-prefill replica, first come first served; a long request that has waited `max_wait_seconds` is
-admitted anyway, so documents cannot starve however busy the pool is. The limit is cluster-wide:
-one gateway replica (the leader, `peers.py`) runs this queue for every replica's long requests;
-`others` counts the long prefills the peer replicas report holding on their own (only while they
-cannot reach the leader)."""
+held back: they overtake. Long ones get at most `max_long_per_replica` prefills in flight on each
+prefill replica: a long request names the replicas it may use (best first), waits first come
+first served until one of them has room, and is granted that one; a long request that has waited
+`max_wait_seconds` is admitted anyway on its first choice, so documents cannot starve however busy
+the pool is. The limit is cluster-wide: one gateway replica (the leader, `peers.py`) runs this
+queue for every replica's long requests; `others` counts the long prefills the peer replicas
+report holding on their own (only while they cannot reach the leader)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -30,7 +31,8 @@ class FairQueueSettings:
 @dataclass
 class _Waiter:
     since: float
-    admitted: asyncio.Future[None] = field(
+    replicas: Sequence[str]
+    granted: asyncio.Future[str] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -41,11 +43,15 @@ class PrefillAdmission:
     ) -> None:
         self.settings = settings or FairQueueSettings()
         self.clock = clock
-        self.long_in_flight = 0
+        self.in_flight: Counter[str] = Counter()
+        """Long prefills admitted here, per prefill replica URL."""
         self.queue: deque[_Waiter] = deque()
         self.aged = 0
-        self.replicas = 1
-        self.others: Callable[[], int] = lambda: 0  # peers' long prefills in flight
+        self.others: Callable[[str], int] = lambda _: 0  # peers' long prefills on a replica
+
+    @property
+    def long_in_flight(self) -> int:
+        return sum(self.in_flight.values())
 
     def request_class(self, prompt_tokens: int | None, declared: str | None) -> str:
         if declared in ("document", LONG):
@@ -59,53 +65,62 @@ class PrefillAdmission:
     def oldest_wait(self) -> float:
         return self.clock() - self.queue[0].since if self.queue else 0.0
 
-    def _room(self) -> bool:
-        limit = self.settings.max_long_per_replica * self.replicas
-        return self.long_in_flight + self.others() < limit
+    def _free(self, replicas: Sequence[str]) -> str | None:
+        """The first of `replicas` with room for another long prefill."""
+        limit = self.settings.max_long_per_replica
+        return next((r for r in replicas if self.in_flight[r] + self.others(r) < limit), None)
+
+    def _grant(self, waiter: _Waiter, replica: str) -> None:
+        self.in_flight[replica] += 1
+        waiter.granted.set_result(replica)
 
     def wake(self) -> None:
-        """Admit queued long requests while there is room (after a release here or a peer's)."""
-        while self.queue and self._room():
-            waiter = self.queue.popleft()
-            if not waiter.admitted.done():
-                self.long_in_flight += 1
-                waiter.admitted.set_result(None)
+        """Admit queued long requests, oldest first, while one of their replicas has room (after
+        a release here or a peer's). A request whose replicas are all busy does not hold back a
+        later one that may use another replica."""
+        for waiter in list(self.queue):
+            if waiter.granted.done():
+                self.queue.remove(waiter)
+            elif (replica := self._free(waiter.replicas)) is not None:
+                self.queue.remove(waiter)
+                self._grant(waiter, replica)
 
-    def _release(self) -> None:
-        self.long_in_flight -= 1
+    def _release(self, replica: str) -> None:
+        self.in_flight[replica] -= 1
+        if self.in_flight[replica] <= 0:
+            del self.in_flight[replica]
         self.wake()
 
     @asynccontextmanager
-    async def admit(self, request_class: str, replicas: int) -> AsyncIterator[None]:
-        """Hold a long-prefill slot (short requests pass straight through)."""
-        if request_class != LONG:
-            yield
+    async def admit(self, request_class: str, replicas: Sequence[str]) -> AsyncIterator[str | None]:
+        """Hold a long-prefill slot on one of `replicas` (the preferred first) and yield it;
+        short requests pass straight through (None)."""
+        if request_class != LONG or not replicas:
+            yield None
             return
-        self.replicas = max(1, replicas)
-        if self._room() and not self.queue:
-            self.long_in_flight += 1
-        else:
-            waiter = _Waiter(self.clock())
-            self.queue.append(waiter)
+        waiter = _Waiter(self.clock(), list(replicas))
+        self.queue.append(waiter)
+        self.wake()  # granted at once if none of those before it can use a free replica
+        if not waiter.granted.done():
             try:
                 await asyncio.wait_for(
-                    asyncio.shield(waiter.admitted), self.settings.max_wait_seconds
+                    asyncio.shield(waiter.granted), self.settings.max_wait_seconds
                 )
             except TimeoutError:
-                # Aging: waited long enough, go now even above the limit.
+                # Aging: waited long enough, go now (on the first choice) even above the limit.
                 if waiter in self.queue:
                     self.queue.remove(waiter)
-                if not waiter.admitted.done():
+                if not waiter.granted.done():
                     self.aged += 1
-                    self.long_in_flight += 1
-                    waiter.admitted.set_result(None)
+                    self._grant(waiter, waiter.replicas[0])
             except asyncio.CancelledError:
                 if waiter in self.queue:
                     self.queue.remove(waiter)
-                if waiter.admitted.done():
-                    self._release()  # admitted as the client left: pass the slot on
+                if waiter.granted.done():
+                    self._release(waiter.granted.result())  # granted as the client left
                 raise
+        replica = waiter.granted.result()
         try:
-            yield
+            yield replica
         finally:
-            self._release()
+            self._release(replica)

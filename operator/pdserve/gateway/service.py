@@ -238,27 +238,32 @@ class Gateway:
 
     async def admission_state(self, _: web.Request) -> web.Response:
         """What peers count against the shared long-prefill limit."""
+        admission = self.admission
         return web.json_response(
-            {"longInFlight": self.admission.long_in_flight, "queued": len(self.admission.queue)}
+            {
+                "longInFlight": admission.long_in_flight,
+                "queued": len(admission.queue),
+                "replicas": dict(admission.in_flight),
+            }
         )
 
     async def admission_hold(self, request: web.Request) -> web.StreamResponse:
         """A peer replica's long prefill waits in this replica's queue (it is the leader, see
-        peers.py); `granted` answers when it may go, and the slot is held until the peer closes
-        the connection (aiohttp then cancels this handler, which releases it)."""
+        peers.py); `granted <replica>` answers when one of the prefill replicas it named has
+        room, and the slot is held until the peer closes the connection (aiohttp then cancels
+        this handler, which releases it)."""
         try:
             body = await request.json()
-            replicas = body["replicas"] if isinstance(body, dict) else None
-            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            replicas = body.get("replicas") if isinstance(body, dict) else None
+            if not replicas or not all(isinstance(r, str) and r for r in replicas):
                 raise ValueError
-        except (ValueError, KeyError):
-            return error_response(
-                GatewayError(400, "replicas: expected a positive integer", param="replicas")
-            )
+        except (ValueError, TypeError):
+            message = "replicas: expected the prefill replica URLs the request may use, best first"
+            return error_response(GatewayError(400, message, param="replicas"))
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
-        async with self.admission.admit(LONG, replicas):
+        async with self.admission.admit(LONG, replicas) as replica:
             await response.prepare(request)
-            await response.write(GRANTED)
+            await response.write(f"{GRANTED} {replica}\n".encode())
             # Bounded like the peer's prefill call: a holder that vanished without closing its
             # connection cannot keep the slot for longer.
             with suppress(TimeoutError):
@@ -731,17 +736,21 @@ class Context:
         request_class = gw.admission.request_class(
             prompt_tokens, self.request.headers.get("X-PDServe-Class")
         )
+        pool = self.selection.pools["prefill"]
+        affinity = self.affinity("prefill", token_ids)
+        # A long prompt is granted one replica with room (its best choice that has any).
+        ranked = [e.url for e in Endpoints.rank(pool, affinity)] if request_class == LONG else []
         try:
-            async with gw.peers.slot(request_class, len(self.selection.pools["prefill"])):
+            async with gw.peers.slot(request_class, ranked) as granted:
                 begun = time.monotonic()
                 endpoint, answer = await gw.post_json(
                     "prefill",
-                    self.selection.pools["prefill"],
+                    pool if granted is None else [e for e in pool if e.url == granted],
                     path,
                     body,
                     self.headers,
                     self.settings.prefill_timeout,
-                    affinity=self.affinity("prefill", token_ids),
+                    affinity=affinity,
                     prefill_tokens=prompt_tokens,
                 )
                 gw.policy.health.observe_prefill(time.monotonic() - begun, prompt_tokens)
