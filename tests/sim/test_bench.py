@@ -261,3 +261,28 @@ async def test_a_plain_engine_is_a_target_too_chat_and_closed_loop(tmp_path: Pat
         assert documents["gateway_queue_nonempty_share"] is None
         assert documents["waiting_share"] is not None
     assert "run at concurrency 4: 12 measured" in out
+
+
+def test_a_scenario_deployment_with_a_render_pool_routes_by_exact_token_counts(
+    tmp_path: Path,
+) -> None:
+    """A render server in front of token-id engines: the gateway renders every request (the
+    render_pd route), and the point's fingerprint says so (points without one stay as they
+    were, so earlier results remain reusable)."""
+    from dataclasses import replace
+
+    from pdserve.bench.scenarios import AUTO_FAST, Options, Point, mix_workload, run_point
+    from pdserve.bench.summary import Slo
+
+    deployment = replace(AUTO_FAST, label="auto with render", render=True)
+    point = Point(deployment, mix_workload(), 20.0, 6, 1, 0.05, Slo())
+    options = Options(results=tmp_path, docs=tmp_path / "b.md", progress=False)
+    summary = run_point(point, options)
+    assert summary["pdserve"]["errors"]["count"] == 0
+    routes = summary["pdserve"]["gateway"]["routes"]
+    assert routes.get("render ok", 0) + routes.get("render_pd ok", 0) == 6
+    assert point.fingerprint()["deployment"]["render"] is True
+    assert (
+        "render"
+        not in Point(AUTO_FAST, mix_workload(), 20.0, 6, 1, 0.05, Slo()).fingerprint()["deployment"]
+    )

@@ -13,7 +13,9 @@ the pdserve gateway, reproducible in minutes.
 Engines run scaled (--time-scale: real seconds per simulated second) and every time is reported
 in simulated units, so the numbers read as the modelled hardware's (the article's 2x L40S with
 Qwen2.5-7B: ~21 ms decode steps, ~0.65 s per 8k-token prefill). The engines speak OpenAI (no
-render pool): the gateway forwards each token as it arrives. Each point (deployment, workload,
+render pool: the gateway forwards each token as it arrives and estimates prompt lengths from
+characters), except in the routing mix's render-pool rows (a render server and token-id engines:
+exact prompt token counts). Each point (deployment, workload,
 rate) starts fresh processes and is kept in the results folder under a fingerprint of all its
 parameters; a rerun reuses it unless --fresh. Sections of the report are rewritten in place
 between `<!-- bench:NAME -->` markers."""
@@ -37,7 +39,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import plots
-from pdserve.bench.procs import Processes, free_port, sim_engine_argv
+from pdserve.bench.procs import Processes, free_port, sim_engine_argv, sim_render_argv
 from pdserve.bench.records import read_jsonl, write_jsonl
 from pdserve.bench.report import num, share, table
 from pdserve.bench.runner import Load, Progress, QueueSample, RunResult, Target, run_load
@@ -77,6 +79,9 @@ class Deployment:
     max_num_batched_tokens: int = 2048
     chunked: bool = True
     fair_queue: bool = True
+    render: bool = False
+    """A render pool in front (tokens API): the gateway knows every prompt's exact token
+    count; without, engines speak OpenAI and the gateway estimates it from characters."""
 
     def engine_flags(self, time_scale: float) -> list[str]:
         flags = [
@@ -95,7 +100,7 @@ class Deployment:
         return flags
 
     def start(self, procs: Processes, time_scale: float) -> str:
-        """Engines and a gateway over them; the gateway's URL."""
+        """Engines (and a render server) and a gateway over them; the gateway's URL."""
         roles = ["prefill"] * self.prefill + ["decode" if self.prefill else "both"] * self.decode
         engines = []
         for role in roles:
@@ -104,19 +109,31 @@ class Deployment:
                 ENGINE_MODEL,
                 port,
                 role=role,
+                tokens_only=self.render,
                 served_model_name=MODEL,
                 extra=self.engine_flags(time_scale),
             )
             engines.append((role, procs.spawn(argv, port)))
-        procs.wait_ready(*(proc for _, proc in engines))
+        renders = []
+        if self.render:
+            port = free_port()
+            renders.append(
+                procs.spawn(sim_render_argv(ENGINE_MODEL, port, served_model_name=MODEL), port)
+            )
+        procs.wait_ready(*(proc for _, proc in engines), *renders)
         pool = {"service": "sim", "port": 8000}
         config = {
             "model": MODEL,
-            "engineApi": "openai",
+            "engineApi": "tokens" if self.render else "openai",
             # The gateway's clock is real: its TTFT budget is scaled like the engines' time.
             "routing": {"mode": self.mode, "slo": {"ttftMs": round(2000 * time_scale)}},
-            "pools": {"render": None, "prefill": pool if self.prefill else None, "decode": pool},
+            "pools": {
+                "render": pool if self.render else None,
+                "prefill": pool if self.prefill else None,
+                "decode": pool,
+            },
             "endpoints": {
+                "render": [{"url": r.url} for r in renders],
                 "prefill": [{"url": p.url} for role, p in engines if role == "prefill"],
                 "decode": [{"url": p.url} for role, p in engines if role != "prefill"],
             },
@@ -159,8 +176,11 @@ class Point:
         return fingerprint
 
     def _parameters(self) -> dict[str, Any]:
+        deployment = asdict(self.deployment)
+        if not self.deployment.render:
+            del deployment["render"]  # as before the field existed: those points stay reusable
         return {
-            "deployment": asdict(self.deployment),
+            "deployment": deployment,
             "workload": asdict(self.workload),
             "rate": self.rate,
             "num_prompts": self.num_prompts,
@@ -644,7 +664,13 @@ def routing(options: Options) -> Section:
         replace(PD_FAST, label="Disaggregated, fair queue off", fair_queue=False),
         replace(AUTO_FAST, label="Auto, fair queue on"),
         replace(AUTO_FAST, label="Auto, fair queue off", fair_queue=False),
-    )
+        *(
+            replace(d, label=f"{name}, render pool, fair queue {'on' if on else 'off'}",
+                    render=True, fair_queue=on)
+            for name, d in (("Disaggregated", PD_FAST), ("Auto", AUTO_FAST))
+            for on in (True, False)
+        ),
+    )  # fmt: skip
     mix_rows = []
     for seed in seeds:
         mix = sweep(fairness, workload, [mix_rate], mix_n + 10, 10, options, slo=Slo(), seed=seed)
@@ -688,7 +714,9 @@ def routing(options: Options) -> Section:
         table(["rate req/s", "KV path", "Auto decisions", "TTFT", "ITL"], why),
         "",
         "Fair prefill admission on the collision mix (fast KV path; Aggregated for reference, "
-        "where no request goes through a prefill pool). "
+        "where no request goes through a prefill pool). The render pool rows put a render "
+        "server in front and engines speaking token ids: the gateway then classes and routes "
+        "by exact prompt token counts; without it, it estimates them from characters. "
         + mix_description(workload, [mix_rate], mix_n),
         "",
         table(["deployment", *MIX_HEADERS], mix_rows),
