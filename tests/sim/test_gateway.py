@@ -703,6 +703,50 @@ async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_sam
     assert 'pdserve_gateway_fallbacks_total{reason="transport_unverified"} 1.0' in metrics
 
 
+async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one(
+    stack: Stack,
+) -> None:
+    """Two slices; slice 1's decode pulls KV slowly (a TCP fallback, say): once Auto has seen a
+    handoff through each prefill replica, P/D goes through slice 0 only, even while its prefill
+    replica is the busier one, instead of giving up P/D for every request."""
+    render = await stack.render()
+    slow = engine("decode")
+    slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
+    configs = {"p0": engine("prefill"), "p1": engine("prefill"), "d0": engine("decode"), "d1": slow}
+    urls = {name: await stack.engine(name, config) for name, config in configs.items()}
+
+    def sliced(name: str, slice_index: str) -> dict[str, Any]:
+        return {**ep(urls[name]), "slice": slice_index}
+
+    config = routing(mode="Auto", slo={"ttftMs": 150}, endpoints={
+        "render": [ep(render)],
+        "prefill": [sliced("p0", "0"), sliced("p1", "1")],
+        "decode": [sliced("d0", "0"), sliced("d1", "1")],
+    })  # fmt: skip
+    client = await stack.gateway(config, load_scrape_seconds=None)
+    pools = stack.gateway_server.endpoints.pools
+    for endpoint in pools["decode"]:
+        endpoint.running = 3  # other streams: no idle decode to prefill on
+    p0, p1 = pools["prefill"]
+
+    def document(n: int) -> dict[str, Any]:  # no shared prefix: nothing pulls it to one replica
+        return {**LONG, "messages": [{"role": "user", "content": f"doc {n} " * 400}]}
+
+    for n, busy in enumerate((p1, p0)):  # one handoff through each slice
+        busy.running = 2
+        assert (await sse_events(client, document(n)))[-1] == "[DONE]"  # streams time handoffs
+        busy.running = 0
+    assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [1, 1, 1, 1]
+    estimates = (await client.get("/status")).json()["handoffSecondsPerTokenByPrefill"]
+    assert estimates[urls["p1"]] > 10 * estimates[urls["p0"]]
+
+    p0.running = 2  # slice 0's prefill is now the busier one
+    assert (await sse_events(client, document(2)))[-1] == "[DONE]"
+    assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [2, 1, 2, 1]
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 3.0' in metrics
+
+
 async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: Stack) -> None:
     """The operator's scraper against real simulated engines: healthy transfers, then failed
     ones, then ones slower than the budget (half of a 5 s TTFT SLO). Simulated time runs 100x

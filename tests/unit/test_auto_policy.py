@@ -132,3 +132,31 @@ def test_a_kv_path_too_slow_for_the_slo_frees_the_prefill_pool_for_whole_request
                             queues=QueueState(decode_active=3, prefill_ahead=3))  # fmt: skip
     # Congestion, not the path: local on decode only, the prefill pool stays with P/D.
     assert (congested.reason, congested.anywhere) == ("prefill_queue_over_ttft_budget", False)
+
+
+def test_p_d_goes_only_through_prefill_replicas_whose_kv_path_fits_the_budget() -> None:
+    """Each prefill replica's handoffs are learnt apart (its decode partners are in its slice):
+    a slow slice is avoided, not the whole prefill pool; with every path slow, local."""
+    auto, _ = policy()
+    auto.health.observe_prefill(0.65, 8000)
+    auto.health.observe(0.02, 8000, ttft_budget=2.0, prefill="http://p0")  # NVLink/RDMA
+    auto.health.observe(1.3, 8000, ttft_budget=2.0, prefill="http://p1")  # TCP fallback
+    busy = QueueState(decode_active=3, prefill_ahead=0)
+    both = ["http://p0", "http://p1"]
+    pd = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=busy,
+                     prefill_replicas=both)  # fmt: skip
+    assert (pd.disaggregated, pd.reason, pd.prefill) == (True, "long_prompt", ("http://p0",))
+    # A replica not seen yet is judged by all handoffs so far (here: their average, fits).
+    fresh = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                        queues=busy, prefill_replicas=["http://p1", "http://p2"])  # fmt: skip
+    assert (fresh.disaggregated, fresh.prefill) == (True, ("http://p2",))
+    slow = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=busy,
+                       prefill_replicas=["http://p1"])  # fmt: skip
+    assert (slow.disaggregated, slow.reason, slow.anywhere) == (
+        False, "kv_path_over_ttft_budget", True,
+    )  # fmt: skip
+    # Every replica fits: no restriction.
+    assert auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=busy,
+                       prefill_replicas=["http://p0"]).prefill == ()  # fmt: skip
+    auto.health.forget(["http://p0"])  # p1 was scaled away
+    assert set(auto.health.by_prefill) == {"http://p0"}

@@ -11,6 +11,9 @@ and decides with it:
 - a predicted handoff (EWMA seconds per prompt token x prompt tokens) over the TTFT budget: local;
 - this prefill + the predicted handoff over the budget (the KV path itself is too slow):
   local, on the least loaded engine of both pools (the prefill pool cannot serve P/D usefully);
+  the handoff is learnt per prefill replica (its decode partners sit in its slice, so one
+  replica's path can be slow while another's is fast): P/D then goes only through the replicas
+  whose path fits, and local only when none does;
 - a predicted P/D TTFT (the prefill queue ahead + this prefill + the handoff) over the budget
   while local prefill would fit it: local on decode (congestion: keep the prefill pool for P/D);
 - otherwise disaggregated.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -64,6 +67,8 @@ class Decision:
     anywhere: bool = False
     """Local, and the P/D path itself is unusable (too slow or failing): the request may run
     whole on a prefill replica too, so the prefill pool keeps serving."""
+    prefill: tuple[str, ...] = ()
+    """P/D only through these prefill replicas (the others' KV path is too slow); empty: any."""
 
 
 class HandoffHealth:
@@ -75,23 +80,30 @@ class HandoffHealth:
         self.settings = settings
         self.clock = clock
         self.seconds_per_token: float | None = None
+        self.by_prefill: dict[str, float] = {}
+        """The same EWMA per prefill replica (the path from its slice)."""
         self.prefill_seconds_per_token: float | None = None
         self.failures: deque[float] = deque()
         self.degraded = False
         self.successes_while_degraded = 0
         self.eligible_while_degraded = 0
 
-    def observe(
-        self, handoff_seconds: float, prompt_tokens: int, ttft_budget: float | None
-    ) -> None:
-        """A completed handoff: prefill answered -> first decode token."""
-        per_token = handoff_seconds / max(1, prompt_tokens)
+    def _ewma(self, before: float | None, sample: float) -> float:
         alpha = self.settings.ewma_alpha
-        self.seconds_per_token = (
-            per_token
-            if self.seconds_per_token is None
-            else alpha * per_token + (1 - alpha) * self.seconds_per_token
-        )
+        return sample if before is None else alpha * sample + (1 - alpha) * before
+
+    def observe(
+        self,
+        handoff_seconds: float,
+        prompt_tokens: int,
+        ttft_budget: float | None,
+        prefill: str | None = None,
+    ) -> None:
+        """A completed handoff: prefill (on replica `prefill`) answered -> first decode token."""
+        per_token = handoff_seconds / max(1, prompt_tokens)
+        self.seconds_per_token = self._ewma(self.seconds_per_token, per_token)
+        if prefill is not None:
+            self.by_prefill[prefill] = self._ewma(self.by_prefill.get(prefill), per_token)
         if ttft_budget is not None and handoff_seconds > ttft_budget:
             self.failure()  # a handoff slower than the whole TTFT budget is a failure for SLOs
             return
@@ -104,11 +116,7 @@ class HandoffHealth:
     def observe_prefill(self, seconds: float, prompt_tokens: int) -> None:
         """A prefill call on the prefill pool: its speed predicts the queue ahead of the next."""
         per_token = seconds / max(1, prompt_tokens)
-        alpha = self.settings.ewma_alpha
-        before = self.prefill_seconds_per_token
-        self.prefill_seconds_per_token = (
-            per_token if before is None else alpha * per_token + (1 - alpha) * before
-        )
+        self.prefill_seconds_per_token = self._ewma(self.prefill_seconds_per_token, per_token)
 
     def failure(self) -> None:
         """A failed transfer, an expired or expiring lease, or a handoff over budget."""
@@ -120,8 +128,15 @@ class HandoffHealth:
             self.degraded = True
             self.successes_while_degraded = 0
 
-    def predicted_handoff(self, prompt_tokens: int) -> float | None:
-        return None if self.seconds_per_token is None else self.seconds_per_token * prompt_tokens
+    def predicted_handoff(self, prompt_tokens: int, prefill: str | None = None) -> float | None:
+        """Through `prefill` when it has been seen, else what all handoffs said."""
+        per_token = self.by_prefill.get(prefill or "", self.seconds_per_token)
+        return None if per_token is None else per_token * prompt_tokens
+
+    def forget(self, prefill_replicas: Sequence[str]) -> None:
+        """Keep per-replica estimates only for replicas that still exist."""
+        for gone in set(self.by_prefill) - set(prefill_replicas):
+            del self.by_prefill[gone]
 
 
 class AutoPolicy:
@@ -138,6 +153,7 @@ class AutoPolicy:
         prefill_available: bool,
         ttft_budget: float | None,
         queues: QueueState | None = None,
+        prefill_replicas: Sequence[str] = (),
     ) -> Decision:
         if not prefill_available:
             return Decision(False, "no_prefill")
@@ -153,19 +169,42 @@ class AutoPolicy:
         if self.settings.local_when_decode_idle and queues.decode_active == 0:
             return Decision(False, "decode_idle")
         tokens = prompt_tokens or 0
-        handoff = health.predicted_handoff(tokens)
-        if ttft_budget is not None and handoff is not None and handoff > ttft_budget:
-            return Decision(False, "handoff_over_ttft_budget", anywhere=True)
+        candidates: list[str | None] = [*prefill_replicas] or [None]
+        slow = {r: self._slow_path(tokens, ttft_budget, r) for r in candidates}
+        usable = [r for r in candidates if slow[r] is None]
+        if not usable:
+            # Every replica's path is too slow: say why for the one that is least so.
+            best = min(candidates, key=lambda r: health.predicted_handoff(tokens, r) or 0.0)
+            return Decision(False, slow[best] or "", anywhere=True)
+        handoff = min(
+            (h for r in usable if (h := health.predicted_handoff(tokens, r)) is not None),
+            default=None,
+        )
         speed = health.prefill_seconds_per_token
         if ttft_budget is not None and speed is not None:
             this_prefill = speed * tokens
             target = self.settings.pd_ttft_share * ttft_budget
-            if this_prefill <= ttft_budget and this_prefill + (handoff or 0.0) > target:
-                # Even an idle prefill pool would miss the SLO: the KV path is the problem.
-                return Decision(False, "kv_path_over_ttft_budget", anywhere=True)
             # Requests ahead are assumed about as long as this one: a coarse but monotone guess.
             ahead = queues.prefill_ahead or 0.0
             if (ahead + 1) * this_prefill + (handoff or 0.0) > target >= this_prefill:
                 # Congestion, not the path: spill to decode, not onto the busy prefill pool.
                 return Decision(False, "prefill_queue_over_ttft_budget")
-        return Decision(True, "long_prompt")
+        only = tuple(r for r in usable if r is not None) if len(usable) < len(candidates) else ()
+        return Decision(True, "long_prompt", prefill=only)
+
+    def _slow_path(self, tokens: int, ttft_budget: float | None, prefill: str | None) -> str | None:
+        """Why P/D through this prefill replica would miss the TTFT budget on its KV path
+        alone (None: it would not)."""
+        if ttft_budget is None:
+            return None
+        handoff = self.health.predicted_handoff(tokens, prefill)
+        if handoff is not None and handoff > ttft_budget:
+            return "handoff_over_ttft_budget"
+        speed = self.health.prefill_seconds_per_token
+        if speed is not None:
+            this_prefill = speed * tokens
+            target = self.settings.pd_ttft_share * ttft_budget
+            if this_prefill <= ttft_budget and this_prefill + (handoff or 0.0) > target:
+                # Even an idle prefill pool would miss the SLO: the KV path is the problem.
+                return "kv_path_over_ttft_budget"
+        return None

@@ -392,13 +392,19 @@ class Gateway:
     def auto_decision(
         self, prompt_tokens: int | None, prefill_available: bool, selection: Selection
     ) -> Decision:
-        """Routing mode Auto: P/D or local prefill for this request (see policy.py)."""
+        """Routing mode Auto: P/D or local prefill for this request (see policy.py); P/D keeps
+        only the prefill replicas whose KV path fits the TTFT budget."""
+        prefill = selection.pools.get("prefill", [])
+        self.policy.health.forget([e.url for e in self.endpoints.pools.get("prefill", [])])
         decision = self.policy.decide(
             prompt_tokens=prompt_tokens,
             prefill_available=prefill_available,
             ttft_budget=self.ttft_budget(),
             queues=self.queue_state(selection),
+            prefill_replicas=[e.url for e in prefill],
         )
+        if decision.disaggregated and decision.prefill:
+            selection.pools["prefill"] = [e for e in prefill if e.url in decision.prefill]
         self.metrics.auto_decisions.labels(decision.reason).inc()
         return decision
 
@@ -409,6 +415,7 @@ class Gateway:
                 "mode": self.config.routing.mode,
                 "pdDegraded": health.degraded,
                 "handoffSecondsPerToken": health.seconds_per_token,
+                "handoffSecondsPerTokenByPrefill": health.by_prefill,
                 "recentFailures": len(health.failures),
                 "admission": {
                     "leader": self.peers.leader() or "self",
@@ -675,7 +682,8 @@ class Context:
         handoff = first_token_at - self.prefill_done_at
         self.prefill_done_at = None  # once per request
         gw.metrics.stage.labels("kv_handoff").observe(handoff)
-        gw.policy.health.observe(handoff, prompt_tokens, gw.ttft_budget())
+        prefill = None if self.prefilled_on is None else self.prefilled_on.url
+        gw.policy.health.observe(handoff, prompt_tokens, gw.ttft_budget(), prefill)
         gw.metrics.pd_degraded.set(int(gw.policy.health.degraded))
 
     def decode_candidates(self, with_kv: bool) -> list[Endpoint]:
