@@ -995,6 +995,15 @@ async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
     await asyncio.gather(*documents, return_exceptions=True)
 
 
+async def test_a_malformed_hold_request_is_refused_naming_the_field(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    for body in ({}, {"replicas": "http://p0"}, {"replicas": []}, {"replicas": [3]}, [1]):
+        answer = await client.post("/admission/hold", json=body)
+        assert answer.status_code == 400, body
+        assert answer.json()["error"]["param"] == "replicas"
+    assert stack.gateway_server.admission.long_in_flight == 0
+
+
 async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(stack: Stack) -> None:
     """A peer that answers /admission but not /admission/hold (a stuck or older replica) sorts
     lowest, so it leads: the replicas admit on their own, counting what each other holds, and

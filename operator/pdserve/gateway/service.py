@@ -255,7 +255,9 @@ class Gateway:
         try:
             body = await request.json()
             replicas = body.get("replicas") if isinstance(body, dict) else None
-            if not replicas or not all(isinstance(r, str) and r for r in replicas):
+            if not isinstance(replicas, list) or not replicas:
+                raise ValueError
+            if not all(isinstance(r, str) and r for r in replicas):
                 raise ValueError
         except (ValueError, TypeError):
             message = "replicas: expected the prefill replica URLs the request may use, best first"
