@@ -997,7 +997,8 @@ async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
 
 async def test_a_malformed_hold_request_is_refused_naming_the_field(stack: Stack) -> None:
     client = await pd_stack(stack)
-    for body in ({}, {"replicas": "http://p0"}, {"replicas": []}, {"replicas": [3]}, [1]):
+    bodies: list[Any] = [{}, {"replicas": "http://p0"}, {"replicas": []}, {"replicas": [3]}, [1]]
+    for body in bodies:
         answer = await client.post("/admission/hold", json=body)
         assert answer.status_code == 400, body
         assert answer.json()["error"]["param"] == "replicas"
