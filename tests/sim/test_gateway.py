@@ -876,7 +876,9 @@ def local_url(above: str = "") -> str:
     return url
 
 
-async def gateway_replicas(stack: Stack, hang: int, extra_peers: tuple[str, ...] = ()) -> Replicas:
+async def gateway_replicas(
+    stack: Stack, hang: int, extra_peers: tuple[str, ...] = (), max_wait: float = 30
+) -> Replicas:
     """Two gateway replicas over one prefill replica with a long-prefill limit of 1, each
     knowing the other (and its own URL), the prefill engine hanging the next `hang` requests."""
     from pdserve.gateway.fairqueue import FairQueueSettings
@@ -890,7 +892,9 @@ async def gateway_replicas(stack: Stack, hang: int, extra_peers: tuple[str, ...]
         "decode": [ep(decode)],
     }
     urls = [local_url(min(extra_peers, default="")) for _ in range(2)]
-    fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=30)
+    fair = FairQueueSettings(
+        long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=max_wait
+    )
     gateways, clients = [], []
     for mine, theirs in (urls, urls[::-1]):
         config = routing(endpoints={**endpoints, "peers": [theirs, *extra_peers], "selfUrl": mine})
@@ -928,6 +932,10 @@ async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
         replicas.clients[replicas.follower].post("/v1/chat/completions", json=LONG)
     )
     await until(lambda: replicas.reached_prefill(10) == 1)
+    # The follower reports the slot it holds through the leader (counted if the leader dies).
+    held = (await replicas.clients[replicas.follower].get("/admission")).json()["heldAt"]
+    assert held == {replicas.urls[replicas.leader]: dict(leader.admission.in_flight)}
+    assert sum(leader.admission.in_flight.values()) == 1
     burst = [
         asyncio.create_task(client.post("/v1/chat/completions", json=LONG))
         for client in replicas.clients * 2
@@ -1005,22 +1013,32 @@ async def test_a_malformed_hold_request_is_refused_naming_the_field(stack: Stack
     assert stack.gateway_server.admission.long_in_flight == 0
 
 
-async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(stack: Stack) -> None:
-    """A peer that answers /admission but not /admission/hold (a stuck or older replica) sorts
-    lowest, so it leads: the replicas admit on their own, counting what each other holds, and
-    say so in a metric; no request is lost."""
+@pytest.mark.parametrize("leader", ["without /admission/hold", "stuck"])
+async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(
+    stack: Stack, leader: str
+) -> None:
+    """A peer that sorts lowest, so it leads, but cannot grant: an older replica without
+    /admission/hold, or a stuck one that accepts the hold and never answers (no grant within
+    twice the aging bound). The replicas admit on their own, counting what each other holds,
+    and say so in a metric; no request is lost."""
     stand_in = web.Application()
 
     async def admission(_: web.Request) -> web.Response:
         return web.json_response({"longInFlight": 0, "queued": 0})
 
+    async def stuck(_: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
     stand_in.router.add_get("/admission", admission)
+    if leader == "stuck":
+        stand_in.router.add_post("/admission/hold", stuck)
     while True:  # a free port with many free ports' URLs sorting after it
         lowest = local_url()
         if lowest < "http://127.0.0.1:6":
             break
     await stack.exits.enter_async_context(serving(stand_in, port=int(lowest.rsplit(":", 1)[1])))
-    replicas = await gateway_replicas(stack, hang=0, extra_peers=(lowest,))
+    replicas = await gateway_replicas(stack, hang=0, extra_peers=(lowest,), max_wait=0.2)
     await until(lambda: all(g.peers.leader() == lowest for g in replicas.gateways))
     answers = await asyncio.gather(
         *(client.post("/v1/chat/completions", json=LONG) for client in replicas.clients)
@@ -1029,6 +1047,52 @@ async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(stack: Sta
     assert [g.peers.leader_errors for g in replicas.gateways] == [1, 1]
     state = (await replicas.clients[0].get("/metrics")).text
     assert "pdserve_gateway_admission_leader_errors 1.0" in state
+
+
+async def test_only_the_leader_grants_holds_and_only_to_its_own_replicas(stack: Stack) -> None:
+    """A follower refuses holds (two queues at once would break the limit); with API keys set,
+    a hold needs one (a slot held blocks every replica's documents)."""
+    replicas = await gateway_replicas(stack, hang=0)
+    follower = replicas.clients[replicas.follower]
+    body = {"replicas": ["http://p0"]}
+    refused = await follower.post("/admission/hold", json=body)
+    assert refused.status_code == 409
+    assert replicas.urls[replicas.leader] in refused.json()["error"]["message"]
+
+    keyed = await pd_stack(stack, api_keys=("secret",))
+    assert (await keyed.post("/admission/hold", json=body)).status_code == 401
+    auth = {"Authorization": "Bearer secret"}
+    async with keyed.stream("POST", "/admission/hold", json=body, headers=auth) as granted:
+        assert granted.status_code == 200
+        assert await granted.aiter_lines().__anext__() == "granted http://p0"
+        assert stack.gateway_server.admission.in_flight == {"http://p0": 1}
+    await until(lambda: not stack.gateway_server.admission.in_flight)  # closed: released
+
+
+async def test_a_long_prompt_moves_to_another_prefill_replica_when_its_own_fails(
+    stack: Stack,
+) -> None:
+    """The replica a document was granted answers 5xx: its slot goes back and the next replica
+    with room prefills it, rather than falling back to local prefill on decode."""
+    from pdserve.gateway.fairqueue import FairQueueSettings
+
+    render = await stack.render()
+    prefills = [await stack.engine(name, engine("prefill")) for name in ("p0", "p1")]
+    decode = await stack.engine("decode", engine("decode"))
+    endpoints = {"render": [ep(render)], "prefill": [ep(u) for u in prefills],
+                 "decode": [ep(decode)]}  # fmt: skip
+    fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1)
+    client = await stack.gateway(routing(endpoints=endpoints), fair_queue=fair,
+                                 load_scrape_seconds=None)  # fmt: skip
+    stack.gateway_server.endpoints.pools["prefill"][1].running = 1  # p0 is the first choice
+    async with httpx.AsyncClient() as admin:
+        await admin.post(f"{prefills[0]}/sim/faults", json={"http_5xx": 1})
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    assert [finished(stack.engines[n]) for n in ("p0", "p1")] == [0, 1]
+    metrics = (await client.get("/metrics")).text
+    assert "prefill_failed" not in metrics
+    assert 'pdserve_gateway_retries_total{reason="upstream_error",stage="prefill"} 1.0' in metrics
+    assert stack.gateway_server.admission.in_flight == {}
 
 
 async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replica(

@@ -160,3 +160,41 @@ def test_p_d_goes_only_through_prefill_replicas_whose_kv_path_fits_the_budget() 
                        prefill_replicas=["http://p0"]).prefill == ()  # fmt: skip
     auto.health.forget(["http://p0"])  # p1 was scaled away
     assert set(auto.health.by_prefill) == {"http://p0"}
+
+
+def test_an_excluded_replicas_estimate_expires_so_it_is_tried_again() -> None:
+    auto, clock = policy(failure_window_seconds=60)
+    auto.health.observe_prefill(0.65, 8000)
+    auto.health.observe(3.0, 8000, ttft_budget=2.0, prefill="http://p0")  # one slow first pull
+    for _ in range(5):
+        auto.health.observe(0.02, 8000, ttft_budget=2.0, prefill="http://p1")
+    busy = QueueState(decode_active=3, prefill_ahead=0)
+    both = ["http://p0", "http://p1"]
+    now = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=busy,
+                      prefill_replicas=both)  # fmt: skip
+    assert now.prefill == ("http://p1",)
+    clock.now += 61  # no news from p0 for a failure window: judged by all handoffs again
+    later = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=busy,
+                        prefill_replicas=both)  # fmt: skip
+    assert (later.disaggregated, later.prefill) == (True, ())
+
+
+def test_congestion_is_judged_on_the_replicas_p_d_may_use() -> None:
+    """The replica excluded for its slow path is idle by construction: its empty queue must not
+    hide that the replica P/D would use is swamped; and among fitting replicas, only those
+    whose queue leaves room take P/D."""
+    auto, _ = policy()
+    auto.health.observe_prefill(0.5, 8000)
+    auto.health.observe(1.5, 8000, ttft_budget=2.0, prefill="http://slow")
+    auto.health.observe(0.05, 8000, ttft_budget=2.0, prefill="http://fast")
+    swamped = QueueState(decode_active=3, prefill_ahead=0,
+                         prefill_ahead_by={"http://slow": 0, "http://fast": 10})  # fmt: skip
+    spill = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                        queues=swamped, prefill_replicas=["http://slow", "http://fast"])  # fmt: skip
+    assert (spill.disaggregated, spill.reason) == (False, "prefill_queue_over_ttft_budget")
+    auto.health.observe(0.05, 8000, ttft_budget=2.0, prefill="http://other")
+    mixed = QueueState(decode_active=3, prefill_ahead=0,
+                       prefill_ahead_by={"http://fast": 10, "http://other": 1})  # fmt: skip
+    pd = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=mixed,
+                     prefill_replicas=["http://fast", "http://other"])  # fmt: skip
+    assert (pd.disaggregated, pd.prefill) == (True, ("http://other",))

@@ -130,3 +130,26 @@ def test_the_lowest_url_among_replicas_that_see_each_other_leads_admission() -> 
     peers.set_peers(["http://10.0.0.1:8000"], None)
     peers.live = {"http://10.0.0.1:8000"}
     assert peers.leader() is None  # without its own address a replica cannot follow anyone
+
+
+def test_slots_held_through_a_leader_that_is_gone_still_count() -> None:
+    """A leader's report covers the slots its followers hold through it; when it stops
+    answering, those prefills still run, so the followers' own reports of them count."""
+    from collections import Counter
+
+    from pdserve.gateway.peers import PeerAdmission, PeerState
+
+    leader, follower = "http://10.0.0.1:8000", "http://10.0.0.3:8000"
+    peers = PeerAdmission(admission(), lambda: None)  # type: ignore[arg-type,return-value]
+    peers.set_peers([leader, follower], "http://10.0.0.2:8000")
+    peers.live = {leader, follower}
+    peers.counts = {leader: {"p0": 2}, follower: {}}  # the leader's own count covers both holds
+    peers.held_at = {follower: {leader: {"p0": 1}}}
+    peers.held = {leader: Counter({"p0": 1})}  # this replica holds the other one
+    assert peers.total("p0") == 2
+    peers.live = {follower}  # the leader died; the prefills it granted did not
+    peers.counts = {leader: {}, follower: {}}
+    assert peers.total("p0") == 2
+    assert peers.total("p1") == 0
+    state = PeerState.parse({"replicas": {"p0": 1}, "heldAt": {leader: {"p0": 1}}, "queued": 2})
+    assert (state.replicas, state.held_at, state.queued) == ({"p0": 1}, {leader: {"p0": 1}}, 2)

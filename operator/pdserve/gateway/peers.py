@@ -6,18 +6,22 @@ answered the last poll) is the leader. Every other replica asks it for a slot wi
 `POST /admission/hold`, naming the prefill replicas it may use, best first: the leader queues the
 request in its own fair queue (first come first served, aging included, over the whole model),
 answers `granted <replica>` when one of them has room and keeps the connection open; the slot is
-held until the asking replica closes that connection (its prefill ended, or it died). One process
-decides, so the limit is exact. While no leader can be reached (start-up, a leader that just
-died, a replica that does not know its own address), a replica admits on its own and counts what
-its peers report holding: the limit can then overshoot by one per replica until the next
-poll."""
+held until the asking replica closes that connection (its prefill ended, or it died). A replica
+that is not the leader in its own view answers 409. One process decides, so the limit is exact.
+
+While no leader can be reached (start-up, a leader that just died or hangs), a replica admits on
+its own and counts what its peers report holding, including the slots they still hold through a
+leader that is gone (their prefills outlive it): the limit can then overshoot by one per replica
+until the next poll."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -43,17 +47,24 @@ class PeerAdmission:
         *,
         interval: float = 0.1,
         timeout: float = 0.5,
+        api_key: str | None = None,
     ) -> None:
         self.admission = admission
         self.client = client
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        # The gateway's own API key: the replicas of one gateway share it.
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.self_url: str | None = None
         """This replica's own URL as its peers reach it; None: it cannot take part in electing
         a leader (it admits on its own)."""
         self.urls: list[str] = []
         self.counts: dict[str, dict[str, int]] = {}
         """Per peer: the long prefills it holds on its own, per prefill replica."""
+        self.held_at: dict[str, dict[str, dict[str, int]]] = {}
+        """Per peer: the long prefills it holds through a leader, per leader and replica."""
+        self.held: dict[str, Counter[str]] = {}
+        """This replica's own slots held through a leader, per leader and replica."""
         self.queued_at: dict[str, int] = {}
         self.live: set[str] = set()
         self.leader_errors = 0
@@ -63,11 +74,27 @@ class PeerAdmission:
         self.urls = sorted(urls)
         self.self_url = self_url
         self.counts = {u: c for u, c in self.counts.items() if u in self.urls}
+        self.held_at = {u: c for u, c in self.held_at.items() if u in self.urls}
         self.queued_at = {u: c for u, c in self.queued_at.items() if u in self.urls}
         self.live &= set(self.urls)
 
     def total(self, replica: str) -> int:
-        return sum(held.get(replica, 0) for held in self.counts.values())
+        """Long prefills on `replica` that this replica's own count misses: those its peers
+        admitted on their own, and those anyone holds through a leader that no longer answers
+        (a live leader reports them itself; this replica, if leader, counts its own)."""
+        own = sum(held.get(replica, 0) for held in self.counts.values())
+        through: list[Mapping[str, Mapping[str, int]]] = [*self.held_at.values(), self.held]
+        orphaned = sum(
+            held.get(replica, 0)
+            for per_leader in through
+            for leader, held in per_leader.items()
+            if leader not in self.live and leader != self.self_url
+        )
+        return own + orphaned
+
+    def holdings(self) -> dict[str, dict[str, int]]:
+        """What `GET /admission` reports of this replica's slots held through a leader."""
+        return {leader: dict(held) for leader, held in self.held.items() if held}
 
     def queued(self) -> int:
         """Long requests waiting in the peers' queues (the leader's holds everyone's)."""
@@ -81,14 +108,12 @@ class PeerAdmission:
         lowest = min(self.live)
         return lowest if lowest < self.self_url else None
 
-    async def _ask(self, url: str) -> tuple[dict[str, int], int] | None:
+    async def _ask(self, url: str) -> PeerState | None:
         try:
             async with self.client().get(f"{url}/admission", timeout=self.timeout) as response:
                 if response.status != 200:
                     return None
-                body = await response.json()
-                held = {str(k): int(v) for k, v in (body.get("replicas") or {}).items()}
-                return held, int(body.get("queued", 0))
+                return PeerState.parse(await response.json())
         except (TimeoutError, aiohttp.ClientError, ValueError, TypeError, AttributeError) as error:
             log.debug("peer %s: %s", url, error)
             return None
@@ -97,8 +122,11 @@ class PeerAdmission:
         urls = list(self.urls)
         answers = dict(zip(urls, await asyncio.gather(*(self._ask(u) for u in urls)), strict=True))
         self.live = {url for url, answer in answers.items() if answer is not None}
-        self.counts = {url: answer[0] if answer else {} for url, answer in answers.items()}
-        self.queued_at = {url: answer[1] if answer else 0 for url, answer in answers.items()}
+        nothing = PeerState({}, {}, 0)
+        states = {url: answer or nothing for url, answer in answers.items()}
+        self.counts = {url: state.replicas for url, state in states.items()}
+        self.held_at = {url: state.held_at for url, state in states.items()}
+        self.queued_at = {url: state.queued for url, state in states.items()}
         self.admission.wake()  # a peer's release may have made room for our queue
 
     async def run(self) -> None:
@@ -128,29 +156,71 @@ class PeerAdmission:
 
     @asynccontextmanager
     async def _hold(self, leader: str, replicas: Sequence[str]) -> AsyncIterator[str]:
-        # The leader ages a queued request after max_wait_seconds: a grant later than twice
-        # that means the leader is stuck, and this replica admits on its own.
-        grant_timeout = 2 * self.admission.settings.max_wait_seconds + 1
+        response, replica = await self._ask_leader(leader, replicas)
+        held = self.held.setdefault(leader, Counter())
+        held[replica] += 1
         try:
-            response = await self.client().post(
-                f"{leader}/admission/hold",
-                json={"replicas": list(replicas)},
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.timeout.total, sock_read=None
-                ),
-            )
-        except (TimeoutError, aiohttp.ClientError) as error:
-            raise LeaderUnavailable(str(error) or type(error).__name__) from None
-        try:
-            if response.status != 200:
-                raise LeaderUnavailable(f"HTTP {response.status}")
-            try:
-                line = await asyncio.wait_for(response.content.readline(), grant_timeout)
-            except (TimeoutError, aiohttp.ClientError) as error:
-                raise LeaderUnavailable(str(error) or type(error).__name__) from None
-            word, _, replica = line.decode(errors="replace").strip().partition(" ")
-            if word != GRANTED or replica not in replicas:
-                raise LeaderUnavailable(f"unexpected answer {line[:120]!r}")
             yield replica
         finally:
             response.close()  # closing the connection releases the slot on the leader
+            held[replica] -= 1
+            if held[replica] <= 0:
+                del held[replica]
+            if not held:
+                self.held.pop(leader, None)
+
+    async def _ask_leader(
+        self, leader: str, replicas: Sequence[str]
+    ) -> tuple[aiohttp.ClientResponse, str]:
+        """Wait for the leader's grant (the leader answers only then); the open response is
+        the slot."""
+        # The leader ages a queued request after max_wait_seconds: a grant later than twice
+        # that means the leader is stuck (or gone without a reset), and this replica admits on
+        # its own.
+        grant_timeout = 2 * self.admission.settings.max_wait_seconds + 1
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(grant_timeout):
+                response = await self.client().post(
+                    f"{leader}/admission/hold",
+                    json={"replicas": list(replicas)},
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, sock_connect=self.timeout.total, sock_read=None
+                    ),
+                )
+                if response.status != 200:
+                    raise LeaderUnavailable(f"HTTP {response.status}: {await response.text()}")
+                line = await response.content.readline()
+            word, _, replica = line.decode(errors="replace").strip().partition(" ")
+            if word != GRANTED or replica not in replicas:
+                raise LeaderUnavailable(f"unexpected answer {line[:120]!r}")
+            return response, replica
+        except BaseException as error:
+            if response is not None:
+                response.close()
+            if isinstance(error, TimeoutError | aiohttp.ClientError):
+                raise LeaderUnavailable(str(error) or type(error).__name__) from None
+            raise
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """One peer's answer to `GET /admission`."""
+
+    replicas: dict[str, int]
+    held_at: dict[str, dict[str, int]]
+    queued: int
+
+    @classmethod
+    def parse(cls, body: Mapping[str, object]) -> PeerState:
+        replicas = body.get("replicas") or {}
+        held_at = body.get("heldAt") or {}
+        if not isinstance(replicas, Mapping) or not isinstance(held_at, Mapping):
+            raise ValueError("replicas and heldAt must be objects")
+        return cls(
+            {str(k): int(v) for k, v in replicas.items()},
+            {str(leader): {str(k): int(v) for k, v in held.items()}
+             for leader, held in held_at.items()},
+            int(str(body.get("queued", 0))),
+        )  # fmt: skip

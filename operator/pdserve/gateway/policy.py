@@ -13,9 +13,11 @@ and decides with it:
   local, on the least loaded engine of both pools (the prefill pool cannot serve P/D usefully);
   the handoff is learnt per prefill replica (its decode partners sit in its slice, so one
   replica's path can be slow while another's is fast): P/D then goes only through the replicas
-  whose path fits, and local only when none does;
-- a predicted P/D TTFT (the prefill queue ahead + this prefill + the handoff) over the budget
-  while local prefill would fit it: local on decode (congestion: keep the prefill pool for P/D);
+  whose path fits, and local only when none does; a replica's own estimate expires after the
+  failure window without news, so an excluded replica is tried again on what all handoffs say;
+- a predicted P/D TTFT (the prefill queue ahead of a replica + this prefill + its handoff) over
+  the budget on every replica while local prefill would fit it: local on decode (congestion:
+  keep the prefill pool for P/D); otherwise P/D through the replicas predicted to fit;
 - otherwise disaggregated.
 Pure logic with an injected clock: every rule is tested deterministically."""
 
@@ -23,8 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class QueueState:
     """Requests running or waiting on the least busy decode replica."""
     prefill_ahead: float | None = None
     """Requests running or waiting on the least busy prefill replica."""
+    prefill_ahead_by: Mapping[str, float] = field(default_factory=dict)
+    """The same per prefill replica URL."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,9 @@ class HandoffHealth:
         self.settings = settings
         self.clock = clock
         self.seconds_per_token: float | None = None
-        self.by_prefill: dict[str, float] = {}
-        """The same EWMA per prefill replica (the path from its slice)."""
+        self.by_prefill: dict[str, tuple[float, float]] = {}
+        """The same EWMA per prefill replica (the path from its slice), with when it was last
+        observed."""
         self.prefill_seconds_per_token: float | None = None
         self.failures: deque[float] = deque()
         self.degraded = False
@@ -103,7 +108,9 @@ class HandoffHealth:
         per_token = handoff_seconds / max(1, prompt_tokens)
         self.seconds_per_token = self._ewma(self.seconds_per_token, per_token)
         if prefill is not None:
-            self.by_prefill[prefill] = self._ewma(self.by_prefill.get(prefill), per_token)
+            before = self.by_prefill.get(prefill)
+            estimate = self._ewma(None if before is None else before[0], per_token)
+            self.by_prefill[prefill] = (estimate, self.clock())
         if ttft_budget is not None and handoff_seconds > ttft_budget:
             self.failure()  # a handoff slower than the whole TTFT budget is a failure for SLOs
             return
@@ -128,9 +135,19 @@ class HandoffHealth:
             self.degraded = True
             self.successes_while_degraded = 0
 
+    def replica_estimate(self, prefill: str) -> float | None:
+        """Seconds per token through this prefill replica, unless too old to trust (a replica
+        excluded for a slow path gets no traffic to update it: it is retried instead)."""
+        known = self.by_prefill.get(prefill)
+        if known is None or self.clock() - known[1] > self.settings.failure_window_seconds:
+            return None
+        return known[0]
+
     def predicted_handoff(self, prompt_tokens: int, prefill: str | None = None) -> float | None:
-        """Through `prefill` when it has been seen, else what all handoffs said."""
-        per_token = self.by_prefill.get(prefill or "", self.seconds_per_token)
+        """Through `prefill` when it has been seen lately, else what all handoffs said."""
+        per_token = None if prefill is None else self.replica_estimate(prefill)
+        if per_token is None:
+            per_token = self.seconds_per_token
         return None if per_token is None else per_token * prompt_tokens
 
     def forget(self, prefill_replicas: Sequence[str]) -> None:
@@ -176,19 +193,26 @@ class AutoPolicy:
             # Every replica's path is too slow: say why for the one that is least so.
             best = min(candidates, key=lambda r: health.predicted_handoff(tokens, r) or 0.0)
             return Decision(False, slow[best] or "", anywhere=True)
-        handoff = min(
-            (h for r in usable if (h := health.predicted_handoff(tokens, r)) is not None),
-            default=None,
-        )
         speed = health.prefill_seconds_per_token
         if ttft_budget is not None and speed is not None:
             this_prefill = speed * tokens
             target = self.settings.pd_ttft_share * ttft_budget
-            # Requests ahead are assumed about as long as this one: a coarse but monotone guess.
-            ahead = queues.prefill_ahead or 0.0
-            if (ahead + 1) * this_prefill + (handoff or 0.0) > target >= this_prefill:
-                # Congestion, not the path: spill to decode, not onto the busy prefill pool.
-                return Decision(False, "prefill_queue_over_ttft_budget")
+            if this_prefill <= target:
+                # Local prefill would fit: P/D must be predicted to fit too, through a replica
+                # whose queue (requests ahead assumed about as long as this one: a coarse but
+                # monotone guess) leaves room.
+                def predicted_ttft(replica: str | None) -> float:
+                    ahead = queues.prefill_ahead or 0.0
+                    if replica is not None:
+                        ahead = queues.prefill_ahead_by.get(replica, ahead)
+                    handoff = health.predicted_handoff(tokens, replica) or 0.0
+                    return (ahead + 1) * this_prefill + handoff
+
+                fitting = [r for r in usable if predicted_ttft(r) <= target]
+                if not fitting:
+                    # Congestion, not the path: spill to decode, not onto the busy prefill pool.
+                    return Decision(False, "prefill_queue_over_ttft_budget")
+                usable = fitting
         only = tuple(r for r in usable if r is not None) if len(usable) < len(candidates) else ()
         return Decision(True, "long_prompt", prefill=only)
 

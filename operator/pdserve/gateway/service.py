@@ -121,7 +121,10 @@ class Gateway:
         self.policy = AutoPolicy(settings.policy if settings else None)
         self.prefixes = PrefixIndex()
         self.admission = PrefillAdmission(self.settings.fair_queue)
-        self.peers = PeerAdmission(self.admission, lambda: self.client)
+        keys = self.settings.api_keys
+        self.peers = PeerAdmission(
+            self.admission, lambda: self.client, api_key=keys[0] if keys else None
+        )
         if config.endpoints is not None:
             own = config.endpoints.self_url
             self.peers.set_peers(
@@ -244,6 +247,7 @@ class Gateway:
                 "longInFlight": admission.long_in_flight,
                 "queued": len(admission.queue),
                 "replicas": dict(admission.in_flight),
+                "heldAt": self.peers.holdings(),
             }
         )
 
@@ -252,6 +256,15 @@ class Gateway:
         peers.py); `granted <replica>` answers when one of the prefill replicas it named has
         room, and the slot is held until the peer closes the connection (aiohttp then cancels
         this handler, which releases it)."""
+        try:
+            self.authorize(request)  # a slot held here blocks every replica's documents
+        except GatewayError as error:
+            return error_response(error)
+        if (leader := self.peers.leader()) is not None:
+            # Two replicas running queues at once would break the limit: the asking replica
+            # admits on its own (counting this one's holdings) until their views agree.
+            message = f"this replica is not the admission leader: {leader} is"
+            return error_response(GatewayError(409, message, kind="ConflictError"))
         try:
             body = await request.json()
             replicas = body.get("replicas") if isinstance(body, dict) else None
@@ -264,8 +277,11 @@ class Gateway:
             return error_response(GatewayError(400, message, param="replicas"))
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
         async with self.admission.admit(LONG, replicas) as replica:
-            await response.prepare(request)
-            await response.write(f"{GRANTED} {replica}\n".encode())
+            try:
+                await response.prepare(request)
+                await response.write(f"{GRANTED} {replica}\n".encode())
+            except ConnectionResetError:
+                return response  # the peer left as it was granted: the slot goes back
             # Bounded like the peer's prefill call: a holder that vanished without closing its
             # connection cannot keep the slot for longer.
             with suppress(TimeoutError):
@@ -382,13 +398,12 @@ class Gateway:
 
         pools = selection.pools
         prefill = pools.get("prefill", [])
-        ahead = min(map(active, prefill), default=None)
-        if ahead is not None:
-            queued = len(self.admission.queue) + self.peers.queued()
-            ahead += queued / max(1, len(prefill))
+        queued = (len(self.admission.queue) + self.peers.queued()) / max(1, len(prefill))
+        ahead_by = {e.url: active(e) + queued for e in prefill}
         return QueueState(
             decode_active=min(map(active, pools.get("decode", [])), default=None),
-            prefill_ahead=ahead,
+            prefill_ahead=min(ahead_by.values(), default=None),
+            prefill_ahead_by=ahead_by,
         )
 
     def auto_decision(
@@ -417,7 +432,9 @@ class Gateway:
                 "mode": self.config.routing.mode,
                 "pdDegraded": health.degraded,
                 "handoffSecondsPerToken": health.seconds_per_token,
-                "handoffSecondsPerTokenByPrefill": health.by_prefill,
+                "handoffSecondsPerTokenByPrefill": {
+                    url: estimate for url, (estimate, _) in health.by_prefill.items()
+                },
                 "recentFailures": len(health.failures),
                 "admission": {
                     "leader": self.peers.leader() or "self",
@@ -748,22 +765,10 @@ class Context:
         )
         pool = self.selection.pools["prefill"]
         affinity = self.affinity("prefill", token_ids)
-        # A long prompt is granted one replica with room (its best choice that has any).
-        ranked = [e.url for e in Endpoints.rank(pool, affinity)] if request_class == LONG else []
         try:
-            async with gw.peers.slot(request_class, ranked) as granted:
-                begun = time.monotonic()
-                endpoint, answer = await gw.post_json(
-                    "prefill",
-                    pool if granted is None else [e for e in pool if e.url == granted],
-                    path,
-                    body,
-                    self.headers,
-                    self.settings.prefill_timeout,
-                    affinity=affinity,
-                    prefill_tokens=prompt_tokens,
-                )
-                gw.policy.health.observe_prefill(time.monotonic() - begun, prompt_tokens)
+            endpoint, answer = await self.call_prefill(
+                path, body, pool, affinity, request_class, prompt_tokens
+            )
             self.remember("prefill", endpoint, token_ids)
         except UpstreamFailed as error:
             log.warning(
@@ -791,6 +796,43 @@ class Context:
         self.prefill_done_at = time.monotonic()
         self.prefilled_on = endpoint
         return endpoint, params
+
+    async def call_prefill(
+        self,
+        path: str,
+        body: dict[str, Any],
+        pool: list[Endpoint],
+        affinity: Mapping[str, int],
+        request_class: str,
+        prompt_tokens: int,
+    ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
+        """POST to a prefill replica. A long prompt holds a slot on the best replica with room
+        (affinity and load rank them); if that replica fails, the slot goes back and the next
+        one with room is tried. UpstreamFailed when none could."""
+        gw = self.gw
+        # Short prompts need no slot: post_json itself moves on to the next replica.
+        ranked = [e.url for e in Endpoints.rank(pool, affinity)] if request_class == LONG else []
+        while True:
+            granted: str | None = None
+            try:
+                async with gw.peers.slot(request_class, ranked) as granted:
+                    begun = time.monotonic()
+                    answer = await gw.post_json(
+                        "prefill",
+                        pool if granted is None else [e for e in pool if e.url == granted],
+                        path,
+                        body,
+                        self.headers,
+                        self.settings.prefill_timeout,
+                        affinity=affinity,
+                        prefill_tokens=prompt_tokens,
+                    )
+                    gw.policy.health.observe_prefill(time.monotonic() - begun, prompt_tokens)
+                    return answer
+            except UpstreamFailed:
+                ranked = [url for url in ranked if url != granted]
+                if granted is None or not ranked:
+                    raise  # no other replica to try: the caller prefills on decode
 
     # ---- route 1 and 3: render + tokens engines --------------------------------------------
     async def tokens_route(self) -> web.StreamResponse:
