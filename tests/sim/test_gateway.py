@@ -703,6 +703,29 @@ async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_sam
     assert 'pdserve_gateway_fallbacks_total{reason="transport_unverified"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("engine_api", ["tokens", "openai"])
+async def test_streams_teach_auto_the_decode_step_time_and_answer_length(
+    stack: Stack, engine_api: str
+) -> None:
+    """What Auto's ITL rule reads: each decode engine's recent time between tokens, and how
+    long answers run, from the streams the gateway relays (both engine APIs)."""
+    prefill = await stack.engine("prefill", engine("prefill", api=engine_api))
+    decode_url = await stack.engine("decode", engine("decode", api=engine_api))
+    endpoints: dict[str, Any] = {"prefill": [ep(prefill)], "decode": [ep(decode_url)]}
+    if engine_api == "tokens":
+        endpoints["render"] = [ep(await stack.render())]
+    config = routing(engine_api, render=engine_api == "tokens", endpoints=endpoints)
+    client = await stack.gateway(config, step_window_seconds=0.001)
+    events = await sse_events(client, {**PLAIN, "max_tokens": 20})
+    assert events[-1] == "[DONE]"
+    gateway = stack.gateway_server
+    [decode] = gateway.endpoints.pools["decode"]
+    assert decode.steps.seconds is not None
+    assert 0 < decode.steps.seconds < 1
+    assert gateway.policy.output_tokens is not None
+    assert 10 <= gateway.policy.output_tokens <= 21
+
+
 async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one(
     stack: Stack,
 ) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.gateway.policy import AutoPolicy, PolicySettings, QueueState
 
 
@@ -198,3 +200,45 @@ def test_congestion_is_judged_on_the_replicas_p_d_may_use() -> None:
     pd = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0, queues=mixed,
                      prefill_replicas=["http://fast", "http://other"])  # fmt: skip
     assert (pd.disaggregated, pd.prefill) == (True, ("http://other",))
+
+
+def test_a_spill_that_would_push_decodes_streams_over_the_itl_slo_stays_p_d() -> None:
+    """Local prefill on a busy decode replica stalls every stream there: 0.65 s spread over a
+    256-token answer adds ~2.5 ms per token. Spill only while that keeps the replica's recent
+    step time within 90% of the ITL SLO; otherwise one late first token beats many late
+    streams."""
+    from dataclasses import replace
+
+    auto, _ = policy()
+    auto.health.observe_prefill(0.65, 8000)
+    auto.health.observe(0.02, 8000, ttft_budget=2.0)
+    auto.observe_output(256)
+    calm = QueueState(decode_active=8, prefill_ahead=3, decode_step_seconds=0.024)
+
+    def decide(queues: QueueState, itl: float | None = 0.030) -> tuple[bool, str]:
+        d = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0,
+                        queues=queues, itl_budget=itl)  # fmt: skip
+        return d.disaggregated, d.reason
+
+    assert decide(calm) == (False, "prefill_queue_over_ttft_budget")  # 26.5 ms <= 27 ms
+    strained = replace(calm, decode_step_seconds=0.026)  # 28.5 ms > 27 ms
+    assert decide(strained) == (True, "local_would_break_itl")
+    assert decide(strained, itl=None) == (False, "prefill_queue_over_ttft_budget")
+    assert decide(replace(strained, decode_step_seconds=None)) == (
+        False, "prefill_queue_over_ttft_budget",
+    )  # fmt: skip  # nothing measured yet: TTFT decides
+
+
+def test_step_meter_averages_gaps_per_window_and_starts_anew_after_quiet() -> None:
+    from pdserve.gateway.endpoints import StepMeter
+
+    meter = StepMeter()
+    for i in range(10):
+        meter.observe(0.02, now=i * 0.1, window=0.5)
+    assert meter.seconds == pytest.approx(0.02)
+    for i in range(10):
+        meter.observe(0.06, now=1.0 + i * 0.1, window=0.5)
+    assert 0.02 < (meter.seconds or 0) < 0.06  # smoothed across windows
+    before = meter.seconds
+    meter.observe(0.5, now=100.0, window=0.5)  # after a quiet spell a window starts anew:
+    assert meter.seconds == before  # the gap across the pause is one sample of a new window

@@ -125,8 +125,11 @@ class Deployment:
         config = {
             "model": MODEL,
             "engineApi": "tokens" if self.render else "openai",
-            # The gateway's clock is real: its TTFT budget is scaled like the engines' time.
-            "routing": {"mode": self.mode, "slo": {"ttftMs": round(2000 * time_scale)}},
+            # The gateway's clock is real: its budgets are scaled like the engines' time.
+            "routing": {
+                "mode": self.mode,
+                "slo": {"ttftMs": 2000 * time_scale, "itlMs": 30 * time_scale},
+            },
             "pools": {
                 "render": pool if self.render else None,
                 "prefill": pool if self.prefill else None,

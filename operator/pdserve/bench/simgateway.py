@@ -41,6 +41,7 @@ def scaled_settings(time_scale: float, *, fair_queue: bool) -> GatewaySettings:
         ),
         # Scaled too, but no faster than 10 scrapes a second: the engines share the host's CPU.
         load_scrape_seconds=max(0.1, (defaults.load_scrape_seconds or 0.5) * time_scale),
+        step_window_seconds=defaults.step_window_seconds * time_scale,
     )
 
 

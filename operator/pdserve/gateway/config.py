@@ -34,8 +34,9 @@ class Pools(_Model):
 
 
 class Slo(_Model):
-    ttft_ms: int | None = None
-    itl_ms: int | None = None
+    # Milliseconds; fractions allowed (a time-scaled benchmark's budgets are).
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
 
 
 class Routing(_Model):

@@ -17,6 +17,30 @@ PREFILL_TOKENS_PER_LOAD_UNIT = 4096
 
 
 @dataclass
+class StepMeter:
+    """How long an engine's streams wait between tokens lately: the mean gap between streamed
+    events (one per engine step and stream), prefill stalls included, over windows of
+    `window` seconds smoothed across windows. What a stream's TPOT would be if it ran now."""
+
+    seconds: float | None = None
+    _sum: float = 0.0
+    _count: int = 0
+    _started: float | None = None
+
+    def observe(self, gap: float, now: float, window: float, alpha: float = 0.5) -> None:
+        if self._started is None or now - self._started > 2 * window:
+            self._started, self._sum, self._count = now, 0.0, 0  # after a quiet spell: anew
+        self._sum += gap
+        self._count += 1
+        if now - self._started >= window:
+            mean = self._sum / self._count
+            self.seconds = (
+                mean if self.seconds is None else alpha * mean + (1 - alpha) * self.seconds
+            )
+            self._started, self._sum, self._count = now, 0.0, 0
+
+
+@dataclass
 class Endpoint:
     url: str
     parity_hash: str | None = None
@@ -36,6 +60,7 @@ class Endpoint:
     # an engine ~30x longer than a short chat).
     prefill_backlog: int = 0
     name: str | None = None  # the pod's name (discovery) or a static endpoint's name
+    steps: StepMeter = field(default_factory=StepMeter)
 
     @property
     def label(self) -> str:

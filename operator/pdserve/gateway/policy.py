@@ -17,7 +17,10 @@ and decides with it:
   failure window without news, so an excluded replica is tried again on what all handoffs say;
 - a predicted P/D TTFT (the prefill queue ahead of a replica + this prefill + its handoff) over
   the budget on every replica while local prefill would fit it: local on decode (congestion:
-  keep the prefill pool for P/D); otherwise P/D through the replicas predicted to fit;
+  keep the prefill pool for P/D), unless that prefill would push the decode replica's streams
+  over the ITL SLO (its recent step time + this prefill spread over a typical answer's tokens
+  over 90% of the budget): then P/D anyway, since one late first token costs less than every
+  stream on decode missing its TPOT; otherwise P/D through the replicas predicted to fit;
 - otherwise disaggregated.
 Pure logic with an injected clock: every rule is tested deterministically."""
 
@@ -50,6 +53,9 @@ class PolicySettings:
     pd_ttft_share: float = 0.9
     """P/D must be predicted to take at most this share of the TTFT budget (predictions are
     averages; a TTFT right at the budget misses it half the time)."""
+    itl_share: float = 0.9
+    """A local prefill must keep the decode replica's predicted step time within this share of
+    the ITL budget."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class QueueState:
     """Requests running or waiting on the least busy prefill replica."""
     prefill_ahead_by: Mapping[str, float] = field(default_factory=dict)
     """The same per prefill replica URL."""
+    decode_step_seconds: float | None = None
+    """The recent time between tokens on the least busy decode replica's streams."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class Decision:
     whole on a prefill replica too, so the prefill pool keeps serving."""
     prefill: tuple[str, ...] = ()
     """P/D only through these prefill replicas (the others' KV path is too slow); empty: any."""
+
+
+def ewma(before: float | None, sample: float, alpha: float) -> float:
+    return sample if before is None else alpha * sample + (1 - alpha) * before
 
 
 class HandoffHealth:
@@ -94,8 +106,7 @@ class HandoffHealth:
         self.eligible_while_degraded = 0
 
     def _ewma(self, before: float | None, sample: float) -> float:
-        alpha = self.settings.ewma_alpha
-        return sample if before is None else alpha * sample + (1 - alpha) * before
+        return ewma(before, sample, self.settings.ewma_alpha)
 
     def observe(
         self,
@@ -162,6 +173,23 @@ class AutoPolicy:
     ) -> None:
         self.settings = settings or PolicySettings()
         self.health = HandoffHealth(self.settings, clock)
+        self.output_tokens: float | None = None
+        """EWMA of streamed answers' lengths: how many tokens a local prefill's stall is
+        spread over for the streams it delays."""
+
+    def observe_output(self, tokens: int) -> None:
+        if tokens > 0:
+            self.output_tokens = ewma(self.output_tokens, float(tokens), self.settings.ewma_alpha)
+
+    def local_breaks_itl(
+        self, this_prefill: float, queues: QueueState, itl_budget: float | None
+    ) -> bool:
+        """Would prefilling this prompt on the least busy decode replica push its streams'
+        time between tokens over the ITL budget?"""
+        step, answer = queues.decode_step_seconds, self.output_tokens
+        if itl_budget is None or not queues.decode_active or step is None or answer is None:
+            return False
+        return step + this_prefill / max(1.0, answer) > self.settings.itl_share * itl_budget
 
     def decide(
         self,
@@ -171,6 +199,7 @@ class AutoPolicy:
         ttft_budget: float | None,
         queues: QueueState | None = None,
         prefill_replicas: Sequence[str] = (),
+        itl_budget: float | None = None,
     ) -> Decision:
         if not prefill_available:
             return Decision(False, "no_prefill")
@@ -187,6 +216,13 @@ class AutoPolicy:
             return Decision(False, "decode_idle")
         tokens = prompt_tokens or 0
         candidates: list[str | None] = [*prefill_replicas] or [None]
+
+        def only(usable: list[str | None]) -> tuple[str, ...]:
+            """The replicas P/D is restricted to: none (any) when all are usable."""
+            if len(usable) == len(candidates):
+                return ()
+            return tuple(r for r in usable if r is not None)
+
         slow = {r: self._slow_path(tokens, ttft_budget, r) for r in candidates}
         usable = [r for r in candidates if slow[r] is None]
         if not usable:
@@ -209,12 +245,13 @@ class AutoPolicy:
                     return (ahead + 1) * this_prefill + handoff
 
                 fitting = [r for r in usable if predicted_ttft(r) <= target]
+                if not fitting and self.local_breaks_itl(this_prefill, queues, itl_budget):
+                    return Decision(True, "local_would_break_itl", prefill=only(usable))
                 if not fitting:
                     # Congestion, not the path: spill to decode, not onto the busy prefill pool.
                     return Decision(False, "prefill_queue_over_ttft_budget")
                 usable = fitting
-        only = tuple(r for r in usable if r is not None) if len(usable) < len(candidates) else ()
-        return Decision(True, "long_prompt", prefill=only)
+        return Decision(True, "long_prompt", prefill=only(usable))
 
     def _slow_path(self, tokens: int, ttft_budget: float | None, prefill: str | None) -> str | None:
         """Why P/D through this prefill replica would miss the TTFT budget on its KV path

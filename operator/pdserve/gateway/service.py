@@ -65,6 +65,8 @@ class GatewaySettings:
     fair_queue: FairQueueSettings = dataclasses.field(default_factory=FairQueueSettings)
     # Engines' own queue and KV metrics feed endpoint picking; None: in-flight counts only.
     load_scrape_seconds: float | None = 0.5
+    # Engines' recent time between tokens is averaged over windows this long (Auto's ITL rule).
+    step_window_seconds: float = 2.0
     request_log: Path | None = None  # JSON Lines, one entry per finished request
 
 
@@ -388,6 +390,14 @@ class Gateway:
         ttft_ms = self.config.routing.slo.ttft_ms
         return None if ttft_ms is None else ttft_ms / 1000
 
+    def itl_budget(self) -> float | None:
+        itl_ms = self.config.routing.slo.itl_ms
+        return None if itl_ms is None else itl_ms / 1000
+
+    def note_step(self, endpoint: Endpoint, gap: float, now: float) -> None:
+        """A stream's time between two tokens from this engine."""
+        endpoint.steps.observe(gap, now, self.settings.step_window_seconds)
+
     def queue_state(self, selection: Selection) -> QueueState:
         """The least busy replica of each engine pool: queued plus running requests (the
         gateway's own in-flight count when it is ahead of the last scrape), and for prefill the
@@ -400,8 +410,10 @@ class Gateway:
         prefill = pools.get("prefill", [])
         queued = (len(self.admission.queue) + self.peers.queued()) / max(1, len(prefill))
         ahead_by = {e.url: active(e) + queued for e in prefill}
+        calmest = min(pools.get("decode", []), key=active, default=None)
         return QueueState(
-            decode_active=min(map(active, pools.get("decode", [])), default=None),
+            decode_active=None if calmest is None else active(calmest),
+            decode_step_seconds=None if calmest is None else calmest.steps.seconds,
             prefill_ahead=min(ahead_by.values(), default=None),
             prefill_ahead_by=ahead_by,
         )
@@ -419,6 +431,7 @@ class Gateway:
             ttft_budget=self.ttft_budget(),
             queues=self.queue_state(selection),
             prefill_replicas=[e.url for e in prefill],
+            itl_budget=self.itl_budget(),
         )
         if decision.disaggregated and decision.prefill:
             selection.pools["prefill"] = [e for e in prefill if e.url in decision.prefill]
@@ -1063,6 +1076,7 @@ class Context:
             broke = ""
             opened = time.monotonic()
             first_event = True
+            last_event: float | None = None
             try:
                 try:
                     async for raw in upstream.content:
@@ -1077,9 +1091,13 @@ class Context:
                         if "error" in event:
                             broke = f"decode reported: {event['error']}"
                             break
+                        if event.get("choices"):
+                            now = time.monotonic()
+                            if last_event is not None:
+                                gw.note_step(decode, now - last_event, now)
+                            last_event = now
                         if first_event and event.get("choices"):
                             first_event = False
-                            now = time.monotonic()
                             gw.metrics.stage.labels("decode_first_token").observe(now - opened)
                             self.note_handoff(now, len(generate["token_ids"]))
                         if event.get("usage") is not None:
@@ -1102,6 +1120,8 @@ class Context:
                     return_exceptions=True,
                 )
                 failed = [r for r in results if isinstance(r, BaseException)]
+                if finished:
+                    gw.policy.observe_output(self.output_tokens or 0)
                 if failed:
                     await writer.error(502, f"derender failed: {failed[0]}")
                 elif not finished:
@@ -1198,6 +1218,8 @@ class Context:
             writer = ClientWriter(response, self)
             done = False
             broke = ""
+            events = 0
+            last_event: float | None = None
             try:
                 try:
                     async for raw in upstream.content:
@@ -1206,9 +1228,15 @@ class Context:
                             continue
                         if line == "data: [DONE]":
                             done = True
+                            gw.policy.observe_output(events)
                             break
+                        now = time.monotonic()
+                        if last_event is not None:
+                            gw.note_step(endpoint, now - last_event, now)
+                        last_event = now
+                        events += 1
                         if "kv_transfer_params" in body:
-                            self.note_handoff(time.monotonic(), self.estimated_prompt_tokens())
+                            self.note_handoff(now, self.estimated_prompt_tokens())
                         prefilled()
                         writer.note_token()
                         await response.write(f"{line}\n\n".encode())
