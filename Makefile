@@ -58,8 +58,8 @@ measure-ready: install cluster-build ## time from DisaggregatedModel creation to
 sim-experiment: install ## the seed article's DP=2 vs 1P1D experiment on simulated engines (~3 min)
 	$(VENV)/bin/pdserve sim experiment article
 
-bench: install ## pdserve bench scenarios on simulated engines -> docs/benchmarks.md (~30 min)
-	$(VENV)/bin/pdserve bench scenario all --docs docs/benchmarks.md
+bench: install ## pdserve bench scenarios on simulated engines -> docs/benchmarks.md (~80 min)
+	$(VENV)/bin/pdserve bench scenario all --seeds 3 --docs docs/benchmarks.md
 
 VERSION = $(shell $(PY) -c 'import pdserve; print(pdserve.__version__)' 2>/dev/null)
 

@@ -242,3 +242,12 @@ def test_without_matplotlib_charts_are_skipped_with_the_reason(
     assert reason is not None
     assert "pip install 'pdserve[bench]'" in reason
     assert not (tmp_path / "c.png").exists()
+
+
+def test_a_sections_reproduce_command_names_seeds_only_where_they_apply() -> None:
+    from pdserve.bench.scenarios import section_flags
+
+    flags = ["--seeds", "3", "--docs", "docs/benchmarks.md"]
+    assert section_flags(flags, "routing") == flags
+    assert section_flags(flags, "article") == ["--docs", "docs/benchmarks.md"]
+    assert section_flags(["--seeds=2", "--rates", "1"], "chunked") == ["--rates", "1"]

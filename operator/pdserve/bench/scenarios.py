@@ -854,11 +854,31 @@ def parser() -> argparse.ArgumentParser:
         "--seeds",
         type=int,
         default=1,
-        help="routing: measure every point with seeds 0..N-1 and report over them (default 1)",
+        help="routing: measure every point with seeds 0..N-1 and report over them (default 1; "
+        "the other scenarios use seed 0)",
     )
     parser.add_argument("--fresh", action="store_true", help="measure again, reuse nothing")
     parser.add_argument("--no-progress", dest="progress", action="store_false")  # fmt: skip
     return parser
+
+
+SEEDED = ("routing",)
+
+
+def section_flags(flags: Sequence[str], name: str) -> list[str]:
+    """The flags that shaped this section's numbers (--seeds only shapes the routing one)."""
+    if name in SEEDED:
+        return list(flags)
+    out: list[str] = []
+    skip = False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == "--seeds":
+            skip = True
+        elif not flag.startswith("--seeds="):
+            out.append(flag)
+    return out
 
 
 def main(argv: Sequence[str]) -> int:
@@ -898,7 +918,7 @@ def main(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
             return 130
-        command = " ".join(["pdserve bench scenario", name, *flags])
+        command = " ".join(["pdserve bench scenario", name, *section_flags(flags, name)])
         write_section(options.docs, render_section(section, command, options), name)
         print(
             f"{name}: {options.measured} points measured, {options.reused} reused, "
