@@ -242,3 +242,20 @@ def test_step_meter_averages_gaps_per_window_and_starts_anew_after_quiet() -> No
     before = meter.seconds
     meter.observe(0.5, now=100.0, window=0.5)  # after a quiet spell a window starts anew:
     assert meter.seconds == before  # the gap across the pause is one sample of a new window
+
+
+def test_a_chat_behind_a_long_document_spills_even_with_one_request_ahead() -> None:
+    """One request ahead on the prefill replica, but it is a 30k-token document: counted as a
+    request like this 600-token chat it looks harmless; its prompt tokens say ~2.4 s."""
+    auto, _ = policy(short_prompt_tokens=512)
+    auto.health.observe_prefill(0.65, 8000)  # ~81 us per token
+    auto.health.observe(0.02, 8000, ttft_budget=2.0, prefill="http://p0")
+    queues = QueueState(decode_active=3, prefill_ahead=1, prefill_ahead_by={"http://p0": 1},
+                        prefill_backlog_by={"http://p0": 30000})  # fmt: skip
+    chat = auto.decide(prompt_tokens=600, prefill_available=True, ttft_budget=2.0,
+                       queues=queues, prefill_replicas=["http://p0"])  # fmt: skip
+    assert (chat.disaggregated, chat.reason) == (False, "prefill_queue_over_ttft_budget")
+    light = QueueState(decode_active=3, prefill_ahead=1, prefill_ahead_by={"http://p0": 1},
+                       prefill_backlog_by={"http://p0": 600})  # fmt: skip
+    assert auto.decide(prompt_tokens=600, prefill_available=True, ttft_budget=2.0,
+                       queues=light, prefill_replicas=["http://p0"]).disaggregated  # fmt: skip

@@ -15,7 +15,8 @@ and decides with it:
   replica's path can be slow while another's is fast): P/D then goes only through the replicas
   whose path fits, and local only when none does; a replica's own estimate expires after the
   failure window without news, so an excluded replica is tried again on what all handoffs say;
-- a predicted P/D TTFT (the prefill queue ahead of a replica + this prefill + its handoff) over
+- a predicted P/D TTFT (the prefill queue ahead of a replica, in requests and in prompt tokens
+  still to prefill, + this prefill + its handoff) over
   the budget on every replica while local prefill would fit it: local on decode (congestion:
   keep the prefill pool for P/D), unless that prefill would push the decode replica's streams
   over the ITL SLO (its recent step time + this prefill spread over a typical answer's tokens
@@ -70,6 +71,9 @@ class QueueState:
     """The same per prefill replica URL."""
     decode_step_seconds: float | None = None
     """The recent time between tokens on the least busy decode replica's streams."""
+    prefill_backlog_by: Mapping[str, float] = field(default_factory=dict)
+    """Prompt tokens sent to each prefill replica and not prefilled yet (what a request count
+    hides: a chat behind one 30k-token document waits as long as behind 30 chats)."""
 
 
 @dataclass(frozen=True)
@@ -235,14 +239,18 @@ class AutoPolicy:
             target = self.settings.pd_ttft_share * ttft_budget
             if this_prefill <= target:
                 # Local prefill would fit: P/D must be predicted to fit too, through a replica
-                # whose queue (requests ahead assumed about as long as this one: a coarse but
-                # monotone guess) leaves room.
+                # whose queue leaves room. The wait ahead is the larger of two guesses: the
+                # requests ahead taken as long as this one, and the prompt tokens known to be
+                # waiting there at the measured speed.
                 def predicted_ttft(replica: str | None) -> float:
                     ahead = queues.prefill_ahead or 0.0
+                    backlog = 0.0
                     if replica is not None:
                         ahead = queues.prefill_ahead_by.get(replica, ahead)
+                        backlog = queues.prefill_backlog_by.get(replica, 0.0)
+                    wait = max(ahead * this_prefill, backlog * speed)
                     handoff = health.predicted_handoff(tokens, replica) or 0.0
-                    return (ahead + 1) * this_prefill + handoff
+                    return wait + this_prefill + handoff
 
                 fitting = [r for r in usable if predicted_ttft(r) <= target]
                 if not fitting and self.local_breaks_itl(this_prefill, queues, itl_budget):

@@ -416,6 +416,7 @@ class Gateway:
             decode_step_seconds=None if calmest is None else calmest.steps.seconds,
             prefill_ahead=min(ahead_by.values(), default=None),
             prefill_ahead_by=ahead_by,
+            prefill_backlog_by={e.url: float(e.prefill_backlog) for e in prefill},
         )
 
     def auto_decision(
