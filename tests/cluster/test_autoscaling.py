@@ -252,9 +252,16 @@ async def test_builtin_loop_scales_render_and_whole_slices_from_simulator_metric
                 return counts == [1, 1] and await replicas(deployments, "qwen-render") == 3
 
             await eventually("render 1 -> 3 and slices 1 -> 2", scaled, timeout=90)
-            scaled_up = [e for e in events_for(http_api, namespace, "qwen")
-                         if e["reason"] == "ScaledUp"]  # fmt: skip
-            messages = " | ".join(e["message"] for e in scaled_up)
+
+            def scaled_up() -> str:
+                return " | ".join(e["message"] for e in events_for(http_api, namespace, "qwen")
+                                  if e["reason"] == "ScaledUp")  # fmt: skip
+
+            async def explained() -> bool:  # each Event is posted after its replicas change
+                return "-> 3: parser busy" in scaled_up()
+
+            await eventually("a ScaledUp event for render -> 3", explained, timeout=30)
+            messages = scaled_up()
             assert "render replicas 1 -> " in messages  # in one step or two
             assert "-> 3: parser busy" in messages
             assert "slices 1 -> 2: prefill:" in messages
