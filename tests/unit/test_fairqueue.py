@@ -143,12 +143,14 @@ def test_slots_held_through_a_leader_that_is_gone_still_count() -> None:
     peers = PeerAdmission(admission(), lambda: None)  # type: ignore[arg-type,return-value]
     peers.set_peers([leader, follower], "http://10.0.0.2:8000")
     peers.live = {leader, follower}
-    peers.counts = {leader: {"p0": 2}, follower: {}}  # the leader's own count covers both holds
-    peers.held_at = {follower: {leader: {"p0": 1}}}
+    peers.states = {  # the leader's own count covers both holds
+        leader: PeerState({"p0": 2}, {}, 0),
+        follower: PeerState({}, {leader: {"p0": 1}}, 0),
+    }
     peers.held = {leader: Counter({"p0": 1})}  # this replica holds the other one
     assert peers.total("p0") == 2
     peers.live = {follower}  # the leader died; the prefills it granted did not
-    peers.counts = {leader: {}, follower: {}}
+    peers.states = {leader: PeerState({}, {}, 0), follower: PeerState({}, {leader: {"p0": 1}}, 0)}
     assert peers.total("p0") == 2
     assert peers.total("p1") == 0
     state = PeerState.parse({"replicas": {"p0": 1}, "heldAt": {leader: {"p0": 1}}, "queued": 2})

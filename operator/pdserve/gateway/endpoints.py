@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.policy import ewma
 
 # One unit of load per this many queued prompt tokens (about two engine steps of prefill at
 # vLLM's default 2048-token budget).
@@ -34,9 +35,7 @@ class StepMeter:
         self._count += 1
         if now - self._started >= window:
             mean = self._sum / self._count
-            self.seconds = (
-                mean if self.seconds is None else alpha * mean + (1 - alpha) * self.seconds
-            )
+            self.seconds = ewma(self.seconds, mean, alpha)
             self._started, self._sum, self._count = now, 0.0, 0
 
 

@@ -59,13 +59,10 @@ class PeerAdmission:
         """This replica's own URL as its peers reach it; None: it cannot take part in electing
         a leader (it admits on its own)."""
         self.urls: list[str] = []
-        self.counts: dict[str, dict[str, int]] = {}
-        """Per peer: the long prefills it holds on its own, per prefill replica."""
-        self.held_at: dict[str, dict[str, dict[str, int]]] = {}
-        """Per peer: the long prefills it holds through a leader, per leader and replica."""
+        self.states: dict[str, PeerState] = {}
+        """Per peer: its last answer (nothing held while it does not answer)."""
         self.held: dict[str, Counter[str]] = {}
         """This replica's own slots held through a leader, per leader and replica."""
-        self.queued_at: dict[str, int] = {}
         self.live: set[str] = set()
         self.leader_errors = 0
         admission.others = self.total
@@ -73,17 +70,18 @@ class PeerAdmission:
     def set_peers(self, urls: list[str], self_url: str | None = None) -> None:
         self.urls = sorted(urls)
         self.self_url = self_url
-        self.counts = {u: c for u, c in self.counts.items() if u in self.urls}
-        self.held_at = {u: c for u, c in self.held_at.items() if u in self.urls}
-        self.queued_at = {u: c for u, c in self.queued_at.items() if u in self.urls}
+        self.states = {u: state for u, state in self.states.items() if u in self.urls}
         self.live &= set(self.urls)
 
     def total(self, replica: str) -> int:
         """Long prefills on `replica` that this replica's own count misses: those its peers
         admitted on their own, and those anyone holds through a leader that no longer answers
         (a live leader reports them itself; this replica, if leader, counts its own)."""
-        own = sum(held.get(replica, 0) for held in self.counts.values())
-        through: list[Mapping[str, Mapping[str, int]]] = [*self.held_at.values(), self.held]
+        own = sum(state.replicas.get(replica, 0) for state in self.states.values())
+        through: list[Mapping[str, Mapping[str, int]]] = [
+            *(state.held_at for state in self.states.values()),
+            self.held,
+        ]
         orphaned = sum(
             held.get(replica, 0)
             for per_leader in through
@@ -98,7 +96,7 @@ class PeerAdmission:
 
     def queued(self) -> int:
         """Long requests waiting in the peers' queues (the leader's holds everyone's)."""
-        return sum(self.queued_at.values())
+        return sum(state.queued for state in self.states.values())
 
     def leader(self) -> str | None:
         """The peer that admits long prefills for every replica; None when this replica does
@@ -123,10 +121,7 @@ class PeerAdmission:
         answers = dict(zip(urls, await asyncio.gather(*(self._ask(u) for u in urls)), strict=True))
         self.live = {url for url, answer in answers.items() if answer is not None}
         nothing = PeerState({}, {}, 0)
-        states = {url: answer or nothing for url, answer in answers.items()}
-        self.counts = {url: state.replicas for url, state in states.items()}
-        self.held_at = {url: state.held_at for url, state in states.items()}
-        self.queued_at = {url: state.queued for url, state in states.items()}
+        self.states = {url: answer or nothing for url, answer in answers.items()}
         self.admission.wake()  # a peer's release may have made room for our queue
 
     async def run(self) -> None:

@@ -553,21 +553,22 @@ class Gateway:
         last = "no endpoint"
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
-            endpoint.inflight += 1
-            endpoint.prefill_backlog += prefill_tokens
             begun = time.monotonic()
             on_render = stage in ("render", "derender")
             if on_render:
                 self.metrics.render_inflight.labels(endpoint.label).inc()
             try:
-                async with self.client.post(
-                    f"{endpoint.url}{path}",
-                    json=body,
-                    headers=dict(headers),
-                    timeout=aiohttp.ClientTimeout(
-                        total=timeout, sock_connect=self.settings.connect_timeout
-                    ),
-                ) as response:
+                async with (
+                    self.counted(endpoint, prefill_tokens),
+                    self.client.post(
+                        f"{endpoint.url}{path}",
+                        json=body,
+                        headers=dict(headers),
+                        timeout=aiohttp.ClientTimeout(
+                            total=timeout, sock_connect=self.settings.connect_timeout
+                        ),
+                    ) as response,
+                ):
                     status = response.status
                     payload = await response.read()
             except (TimeoutError, aiohttp.ClientError) as error:
@@ -591,8 +592,6 @@ class Gateway:
                 if "KV transfer" in last:
                     raise UpstreamFailed(stage, last, status)
             finally:
-                endpoint.inflight -= 1
-                endpoint.prefill_backlog -= prefill_tokens
                 if on_render:
                     self.metrics.render_inflight.labels(endpoint.label).dec()
                     spent = time.monotonic() - begun
