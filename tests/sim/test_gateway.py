@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.service import Gateway, GatewaySettings
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
@@ -562,6 +563,52 @@ async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: 
     assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
     status = (await client.get("/status")).json()
     assert status["handoffSecondsPerToken"] > 0
+
+
+async def test_auto_learns_the_kv_path_from_decodes_transfer_metrics_without_streams(
+    stack: Stack,
+) -> None:
+    """Non-streamed requests give the gateway no first-token time to measure the handoff by:
+    the decode engine's vllm:nixl_xfer_time_seconds does (read in the engine's simulated
+    seconds, scaled like the engines' time). Until the first handoff is known, one request at a
+    time learns the path while the others run whole on the least loaded engine."""
+    slow = engine("decode")
+    slow.transfer = TransferConfig(overhead_ms=20_000)  # 20 s simulated: 0.2 s real
+    client = await pd_stack(
+        stack,
+        decode_config=slow,
+        mode="Auto",
+        slo={"ttftMs": 100},
+        load_scrape_seconds=0.05,
+        engine_seconds_scale=0.01,
+    )
+    # No other streams here: keep Auto from prefilling on the idle decode replica.
+    stack.gateway_server.policy = AutoPolicy(PolicySettings(local_when_decode_idle=False))
+    first, second = await asyncio.gather(
+        client.post("/v1/chat/completions", json=LONG),
+        client.post("/v1/chat/completions", json={**LONG, "max_tokens": 21}),
+    )
+    assert (first.status_code, second.status_code) == (200, 200)
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 1.0' in metrics
+    assert 'pdserve_gateway_auto_decisions_total{reason="handoff_unknown"} 1.0' in metrics
+    # The learning request was not streamed: only the engine's transfer metrics measured it.
+    assert stack.gateway_server.metrics.stage.labels("kv_handoff")._sum.get() == 0
+
+    async def learnt() -> float:
+        while True:  # the scraper task learns it: poll the status endpoint a user would read
+            estimate = (await client.get("/status")).json()["handoffSecondsPerToken"]
+            if estimate is not None:
+                return float(estimate)
+            await asyncio.sleep(0.02)
+
+    per_token = await asyncio.wait_for(learnt(), timeout=5)
+    tokens = stack.gateway_server.policy.health.pd_prompt_tokens
+    assert tokens is not None
+    assert per_token * tokens == pytest.approx(0.2, rel=0.2)
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
 
 
 async def test_engine_load_is_scraped_from_their_metrics(stack: Stack) -> None:

@@ -259,3 +259,49 @@ def test_a_chat_behind_a_long_document_spills_even_with_one_request_ahead() -> N
                        prefill_backlog_by={"http://p0": 600})  # fmt: skip
     assert auto.decide(prompt_tokens=600, prefill_available=True, ttft_budget=2.0,
                        queues=light, prefill_replicas=["http://p0"]).disaggregated  # fmt: skip
+
+
+def test_one_request_at_a_time_learns_the_kv_path_the_others_run_anywhere() -> None:
+    auto, clock = policy(learning_timeout_budgets=2.0)
+
+    def decide() -> tuple[bool, str, bool]:
+        d = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0)
+        return d.disaggregated, d.reason, d.anywhere
+
+    assert decide() == (True, "long_prompt", False)  # measures the first handoff
+    assert decide() == (False, "handoff_unknown", True)  # aggregated-like meanwhile
+    clock.now += 3.9
+    assert decide() == (False, "handoff_unknown", True)
+    clock.now += 0.2  # the learner never reported (not streamed): the next one tries
+    assert decide() == (True, "long_prompt", False)
+    assert decide() == (False, "handoff_unknown", True)
+    auto.health.failure()  # the learner failed: the next one tries at once
+    assert decide() == (True, "long_prompt", False)
+    auto.health.observe(0.5, 8000, ttft_budget=2.0)  # measured: every request decides on it
+    assert [decide() for _ in range(2)] == [(True, "long_prompt", False)] * 2
+
+
+def test_without_a_ttft_budget_nothing_needs_learning() -> None:
+    auto, _ = policy()
+    for _ in range(3):
+        assert auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=None).reason == (
+            "long_prompt"
+        )
+
+
+def test_decode_engines_transfer_times_teach_the_kv_path_of_their_slice() -> None:
+    """vllm:nixl_xfer_time_seconds covers requests the gateway did not stream (it times
+    handoffs only from streams): 1.3 s per transfer of ~8k-token prompts is the slow path."""
+    auto, _ = policy()
+    auto.health.observe_transfers(1.3, 2.0, ["http://p1"])
+    assert auto.health.seconds_per_token is None  # no P/D prompt of its own to scale them by
+    auto.health.note_pd_prompt(8000)
+    auto.health.observe_transfers(1.3, 2.0, ["http://p1"])
+    assert auto.health.predicted_handoff(8000, "http://p1") == pytest.approx(1.3)
+    assert "http://p0" not in auto.health.by_prefill  # another slice's replica learns nothing
+    auto.health.observe_prefill(0.65, 8000)
+    slow = auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0)
+    assert (slow.disaggregated, slow.reason) == (False, "kv_path_over_ttft_budget")
+    for _ in range(3):  # transfers slower than the whole TTFT budget count as failures
+        auto.health.observe_transfers(2.5, 2.0, ["http://p1"])
+    assert auto.health.degraded

@@ -4,7 +4,7 @@ spread traffic between scrapes, a nearly full KV cache is avoided."""
 from __future__ import annotations
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
-from pdserve.gateway.load import parse_load
+from pdserve.gateway.load import LoadScraper, parse_load
 
 METRICS = """
 # HELP vllm:num_requests_waiting Requests waiting
@@ -14,11 +14,37 @@ vllm:num_requests_running{engine="0",model_name="q"} 7.0
 vllm:kv_cache_usage_perc{engine="0",model_name="q"} 0.5
 vllm:kv_cache_usage_perc{engine="1",model_name="q"} 0.97
 vllm:num_requests_waiting_total_bogus 100
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.5"} 2.0
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="q"} 4.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="q"} 1.5
+vllm:nixl_xfer_time_seconds_count{engine="1",model_name="q"} 1.0
+vllm:nixl_xfer_time_seconds_sum{engine="1",model_name="q"} 0.5
 """
 
 
 def test_engine_metrics_are_summed_over_ranks() -> None:
-    assert parse_load(METRICS) == {"waiting": 5.0, "running": 7.0, "kv_usage": 0.97}
+    assert parse_load(METRICS) == {
+        "waiting": 5.0,
+        "running": 7.0,
+        "kv_usage": 0.97,
+        "transfers": 5.0,
+        "transfer_seconds": 2.0,
+    }
+
+
+def test_each_scrape_reports_the_transfers_finished_since_the_last() -> None:
+    heard: list[tuple[str, float, float]] = []
+    scraper = LoadScraper(
+        Endpoints.__new__(Endpoints),  # not scraped here: totals are fed in directly
+        None,  # type: ignore[arg-type]
+        on_transfers=lambda e, n, seconds: heard.append((e.url, n, seconds)),
+    )
+    decode = Endpoint("http://d")
+    scraper.note_transfers(decode, 100.0, 130.0)  # history from before this gateway started
+    scraper.note_transfers(decode, 100.0, 130.0)  # nothing new
+    scraper.note_transfers(decode, 103.0, 134.5)
+    scraper.note_transfers(decode, 2.0, 2.5)  # the engine restarted: counters began again
+    assert heard == [("http://d", 3.0, 4.5), ("http://d", 2.0, 2.5)]
 
 
 def test_a_queue_outweighs_running_requests() -> None:

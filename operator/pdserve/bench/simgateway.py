@@ -1,5 +1,6 @@
 """The gateway for scenarios on time-scaled simulators: `pdserve gateway` with its own time
 constants (fair-queue aging, Auto's failure window, load scraping) scaled like the engines',
+and the engines' reported durations (in simulated seconds) read back into its own,
 so the simulated deployment behaves as the real one would at time scale 1; and fair queueing
 optionally off. Benchmark harness only: a real deployment runs `pdserve gateway`.
 
@@ -42,6 +43,7 @@ def scaled_settings(time_scale: float, *, fair_queue: bool) -> GatewaySettings:
         # Scaled too, but no faster than 10 scrapes a second: the engines share the host's CPU.
         load_scrape_seconds=max(0.1, (defaults.load_scrape_seconds or 0.5) * time_scale),
         step_window_seconds=defaults.step_window_seconds * time_scale,
+        engine_seconds_scale=time_scale,
     )
 
 

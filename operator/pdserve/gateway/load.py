@@ -1,31 +1,39 @@
-"""Engine load from their own Prometheus metrics, scraped on a short interval."""
+"""Engine load from their own Prometheus metrics, scraped on a short interval; and decode
+engines' KV transfer times (vllm:nixl_xfer_time_seconds), which tell Auto mode how fast the KV
+path is for every P/D request, streamed or not."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 
 import aiohttp
 
+from pdserve.controller.health import TransferCounters
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 
 log = logging.getLogger("pdserve.gateway.load")
-SAMPLE = re.compile(
-    r"^(vllm:num_requests_waiting|vllm:num_requests_running|vllm:kv_cache_usage_perc)"
-    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)",
-    re.MULTILINE,
-)
 FIELDS = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:nixl_xfer_time_seconds_count": "transfers",
+    "vllm:nixl_xfer_time_seconds_sum": "transfer_seconds",
 }
+# A regex, not a Prometheus parser: an engine's full exposition is tens of KB every scrape.
+SAMPLE = re.compile(
+    rf"^({'|'.join(map(re.escape, FIELDS))})(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)", re.MULTILINE
+)
+# Called with a decode engine and the KV transfers it finished since the previous scrape:
+# (how many, seconds in all, as the engine reports them).
+TransferListener = Callable[[Endpoint, float, float], None]
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """waiting/running summed over an engine's label sets (data-parallel ranks); KV usage max."""
-    load = {"waiting": 0.0, "running": 0.0, "kv_usage": 0.0}
+    """Summed over an engine's label sets (data-parallel ranks); KV usage the maximum."""
+    load = dict.fromkeys(FIELDS.values(), 0.0)
     for name, value in SAMPLE.findall(text):
         field = FIELDS[name]
         number = float(value)
@@ -35,11 +43,18 @@ def parse_load(text: str) -> dict[str, float]:
 
 class LoadScraper:
     def __init__(
-        self, endpoints: Endpoints, session: aiohttp.ClientSession, interval: float = 0.5
+        self,
+        endpoints: Endpoints,
+        session: aiohttp.ClientSession,
+        interval: float = 0.5,
+        on_transfers: TransferListener | None = None,
     ) -> None:
         self.endpoints, self.session, self.interval = endpoints, session, interval
+        self.on_transfers = on_transfers
+        self.transfer_totals: dict[str, TransferCounters] = {}
+        """Per decode engine URL, its cumulative transfer counters at the last scrape."""
 
-    async def scrape(self, endpoint: Endpoint) -> None:
+    async def scrape(self, endpoint: Endpoint, decode: bool = False) -> None:
         try:
             async with self.session.get(
                 f"{endpoint.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
@@ -54,9 +69,27 @@ class LoadScraper:
             load["running"],
             load["kv_usage"],
         )
+        if decode:
+            self.note_transfers(endpoint, load["transfers"], load["transfer_seconds"])
+
+    def note_transfers(self, endpoint: Endpoint, transfers: float, seconds: float) -> None:
+        now = TransferCounters(transfers=transfers, seconds=seconds)
+        before = self.transfer_totals.get(endpoint.url)
+        self.transfer_totals[endpoint.url] = now
+        if before is None or self.on_transfers is None:
+            return  # the history before this gateway started says nothing about its requests
+        window = now.since(before)  # an engine restart counts from zero
+        if window.transfers > 0:
+            self.on_transfers(endpoint, window.transfers, window.seconds)
 
     async def run(self) -> None:
         while True:
-            engines = [*self.endpoints.pools["prefill"], *self.endpoints.pools["decode"]]
-            await asyncio.gather(*(self.scrape(e) for e in engines))
+            pools = self.endpoints.pools
+            await asyncio.gather(
+                *(self.scrape(e) for e in pools["prefill"]),
+                *(self.scrape(e, decode=True) for e in pools["decode"]),
+            )
+            urls = {e.url for e in pools["decode"]}
+            for gone in set(self.transfer_totals) - urls:
+                del self.transfer_totals[gone]
             await asyncio.sleep(self.interval)  # the scrape period, not synchronization

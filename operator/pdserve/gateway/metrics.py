@@ -82,7 +82,7 @@ class GatewayMetrics:
         self.auto_decisions = Counter(
             "pdserve_gateway_auto_decisions",
             "Routing mode Auto: requests by decision reason (P/D: long_prompt, "
-            "local_would_break_itl, probe; local: short_prompt, decode_idle, "
+            "local_would_break_itl, probe; local: short_prompt, decode_idle, handoff_unknown, "
             "handoff_over_ttft_budget, kv_path_over_ttft_budget, prefill_queue_over_ttft_budget, "
             "degraded, no_prefill)",
             ["reason"],

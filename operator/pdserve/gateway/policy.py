@@ -6,6 +6,10 @@ and decides with it:
 - no prefill endpoint, or the P/D path is degraded (recent transfer failures, expired leases,
   handoffs over the TTFT budget): local, except a small share of probes that detect recovery;
 - short prompts: local (their prefill barely disturbs decode, and a handoff only adds latency);
+- no handoff observed yet (start-up): one P/D request at a time learns the KV path, the others
+  run whole on the least loaded engine of both pools, as aggregated serving would, until the
+  first handoff is measured (a slow path would otherwise make every request of the first
+  seconds miss the TTFT budget);
 - an idle decode replica (nothing running or queued): local, since no stream's ITL can suffer
   and the handoff is pure added latency (at low rates this gives aggregated serving's TTFT);
 - a predicted handoff (EWMA seconds per prompt token x prompt tokens) over the TTFT budget: local;
@@ -57,6 +61,9 @@ class PolicySettings:
     itl_share: float = 0.9
     """A local prefill must keep the decode replica's predicted step time within this share of
     the ITL budget."""
+    learning_timeout_budgets: float = 2.0
+    """While no handoff has been measured, a P/D request that has not reported one within this
+    many TTFT budgets (it was not streamed, or it failed) lets the next one try."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +111,15 @@ class HandoffHealth:
         """The same EWMA per prefill replica (the path from its slice), with when it was last
         observed."""
         self.prefill_seconds_per_token: float | None = None
+        self.pd_prompt_tokens: float | None = None
+        """EWMA of the prompt tokens of P/D requests (to read engines' transfer times per
+        token)."""
         self.failures: deque[float] = deque()
         self.degraded = False
         self.successes_while_degraded = 0
         self.eligible_while_degraded = 0
+        self.learning_since: float | None = None
+        """When the P/D request that is to measure the first handoff was sent."""
 
     def _ewma(self, before: float | None, sample: float) -> float:
         return ewma(before, sample, self.settings.ewma_alpha)
@@ -120,12 +132,32 @@ class HandoffHealth:
         prefill: str | None = None,
     ) -> None:
         """A completed handoff: prefill (on replica `prefill`) answered -> first decode token."""
-        per_token = handoff_seconds / max(1, prompt_tokens)
+        self._learn(handoff_seconds / max(1, prompt_tokens), () if prefill is None else [prefill])
+        self._judge(handoff_seconds, ttft_budget)
+
+    def note_pd_prompt(self, prompt_tokens: int) -> None:
+        """A prompt whose KV a decode engine is about to pull: what its transfers carry."""
+        self.pd_prompt_tokens = self._ewma(self.pd_prompt_tokens, float(prompt_tokens))
+
+    def observe_transfers(
+        self, seconds_per_transfer: float, ttft_budget: float | None, prefills: Sequence[str]
+    ) -> None:
+        """A decode engine's own KV transfer times (vllm:nixl_xfer_time_seconds, averaged
+        over a scrape interval) from the prefill replicas of its slice: learnt from every P/D
+        request, streamed or not, taken to carry the typical P/D prompt."""
+        if self.pd_prompt_tokens is None:
+            return  # not this gateway's transfers (or not yet): nothing to scale them by
+        self._learn(seconds_per_transfer / max(1.0, self.pd_prompt_tokens), prefills)
+        self._judge(seconds_per_transfer, ttft_budget)
+
+    def _learn(self, per_token: float, prefills: Sequence[str]) -> None:
         self.seconds_per_token = self._ewma(self.seconds_per_token, per_token)
-        if prefill is not None:
+        for prefill in prefills:
             before = self.by_prefill.get(prefill)
             estimate = self._ewma(None if before is None else before[0], per_token)
             self.by_prefill[prefill] = (estimate, self.clock())
+
+    def _judge(self, handoff_seconds: float, ttft_budget: float | None) -> None:
         if ttft_budget is not None and handoff_seconds > ttft_budget:
             self.failure()  # a handoff slower than the whole TTFT budget is a failure for SLOs
             return
@@ -143,6 +175,7 @@ class HandoffHealth:
     def failure(self) -> None:
         """A failed transfer, an expired or expiring lease, or a handoff over budget."""
         now = self.clock()
+        self.learning_since = None  # the learning request failed: the next one tries
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.settings.failure_window_seconds:
             self.failures.popleft()
@@ -164,6 +197,15 @@ class HandoffHealth:
         if per_token is None:
             per_token = self.seconds_per_token
         return None if per_token is None else per_token * prompt_tokens
+
+    def learning(self, ttft_budget: float | None) -> bool | None:
+        """None: a handoff has been measured (or no TTFT budget needs one); True: a request
+        is measuring the first one now; False: none is, the next P/D request may."""
+        if ttft_budget is None or self.seconds_per_token is not None:
+            return None
+        since = self.learning_since
+        timeout = self.settings.learning_timeout_budgets * ttft_budget
+        return since is not None and self.clock() - since < timeout
 
     def forget(self, prefill_replicas: Sequence[str]) -> None:
         """Keep per-replica estimates only for replicas that still exist."""
@@ -205,6 +247,31 @@ class AutoPolicy:
         prefill_replicas: Sequence[str] = (),
         itl_budget: float | None = None,
     ) -> Decision:
+        learning = self.health.learning(ttft_budget)
+        decision = self._decide(
+            prompt_tokens=prompt_tokens,
+            prefill_available=prefill_available,
+            ttft_budget=ttft_budget,
+            queues=queues or QueueState(),
+            prefill_replicas=prefill_replicas,
+            itl_budget=itl_budget,
+            learning=learning,
+        )
+        if learning is False and decision.disaggregated:
+            self.health.learning_since = self.health.clock()
+        return decision
+
+    def _decide(
+        self,
+        *,
+        prompt_tokens: int | None,
+        prefill_available: bool,
+        ttft_budget: float | None,
+        queues: QueueState,
+        prefill_replicas: Sequence[str],
+        itl_budget: float | None,
+        learning: bool | None,
+    ) -> Decision:
         if not prefill_available:
             return Decision(False, "no_prefill")
         if prompt_tokens is not None and prompt_tokens < self.settings.short_prompt_tokens:
@@ -215,9 +282,10 @@ class AutoPolicy:
             if health.eligible_while_degraded % self.settings.probe_every == 0:
                 return Decision(True, "probe")
             return Decision(False, "degraded", anywhere=True)
-        queues = queues or QueueState()
         if self.settings.local_when_decode_idle and queues.decode_active == 0:
             return Decision(False, "decode_idle")
+        if learning:
+            return Decision(False, "handoff_unknown", anywhere=True)
         tokens = prompt_tokens or 0
         candidates: list[str | None] = [*prefill_replicas] or [None]
 

@@ -67,6 +67,9 @@ class GatewaySettings:
     load_scrape_seconds: float | None = 0.5
     # Engines' recent time between tokens is averaged over windows this long (Auto's ITL rule).
     step_window_seconds: float = 2.0
+    # Engine-reported durations (KV transfer times) x this = seconds on the gateway's clock:
+    # 1 for real engines; the benchmark's time-scaled simulators report simulated seconds.
+    engine_seconds_scale: float = 1.0
     request_log: Path | None = None  # JSON Lines, one entry per finished request
 
 
@@ -177,7 +180,12 @@ class Gateway:
         if self.request_log is not None:
             self.request_log.start()
         if self.settings.load_scrape_seconds is not None:
-            scraper = LoadScraper(self.endpoints, self.client, self.settings.load_scrape_seconds)
+            scraper = LoadScraper(
+                self.endpoints,
+                self.client,
+                self.settings.load_scrape_seconds,
+                on_transfers=self.note_transfers,
+            )
             self._scrape_task = asyncio.create_task(scraper.run(), name="load-scraper")
         if self._discovery is not None:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
@@ -393,6 +401,16 @@ class Gateway:
     def itl_budget(self) -> float | None:
         itl_ms = self.config.routing.slo.itl_ms
         return None if itl_ms is None else itl_ms / 1000
+
+    def note_transfers(self, decode: Endpoint, transfers: float, seconds: float) -> None:
+        """KV transfers a decode engine finished since the last scrape: Auto mode learns the
+        path from them for the prefill replicas of the engine's slice."""
+        per_transfer = seconds / transfers * self.settings.engine_seconds_scale
+        prefills = Endpoints.same_slice(self.endpoints.pools["prefill"], decode)
+        self.policy.health.observe_transfers(
+            per_transfer, self.ttft_budget(), [e.url for e in prefills]
+        )
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))
 
     def note_step(self, endpoint: Endpoint, gap: float, now: float) -> None:
         """A stream's time between two tokens from this engine."""
@@ -808,6 +826,7 @@ class Context:
             return None
         self.prefill_done_at = time.monotonic()
         self.prefilled_on = endpoint
+        gw.policy.health.note_pd_prompt(prompt_tokens)
         return endpoint, params
 
     async def call_prefill(
