@@ -103,6 +103,9 @@ async def test_gateway_process_serves_and_logs_each_request(
         assert entry["sent_at_ms"] <= entry["first_token_at_ms"] <= entry["finished_at_ms"]
         assert entry["output_tokens"] > 0
         assert entry["prompt_tokens"] > 0
+        # Where it ran and why (Auto, the default mode, with no prefill pool to use).
+        assert entry["decode_engine"] == upstreams["decode"]
+        assert (entry["prefill_engine"], entry["auto_reason"]) == (None, "no_prefill")
     finally:
         process.terminate()
         process.wait(timeout=10)

@@ -680,6 +680,9 @@ class Context:
         self.prefill_done_at: float | None = None
         self.prefilled_on: Endpoint | None = None
         self.local_anywhere = False  # Auto found the P/D path unusable (see policy.Decision)
+        self.auto_reason: str | None = None
+        self.served_by: dict[str, str] = {}
+        """Stage (prefill, decode) -> the engine that ran it (pod name or URL), for the log."""
         self.sent_at_ms = int(time.time() * 1000)
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
@@ -711,6 +714,9 @@ class Context:
                 "finished_at_ms": wall_ms(now),
                 "output_tokens": self.output_tokens,
                 "inter_token_ms_p95": None if gap_p95 is None else round(gap_p95 * 1000, 2),
+                "prefill_engine": self.served_by.get("prefill"),
+                "decode_engine": self.served_by.get("decode"),
+                "auto_reason": self.auto_reason,
             }
         )
 
@@ -722,6 +728,7 @@ class Context:
         decision = self.gw.auto_decision(prompt_tokens, self.pd, self.selection)
         self.pd = decision.disaggregated
         self.local_anywhere = decision.anywhere
+        self.auto_reason = decision.reason
 
     def note_handoff(self, first_token_at: float, prompt_tokens: int) -> None:
         """Prefill answered -> decode's first streamed token: the KV pull plus one decode step,
@@ -768,6 +775,7 @@ class Context:
 
     def remember(self, stage: str, endpoint: Endpoint, token_ids: list[int] | None) -> None:
         gw = self.gw
+        self.served_by[stage] = endpoint.label
         if token_ids:
             gw.prefixes.record(endpoint.url, block_hashes(token_ids, gw.config.block_size))
         if self.conversation:
@@ -980,7 +988,7 @@ class Context:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
             gw.fallback("kv_load_failed")
             await gw.abort(prefill_endpoint, [self.request_id])
-            _, answer = await gw.post_json(
+            endpoint, answer = await gw.post_json(
                 "decode",
                 self.selection.pools["decode"],
                 path,
@@ -988,6 +996,7 @@ class Context:
                 self.headers,
                 self.settings.decode_timeout,
             )
+            self.served_by["decode"] = endpoint.label
         assert isinstance(answer, dict)
         return answer
 
