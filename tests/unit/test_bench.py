@@ -8,10 +8,11 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pdserve.bench import plots
+from pdserve.bench import plots, scenarios
 from pdserve.bench.records import RequestRecord, read_jsonl, write_jsonl
 from pdserve.bench.report import text_block
 from pdserve.bench.runner import QueueSample, RunResult, parse_queue
@@ -251,3 +252,28 @@ def test_a_sections_reproduce_command_names_seeds_only_where_they_apply() -> Non
     assert section_flags(flags, "routing") == flags
     assert section_flags(flags, "article") == ["--docs", "docs/benchmarks.md"]
     assert section_flags(["--seeds=2", "--rates", "1"], "chunked") == ["--rates", "1"]
+
+
+def routing_point(met_requests: int) -> dict[str, Any]:
+    """A routing point's summary as far as the verdict reads it: 60 measured requests."""
+    share = met_requests / 60
+    return {"pdserve": {"classes": {"fixed": {"slo_met_share": share, "completed": 60}}}}
+
+
+@pytest.mark.parametrize(
+    ("auto", "aggregated", "disaggregated", "expected"),
+    [
+        ([40, 21, 20], [41, 21, 20], [10, 5, 5], "within seed noise (-1; 2 SE 2) (81 vs 82"),
+        ([30, 30, 30], [40, 41, 39], [10, 5, 5], "**no** (-30 requests) (90 vs 120"),
+        ([41, 22, 20], [41, 21, 20], [45, 15, 10], "yes (83 vs 82 met; per seed +0/+1/+0)"),
+        ([40], [41], [10], "**no** (-1 requests)"),  # one seed: no noise estimate
+    ],
+)
+def test_routing_verdict_allows_only_seed_noise(
+    auto: list[int], aggregated: list[int], disaggregated: list[int], expected: str
+) -> None:
+    def runs(counts: list[int]) -> list[dict[str, Any]]:
+        return [routing_point(n) for n in counts]
+
+    text = scenarios.verdict(runs(auto), [runs(aggregated), runs(disaggregated)])
+    assert text.startswith(expected)
