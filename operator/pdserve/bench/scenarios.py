@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import re
 import signal
 import statistics
@@ -631,7 +632,7 @@ def noise_allowance(diffs: Sequence[int]) -> float | None:
     """Two standard errors of the sum of paired per-seed differences (None with one seed)."""
     if len(diffs) < 2:
         return None
-    return 2 * statistics.stdev(diffs) * len(diffs) ** 0.5
+    return 2 * statistics.stdev(diffs) * math.sqrt(len(diffs))
 
 
 def goodput_cells(summaries: Sequence[dict[str, Any]]) -> str:
