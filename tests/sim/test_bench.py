@@ -281,6 +281,13 @@ def test_a_scenario_deployment_with_a_render_pool_routes_by_exact_token_counts(
     assert summary["pdserve"]["errors"]["count"] == 0
     routes = summary["pdserve"]["gateway"]["routes"]
     assert routes.get("render ok", 0) + routes.get("render_pd ok", 0) == 6
+    # Next to the point: where each request ran and why, as the gateway logged it.
+    [gateway_log] = tmp_path.glob("*.gateway.jsonl")
+    logged = [json.loads(line) for line in gateway_log.read_text().splitlines()]
+    assert len(logged) == 6  # every request, the warm-up one included
+    assert all(entry["decode_engine"] and entry["auto_reason"] for entry in logged)
+    for entry in logged:
+        assert (entry["route"] == "render_pd") == (entry["prefill_engine"] is not None)
     assert point.fingerprint()["deployment"]["render"] is True
     assert (
         "render"

@@ -104,8 +104,9 @@ class Deployment:
             flags.append("--no-enable-chunked-prefill")
         return flags
 
-    def start(self, procs: Processes, time_scale: float) -> str:
-        """Engines (and a render server) and a gateway over them; the gateway's URL."""
+    def start(self, procs: Processes, time_scale: float, request_log: Path | None = None) -> str:
+        """Engines (and a render server) and a gateway over them (logging each request's
+        engines and Auto reason to `request_log`); the gateway's URL."""
         roles = ["prefill"] * self.prefill + ["decode" if self.prefill else "both"] * self.decode
         engines = []
         for role in roles:
@@ -150,6 +151,8 @@ class Deployment:
         extra = ["--time-scale", str(time_scale)]
         if not self.fair_queue:
             extra.append("--no-fair-queue")
+        if request_log is not None:
+            extra += ["--request-log", str(request_log)]
         return procs.gateway(config, *extra, module=SIMGATEWAY).url
 
 
@@ -276,6 +279,7 @@ def run_point(point: Point, options: Options) -> dict[str, Any]:
     base = point.path(options.results)
     summary_path = base.parent / f"{base.name}.json"
     records_path = base.parent / f"{base.name}.jsonl"
+    gateway_log = base.parent / f"{base.name}.gateway.jsonl"  # where each request ran, and why
     stored = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if (
         stored is not None
@@ -299,7 +303,8 @@ def run_point(point: Point, options: Options) -> dict[str, Any]:
         progress = Progress(label, point.num_prompts) if options.progress else None
         started = time.monotonic()
         with Processes() as procs:
-            url = point.deployment.start(procs, point.time_scale)
+            gateway_log.unlink(missing_ok=True)
+            url = point.deployment.start(procs, point.time_scale, gateway_log)
             target = Target(base_url=url, model=MODEL, metrics_url=f"{url}/metrics")
             result, counters = asyncio.run(_measure(target, point, progress))
         if result.interrupted:

@@ -26,7 +26,9 @@ from pdserve.gateway.service import Gateway, GatewaySettings
 NO_LIMIT = 1_000_000
 
 
-def scaled_settings(time_scale: float, *, fair_queue: bool) -> GatewaySettings:
+def scaled_settings(
+    time_scale: float, *, fair_queue: bool, request_log: Path | None = None
+) -> GatewaySettings:
     defaults = GatewaySettings()
     queue = defaults.fair_queue
     return GatewaySettings(
@@ -44,6 +46,7 @@ def scaled_settings(time_scale: float, *, fair_queue: bool) -> GatewaySettings:
         load_scrape_seconds=max(0.1, (defaults.load_scrape_seconds or 0.5) * time_scale),
         step_window_seconds=defaults.step_window_seconds * time_scale,
         engine_seconds_scale=time_scale,
+        request_log=request_log,
     )
 
 
@@ -54,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--no-fair-queue", dest="fair_queue", action="store_false")
+    parser.add_argument(
+        "--request-log", type=Path, help="one JSON line per request: engines, Auto's reason"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -61,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    gateway = Gateway(config, scaled_settings(args.time_scale, fair_queue=args.fair_queue))
+    settings = scaled_settings(
+        args.time_scale, fair_queue=args.fair_queue, request_log=args.request_log
+    )
+    gateway = Gateway(config, settings)
     web.run_app(
         gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
     )
