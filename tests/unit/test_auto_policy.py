@@ -281,6 +281,22 @@ def test_one_request_at_a_time_learns_the_kv_path_the_others_run_anywhere() -> N
     assert [decide() for _ in range(2)] == [(True, "long_prompt", False)] * 2
 
 
+def test_when_nothing_ever_measures_a_handoff_p_d_stops_waiting_for_one() -> None:
+    """Non-streamed traffic on engines without NIXL metrics: after the failure window of
+    learning in vain, every long prompt goes P/D again (judged by failures only)."""
+    auto, clock = policy(failure_window_seconds=60, learning_timeout_budgets=2.0)
+
+    def reason() -> str:
+        return auto.decide(prompt_tokens=8000, prefill_available=True, ttft_budget=2.0).reason
+
+    assert [reason(), reason()] == ["long_prompt", "handoff_unknown"]
+    for _ in range(14):  # a learner every 4 s, none of which reports
+        clock.now += 4.1
+        assert [reason(), reason()] == ["long_prompt", "handoff_unknown"]
+    clock.now += 4.1  # 61.5 s since the first learner
+    assert [reason(), reason()] == ["long_prompt", "long_prompt"]
+
+
 def test_without_a_ttft_budget_nothing_needs_learning() -> None:
     auto, _ = policy()
     for _ in range(3):

@@ -9,7 +9,7 @@ and decides with it:
 - no handoff observed yet (start-up): one P/D request at a time learns the KV path, the others
   run whole on the least loaded engine of both pools, as aggregated serving would, until the
   first handoff is measured (a slow path would otherwise make every request of the first
-  seconds miss the TTFT budget);
+  seconds miss the TTFT budget), or the failure window passes with nothing to measure it by;
 - an idle decode replica (nothing running or queued): local, since no stream's ITL can suffer
   and the handoff is pure added latency (at low rates this gives aggregated serving's TTFT);
 - a predicted handoff (EWMA seconds per prompt token x prompt tokens) over the TTFT budget: local;
@@ -63,7 +63,9 @@ class PolicySettings:
     the ITL budget."""
     learning_timeout_budgets: float = 2.0
     """While no handoff has been measured, a P/D request that has not reported one within this
-    many TTFT budgets (it was not streamed, or it failed) lets the next one try."""
+    many TTFT budgets (it was not streamed, or it failed) lets the next one try. After the
+    failure window with no measurement at all (non-streamed traffic, engines without NIXL
+    metrics) P/D stops waiting for one: the path is then judged by failures only."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class HandoffHealth:
         self.eligible_while_degraded = 0
         self.learning_since: float | None = None
         """When the P/D request that is to measure the first handoff was sent."""
+        self.learning_began: float | None = None
+        """When the first such request was sent."""
 
     def _ewma(self, before: float | None, sample: float) -> float:
         return ewma(before, sample, self.settings.ewma_alpha)
@@ -203,9 +207,18 @@ class HandoffHealth:
         is measuring the first one now; False: none is, the next P/D request may."""
         if ttft_budget is None or self.seconds_per_token is not None:
             return None
+        now, began = self.clock(), self.learning_began
+        if began is not None and now - began > self.settings.failure_window_seconds:
+            return None  # nothing can measure it here: stop holding P/D back
         since = self.learning_since
         timeout = self.settings.learning_timeout_budgets * ttft_budget
-        return since is not None and self.clock() - since < timeout
+        return since is not None and now - since < timeout
+
+    def start_learning(self) -> None:
+        """A P/D request is sent to measure the first handoff."""
+        self.learning_since = self.clock()
+        if self.learning_began is None:
+            self.learning_began = self.learning_since
 
     def forget(self, prefill_replicas: Sequence[str]) -> None:
         """Keep per-replica estimates only for replicas that still exist."""
@@ -258,7 +271,7 @@ class AutoPolicy:
             learning=learning,
         )
         if learning is False and decision.disaggregated:
-            self.health.learning_since = self.health.clock()
+            self.health.start_learning()
         return decision
 
     def _decide(
