@@ -3,6 +3,7 @@ spread traffic between scrapes, a nearly full KV cache is avoided."""
 
 from __future__ import annotations
 
+from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.load import LoadScraper, parse_load
 
@@ -34,9 +35,12 @@ def test_engine_metrics_are_summed_over_ranks() -> None:
 
 def test_each_scrape_reports_the_transfers_finished_since_the_last() -> None:
     heard: list[tuple[str, float, float]] = []
+    config = GatewayConfig.model_validate(
+        {"model": "q", "pools": {"decode": {"service": "x", "port": 8000}}}
+    )
     scraper = LoadScraper(
-        Endpoints.__new__(Endpoints),  # not scraped here: totals are fed in directly
-        None,  # type: ignore[arg-type]
+        Endpoints(config),
+        None,  # type: ignore[arg-type]  # nothing is fetched: totals are fed in directly
         on_transfers=lambda e, n, seconds: heard.append((e.url, n, seconds)),
     )
     decode = Endpoint("http://d")
