@@ -21,6 +21,13 @@ class RunningOperator:
     def in_sync_count(self, namespace: str, name: str) -> int:
         return self.log.read_text().count(f"{namespace}/{name}: children in sync")
 
+    def story(self, namespace: str, name: str) -> str:
+        """The operator's log lines about one model, passes that changed nothing left out: what
+        a failing assertion shows (status patches, applies, failed passes)."""
+        lines = self.log.read_text().splitlines()
+        about = [line for line in lines if namespace in line and "children in sync" not in line]
+        return "\n".join(about[-60:])
+
 
 @contextlib.contextmanager
 def running_operator(

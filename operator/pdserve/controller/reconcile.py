@@ -4,6 +4,7 @@ write status only when it changed. Running it twice on an unchanged world writes
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -237,7 +238,10 @@ async def write_status(
     if old == new:
         return False
     meta = body["metadata"]
-    await kube.patch_status(DM_KIND, meta["namespace"], meta["name"], merge_patch(old, new))
+    patch = merge_patch(old, new)
+    # What changed, for whoever wonders why a settled model's status was written.
+    log.debug("%s/%s: status patch %s", meta["namespace"], meta["name"], json.dumps(patch))
+    await kube.patch_status(DM_KIND, meta["namespace"], meta["name"], patch)
     return True
 
 
@@ -285,6 +289,23 @@ def watch_transport(
     return health.verdict(key)
 
 
+async def annotate_pod(
+    kube: Kube, namespace: str, name: str, annotations: Mapping[str, str]
+) -> bool:
+    """False when the pod is gone: a rolling update deletes pods between our list and this
+    patch, and its replacement brings a pod event, hence a pass that annotates it."""
+    try:
+        await kube.patch_merge(
+            POD, namespace, name, {"metadata": {"annotations": dict(annotations)}}
+        )
+    except KubeError as error:
+        if error.status != 404:
+            raise
+        log.debug("%s/%s: pod gone before its annotation (%s)", namespace, name, error)
+        return False
+    return True
+
+
 async def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
@@ -293,15 +314,18 @@ async def reconcile(
     network: NetworkPolicyOptions | None = None,
     health: TransportMonitor | None = None,
     autoscaler: Autoscaler | None = None,
+    outcome: Outcome | None = None,
 ) -> Outcome:
     """Converge the children of `body`; events to post are returned in the outcome. `network`:
     the operator's NetworkPolicy settings (None: the model gets none, and loses those it has).
     `health`: the background scraper of decode engines' NIXL metrics (None: not measured).
-    `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live replicas)."""
+    `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live replicas).
+    `outcome`: filled as the pass goes, so a caller still has its events when a later step
+    raises."""
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
-    outcome = Outcome()
+    outcome = Outcome() if outcome is None else outcome
     try:
         dm = parse_resource(dict(body))
     except SpecError as error:
@@ -367,11 +391,8 @@ async def reconcile(
     engines = engine_pods(pods)
     verdicts = slice_verdicts(dm, engines, component_pods(pods, Component.preflight))
     for pod_name, value in pod_annotation_patches(verdicts, engines):
-        await kube.patch_merge(
-            POD, dm.namespace, pod_name,
-            {"metadata": {"annotations": {KV_TRANSPORT_ANNOTATION: value}}},
-        )  # fmt: skip
-        outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
+        if await annotate_pod(kube, dm.namespace, pod_name, {KV_TRANSPORT_ANNOTATION: value}):
+            outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
         health=watch_transport(health, dm, pods),

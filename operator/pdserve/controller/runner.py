@@ -13,7 +13,7 @@ from pdserve.controller.autoscale import Autoscaler, TargetResolver, pod_metrics
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.kube import Kube, KubeError
-from pdserve.controller.reconcile import DM_KIND, reconcile
+from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
 from pdserve.controller.settings import OperatorSettings
 
 log = logging.getLogger("pdserve.runner")
@@ -81,12 +81,17 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
-        outcome = await reconcile(
-            self.kube, body, network=self.settings.network_policies, health=self.health,
-            autoscaler=self.autoscaler,
-        )  # fmt: skip
-        for event in outcome.events:
-            await post_event(self.kube, body, event)
+        outcome = Outcome()
+        try:
+            await reconcile(
+                self.kube, body, network=self.settings.network_policies, health=self.health,
+                autoscaler=self.autoscaler, outcome=outcome,
+            )  # fmt: skip
+        finally:
+            # What a pass found before it failed (drift it repaired, scaling it did) is told
+            # now: the retry finds nothing left to repair and would never tell it.
+            for event in outcome.events:
+                await post_event(self.kube, body, event)
 
     async def resync_forever(self) -> None:
         while True:

@@ -1,0 +1,83 @@
+"""The reconcile runner's promises that no cluster timing can show reliably: what a pass found is
+told even when a later step of the pass fails, and a pod deleted under a pass does not fail it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import httpx
+import pytest
+
+from pdserve.controller import runner
+from pdserve.controller.kube import Kube, KubeError
+from pdserve.controller.reconcile import Outcome, annotate_pod
+from pdserve.controller.settings import OperatorSettings
+
+BODY: dict[str, Any] = {
+    "apiVersion": "pdserve.io/v1alpha1",
+    "kind": "DisaggregatedModel",
+    "metadata": {"name": "qwen", "namespace": "team", "uid": "uid-1", "resourceVersion": "7"},
+    "spec": {},
+}
+
+
+def kube_error(status: int, method: str = "PATCH") -> KubeError:
+    request = httpx.Request(method, "https://api.test/api/v1/namespaces/team/pods/qwen-prefill-0")
+    return KubeError(httpx.Response(status, json={"message": "not here"}, request=request))
+
+
+class FakeKube:
+    """Only what the runner and annotate_pod call; `patch_status_code` fails pod patches."""
+
+    def __init__(self, patch_status_code: int | None = None) -> None:
+        self.created: list[dict[str, Any]] = []
+        self.patched: list[tuple[str, Mapping[str, Any]]] = []
+        self.patch_status_code = patch_status_code
+
+    async def get(self, *_: Any) -> dict[str, Any]:
+        return BODY
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        self.created.append(dict(obj))
+        return dict(obj)
+
+    async def patch_merge(
+        self, _kind: Any, _namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if self.patch_status_code is not None:
+            raise kube_error(self.patch_status_code)
+        self.patched.append((name, patch))
+        return {}
+
+
+async def test_a_pass_that_fails_after_repairing_still_posts_what_it_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def repairs_then_fails(*_: Any, outcome: Outcome, **__: Any) -> Outcome:
+        outcome.event("Warning", "ParityDrift", "repairing: prefill --block-size is '32'")
+        raise kube_error(500)
+
+    monkeypatch.setattr(runner, "reconcile", repairs_then_fails)
+    kube = FakeKube()
+    settings = OperatorSettings(engine_metrics_seconds=0, autoscale_seconds=0)
+    reconciler = runner.Reconciler(cast(Kube, kube), settings)
+    with pytest.raises(KubeError):
+        await reconciler._reconcile_once(("team", "qwen"))
+    assert [(e["reason"], e["involvedObject"]["name"]) for e in kube.created] == [
+        ("ParityDrift", "qwen")
+    ]
+    assert "--block-size is '32'" in kube.created[0]["message"]
+
+
+async def test_annotating_a_pod_deleted_under_the_pass_is_skipped_not_failed() -> None:
+    gone = FakeKube(patch_status_code=404)
+    assert not await annotate_pod(cast(Kube, gone), "team", "qwen-prefill-0", {"a": "b"})
+    present = FakeKube()
+    assert await annotate_pod(cast(Kube, present), "team", "qwen-prefill-0", {"a": "b"})
+    assert present.patched == [("qwen-prefill-0", {"metadata": {"annotations": {"a": "b"}}})]
+
+
+async def test_other_errors_annotating_a_pod_still_fail_the_pass() -> None:
+    with pytest.raises(KubeError, match="403"):
+        await annotate_pod(cast(Kube, FakeKube(patch_status_code=403)), "team", "p", {"a": "b"})
