@@ -123,3 +123,20 @@ def test_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "routing.json: pools.decode: Field required" in proc.stderr
+
+
+def test_discovery_without_cluster_credentials_says_where_they_come_from(tmp_path: Path) -> None:
+    """A routing config without `endpoints` (as the operator writes it) outside a pod and with
+    no kubeconfig: a clear start-up error naming the flag, not a crash."""
+    config = tmp_path / "routing.json"
+    pool = {"service": "x", "port": 8000, "selector": {"app.kubernetes.io/instance": "m"}}
+    config.write_text(json.dumps({"model": MODEL, "pools": {"decode": pool}}))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "needs cluster credentials" in proc.stderr
+    assert "--kubeconfig" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from kubernetes.config import ConfigException
 
 from pdserve.controller.kube import Kube, load_credentials
 from pdserve.gateway.config import ConfigError, load_config
@@ -22,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         required=True,
         help="routing.json written by the operator (or by hand, with endpoints)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        help="for pod discovery outside a cluster; default: in-cluster, else KUBECONFIG",
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument(
@@ -75,13 +80,17 @@ def run(args: argparse.Namespace) -> int:
     gateway = Gateway(config, settings)
     if config.endpoints is None:
         try:
-            # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
-            gateway.discover_pods(
-                Kube(load_credentials(args.kubeconfig)), own_pod=os.environ.get("POD_NAME")
+            credentials = load_credentials(args.kubeconfig)
+        except (ConfigException, OSError) as error:
+            print(
+                f"error: {args.config} has no `endpoints`, so the gateway discovers pods and "
+                f"needs cluster credentials (in a pod: its service account; else --kubeconfig "
+                f"or KUBECONFIG): {error}",
+                file=sys.stderr,
             )
-        except Exception as error:  # the kubernetes loaders raise their own exception types
-            print(f"error: pod discovery needs cluster credentials: {error}", file=sys.stderr)
             return 2
+        # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
+        gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
     # A client that disconnects cancels its handler, which aborts the engines' work.
     web.run_app(
         gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
