@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install lint typecheck test test-unit test-cluster cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
+.PHONY: help install node-deps lint typecheck test test-unit test-cluster test-e2e cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -24,6 +24,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install pdserve with its dev tools
 
+# The real node and the image builds (tests/e2e): Debian's packages, installed when missing.
+NODE_PACKAGES := containerd runc containernetworking-plugins iptables conntrack iproute2 buildah debootstrap gcc libc6-dev
+node-deps: ## Debian packages for the real node and the image builds (root)
+	@missing=$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	    echo "the real-node tests need root and these Debian packages: $$missing" >&2; exit 1; \
+	  fi; \
+	  echo "installing $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
 lint: install ## ruff
 	$(VENV)/bin/ruff check operator tests
 	$(VENV)/bin/ruff format --check operator tests
@@ -34,14 +46,17 @@ typecheck: install ## mypy --strict
 cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (cached)
 	$(LOCALPLANE) build
 
-test: install cluster-build ## every test: unit and the real local control plane
+test: install cluster-build node-deps ## every test: unit, the real local control plane, the real node
 	$(VENV)/bin/pytest
 
 test-unit: install ## tests that need no control plane
-	$(VENV)/bin/pytest -m 'not cluster'
+	$(VENV)/bin/pytest -m 'not cluster and not e2e'
 
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
+
+test-e2e: install cluster-build node-deps ## only the end-to-end tests on the real node (root)
+	$(VENV)/bin/pytest -m e2e
 
 cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG
 	$(LOCALPLANE) up
@@ -64,8 +79,8 @@ bench: install ## pdserve bench scenarios on simulated engines -> docs/benchmark
 VERSION = $(shell $(PY) -c 'import pdserve; print(pdserve.__version__)' 2>/dev/null)
 
 images: install ## build the operator+gateway and simulator images (needs a Docker engine)
-	docker build -f images/pdserve/Dockerfile --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve:$(VERSION) .
-	docker build -f images/sim/Dockerfile --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve-sim:$(VERSION) .
+	docker build -f images/Dockerfile --target pdserve --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve:$(VERSION) .
+	docker build -f images/Dockerfile --target sim --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve-sim:$(VERSION) .
 
 e2e-kind: images ## kind + helm install + simulator example + one chat completion (needs Docker, kind)
 	bash tests/e2e/kind.sh

@@ -137,6 +137,11 @@ class ControlPlane:
     binaries: Binaries
     ports: Ports = field(default_factory=Ports)
     users: Sequence[str] = (ADMIN_USER, OPERATOR_USER)
+    # Where the API server listens and what it advertises as the `kubernetes` Service's
+    # endpoint. Loopback serves clients on this machine only; a real node's pods need an
+    # address of its bridge (see realnode.py), where the API server then also reaches webhooks
+    # and aggregated APIs through endpoints rather than Service names.
+    address: str = "127.0.0.1"
     tokens: dict[str, str] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -144,7 +149,7 @@ class ControlPlane:
     # ---- paths -------------------------------------------------------------------------------
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.address}:{self.ports.apiserver}"
 
     @property
     def pki(self) -> Path:
@@ -228,7 +233,7 @@ class ControlPlane:
     # ---- internals ---------------------------------------------------------------------------
     def _write_credentials(self) -> None:
         if not (self.pki / "apiserver.crt").exists():
-            _write_pki(self.pki)
+            _write_pki(self.pki, extra_sans=(f"IP:{self.address}",))
         for user in self.users:
             self.tokens.setdefault(user, secrets.token_hex(16))
         rows = [
@@ -307,13 +312,24 @@ class ControlPlane:
         self._wait_healthy("etcd", f"{client}/health", timeout)
 
     def _start_apiserver(self, timeout: float) -> None:
+        if self.address == "127.0.0.1":
+            # A loopback advertise address is fine for clients but not as an Endpoints address.
+            routing = ["--endpoint-reconciler-type=none"]
+        else:
+            # Pods reach the API server through the `kubernetes` Service; the API server reaches
+            # webhook Services through their endpoints, and kubelets by their InternalIP: never
+            # through a resolver off the machine.
+            routing = [
+                "--enable-aggregator-routing=true",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
         self._spawn(
             "kube-apiserver",
             [
                 str(self.binaries.path("kube-apiserver")),
                 f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.address}",
+                f"--advertise-address={self.address}",
                 f"--secure-port={self.ports.apiserver}",
                 f"--tls-cert-file={self.pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={self.pki / 'apiserver.key'}",
@@ -325,8 +341,7 @@ class ControlPlane:
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--authorization-mode=RBAC",
                 "--allow-privileged=true",
-                # A loopback advertise address is fine for clients but not as an Endpoints address.
-                "--endpoint-reconciler-type=none",
+                *routing,
                 f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
                 f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json",
@@ -426,7 +441,7 @@ APISERVER_SANS = (
 )  # fmt: skip
 
 
-def _write_pki(pki: Path) -> None:
+def _write_pki(pki: Path, extra_sans: Sequence[str] = ()) -> None:
     """A CA, an API server serving cert signed by it, and the service-account key pair."""
     # fmt: off
     _run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
@@ -435,7 +450,8 @@ def _write_pki(pki: Path) -> None:
           "-addext", "basicConstraints=critical,CA:TRUE",
           "-addext", "keyUsage=critical,keyCertSign,cRLSign"])
     # fmt: on
-    issue_serving_cert(pki, "apiserver", "kube-apiserver", APISERVER_SANS)
+    sans = [*APISERVER_SANS, *(san for san in extra_sans if san not in APISERVER_SANS)]
+    issue_serving_cert(pki, "apiserver", "kube-apiserver", sans)
     _run(["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"])
     _run(["openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub")])
 
@@ -504,9 +520,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_control_plane(workdir: Path, *, timeout: float = 120.0) -> Iterator[ControlPlane]:
+def running_control_plane(
+    workdir: Path, *, timeout: float = 120.0, address: str = "127.0.0.1",
+    users: Sequence[str] = (ADMIN_USER, OPERATOR_USER),
+) -> Iterator[ControlPlane]:  # fmt: skip
     """Build if needed, start, yield, and always stop the plane."""
-    plane = ControlPlane(workdir=workdir, binaries=build_binaries())
+    plane = ControlPlane(workdir=workdir, binaries=build_binaries(), address=address, users=users)
     plane.start(timeout=timeout)
     try:
         yield plane

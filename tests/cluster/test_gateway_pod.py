@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -51,11 +52,17 @@ def component(obj: dict[str, Any]) -> str:
 
 
 @pytest.fixture
-def static_node(http_api: httpx.Client) -> str:
-    """A Node that nothing manages: pods bound to it keep the status the test gives them."""
-    created = http_api.post("/api/v1/nodes", json={"metadata": {"name": STATIC_NODE}})
-    assert created.is_success or created.status_code == 409, created.text
-    return STATIC_NODE
+def static_node(http_api: httpx.Client) -> Iterator[str]:
+    """A Node that nothing manages: pods bound to it keep the status the test gives them. It
+    is tainted and removed afterwards, so no other test's pods land on it."""
+    body = {
+        "metadata": {"name": STATIC_NODE, "labels": {"kubernetes.io/hostname": STATIC_NODE}},
+        "spec": {"taints": [{"key": "pdserve.io/static", "effect": "NoSchedule"}]},
+    }
+    created = http_api.post("/api/v1/nodes", json=body)
+    assert created.is_success, created.text
+    yield STATIC_NODE
+    http_api.delete(f"/api/v1/nodes/{STATIC_NODE}")
 
 
 def start_pod(http: httpx.Client, namespace: str, workload: dict[str, Any], node: str) -> str:

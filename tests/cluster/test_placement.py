@@ -41,7 +41,7 @@ def clique_of(http: httpx.Client) -> dict[str, str]:
     return {
         n["metadata"]["name"]: n["metadata"]["labels"][NVLINK_CLIQUE_LABEL]
         for n in nodes
-        if NVLINK_CLIQUE_LABEL in n["metadata"]["labels"]
+        if NVLINK_CLIQUE_LABEL in n["metadata"].get("labels", {})
     }
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the local test control plane from the Go module proxy into a cache keyed by version:
-#   $PDSERVE_CACHE/k8s-<version>-kwok-<version>/{etcd,kube-apiserver,kube-controller-manager,kube-scheduler,kwok}
+#   $PDSERVE_CACHE/k8s-<version>-kwok-<version>/{etcd,kube-apiserver,kube-controller-manager,
+#   kube-scheduler,kubelet,kube-proxy,kwok}
 # A rerun with every binary present costs nothing. Prints the directory on stdout, progress on stderr.
 set -euo pipefail
 
@@ -44,6 +45,9 @@ build etcd ./etcd
 build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver
 build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager
 build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler
+# The real node (tests/cluster/realnode.py): the same release's kubelet and kube-proxy.
+build kubelet k8s.io/kubernetes/cmd/kubelet
+build kube-proxy k8s.io/kubernetes/cmd/kube-proxy
 
 if [[ ! -x "$out/kwok" ]]; then
   echo "cluster build: compiling kwok $kwok_version ..." >&2

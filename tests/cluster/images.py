@@ -1,0 +1,229 @@
+"""pdserve's images for the real node, built on this machine without a Docker engine.
+
+No registry can be reached, so everything starts from Debian's packages:
+- the base `python:3.11.2-slim-bookworm` is made by debootstrap (Debian 12 minbase with Debian's
+  python3, python3-pip, python3-venv and ca-certificates) and committed under the published name,
+  so images/Dockerfile builds unchanged. It differs from the published image: Python is Debian's
+  3.11 in /usr/bin (published: a CPython 3.11 built into /usr/local), pip is Debian's, packages
+  install into the system site-packages (PIP_BREAK_SYSTEM_PACKAGES=1 is set), and the locale is
+  C.UTF-8;
+- images/Dockerfile (targets `pdserve` and `sim`) is built by buildah; its RUN steps reach PyPI
+  with this machine's CA bundle mounted for the build only (never stored in an image);
+- the pod sandbox image is images/pause, a static C program.
+
+Each image is cached as a docker archive under the cache directory, keyed by a hash of what it
+is built from, so a warm run only imports the archives into the node's containerd.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.cluster.clitools import cache_root
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "images" / "Dockerfile"
+PAUSE_DIR = ROOT / "images" / "pause"
+BASE_IMAGE = "docker.io/library/python:3.11.2-slim-bookworm"
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates")
+BASE_ENV = ("PIP_BREAK_SYSTEM_PACKAGES=1", "LANG=C.UTF-8")
+# What the Dockerfile's build context COPYs: a change to any of these rebuilds the images.
+CONTEXT = ("pyproject.toml", "README.md", "operator")
+BUILD_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+
+
+class ImageBuildError(RuntimeError):
+    """An image could not be built; the message names the step and its output."""
+
+
+@dataclass(frozen=True)
+class Images:
+    pdserve: str
+    sim: str
+    archives: tuple[Path, ...]  # docker archives, pause first, for `ctr images import`
+
+
+def version() -> str:
+    from pdserve import __version__
+
+    return __version__
+
+
+def image_cache() -> Path:
+    return cache_root() / "images"
+
+
+def missing_prerequisites() -> list[str]:
+    return [c for c in ("buildah", "debootstrap", "gcc") if shutil.which(c) is None]
+
+
+def _log(message: str) -> None:
+    print(f"image build: {message}", file=sys.stderr, flush=True)
+
+
+def _run(args: list[str], *, step: str, timeout: float = 1800) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
+        raise ImageBuildError(f"{step} failed ({proc.returncode}):\n" + "\n".join(output))
+    return proc.stdout
+
+
+class Builder:
+    """buildah with a storage of its own under the cache directory."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self.store = cache / "buildah"
+
+    def buildah(self, *args: str, step: str, timeout: float = 1800) -> str:
+        base = ["buildah", "--root", str(self.store / "root"), "--runroot",
+                str(self.store / "run"), "--storage-driver", "overlay"]  # fmt: skip
+        return _run([*base, *args], step=step, timeout=timeout)
+
+    def has_image(self, name: str) -> bool:
+        listed = self.buildah("images", "--format", "{{.Name}}:{{.Tag}}", step="list images")
+        return name in listed.split()
+
+    # ---- the three kinds of image --------------------------------------------------------------
+    def base(self) -> None:
+        """python:3.11.2-slim-bookworm from Debian's packages (see the module docstring)."""
+        key = _digest([BASE_IMAGE, DEBIAN_SUITE, *BASE_PACKAGES, *BASE_ENV])
+        marker = self.cache / f"base-{key}.done"
+        if marker.exists() and self.has_image(BASE_IMAGE):
+            return
+        _log(f"debootstrap {DEBIAN_SUITE} with {', '.join(BASE_PACKAGES)} (about 2 minutes)")
+        with tempfile.TemporaryDirectory(dir=self.cache) as work:
+            rootfs = Path(work) / "rootfs"
+            _run(
+                ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+                 DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR],
+                step="debootstrap",
+            )  # fmt: skip
+            shipped = _run(
+                ["chroot", str(rootfs), "python3", "-c",
+                 "import platform; print(platform.python_version())"],
+                step="base: Python version",
+            ).strip()  # fmt: skip
+            if not BASE_IMAGE.endswith(f":{shipped}-slim-{DEBIAN_SUITE}"):
+                raise ImageBuildError(
+                    f"Debian {DEBIAN_SUITE} now ships Python {shipped}, but the base is named "
+                    f"{BASE_IMAGE}: rename it in images/Dockerfile and tests/cluster/images.py"
+                )
+            for trim in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc",
+                         "usr/share/man"):  # fmt: skip
+                for entry in (rootfs / trim).glob("*"):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+            container = self.buildah("from", "scratch", step="base: new container").strip()
+            try:
+                self.buildah("copy", container, str(rootfs), "/", step="base: copy rootfs")
+                config = [arg for env in BASE_ENV for arg in ("--env", env)]
+                self.buildah("config", *config, "--cmd", "python3", container, step="base")
+                self.buildah("commit", "--rm", container, BASE_IMAGE, step="base: commit")
+            except BaseException:
+                self.buildah("rm", container, step="base: remove container")
+                raise
+        marker.write_text(BASE_IMAGE + "\n")
+
+    def pause(self) -> Path:
+        key = _digest_files([PAUSE_DIR / "pause.c", PAUSE_DIR / "Dockerfile"])
+        archive = self.cache / f"pause-{key}.tar"
+        if archive.exists():
+            return archive
+        _log("pause (static C)")
+        with tempfile.TemporaryDirectory(dir=self.cache) as context:
+            shutil.copy(PAUSE_DIR / "Dockerfile", Path(context) / "Dockerfile")
+            _run(["gcc", "-static", "-O2", "-o", f"{context}/pause", str(PAUSE_DIR / "pause.c")],
+                 step="gcc pause.c")  # fmt: skip
+            self.buildah("bud", "--pull-never", "-t", PAUSE_IMAGE, context, step="build pause")
+        return self._archive(PAUSE_IMAGE, archive)
+
+    def target(self, target: str, name: str) -> Path:
+        """One target of images/Dockerfile, tagged `name`, as a docker archive."""
+        key = _digest_files([DOCKERFILE, *_context_files()], extra=[target, name])
+        archive = self.cache / f"{target}-{key}.tar"
+        if archive.exists():
+            return archive
+        self.base()
+        _log(f"{name} (images/Dockerfile, target {target})")
+        mounts = (
+            ["--volume", f"{BUILD_CA_BUNDLE}:{BUILD_CA_BUNDLE}:ro"]
+            if BUILD_CA_BUNDLE.exists() else []
+        )  # fmt: skip
+        self.buildah(
+            "bud", "--pull-never", "--network", "host", *mounts,
+            "--build-arg", f"VERSION={version()}", "--target", target,
+            "-f", str(DOCKERFILE), "-t", name, str(ROOT),
+            step=f"build {name}",
+        )  # fmt: skip
+        return self._archive(name, archive)
+
+    def _archive(self, name: str, archive: Path) -> Path:
+        stem = archive.name.rsplit("-", 1)[0]
+        for old in self.cache.glob(f"{stem}-*.tar"):
+            old.unlink()  # one archive per image: the cache does not grow per commit
+        partial = archive.with_suffix(".partial")
+        partial.unlink(missing_ok=True)
+        self.buildah("push", name, f"docker-archive:{partial}:{name}", step=f"export {name}")
+        partial.rename(archive)
+        # The image an older archive came from is untagged now: free its layers.
+        self.buildah("rmi", "--prune", step="prune old images")
+        return archive
+
+
+def build_images(cache: Path | None = None) -> Images:
+    """Build (or find cached) the pause, pdserve and pdserve-sim images."""
+    if missing := missing_prerequisites():
+        raise ImageBuildError("building images needs: " + ", ".join(missing))
+    directory = cache or image_cache()
+    directory.mkdir(parents=True, exist_ok=True)
+    builder = Builder(directory)
+    pdserve = f"ghcr.io/pdserve/pdserve:{version()}"
+    sim = f"ghcr.io/pdserve/pdserve-sim:{version()}"
+    archives = (builder.pause(), builder.target("pdserve", pdserve), builder.target("sim", sim))
+    return Images(pdserve=pdserve, sim=sim, archives=archives)
+
+
+def _context_files() -> list[Path]:
+    files: list[Path] = []
+    for entry in CONTEXT:
+        path = ROOT / entry
+        if path.is_file():
+            files.append(path)
+            continue
+        files += sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)
+        )  # fmt: skip
+    return files
+
+
+def _digest(parts: Iterable[str]) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
+    digest = hashlib.sha256("\0".join(extra).encode())
+    for path in files:
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    built = build_images()
+    for path in built.archives:
+        print(path)

@@ -1,0 +1,170 @@
+"""What a user does first, on the real node: `helm install` the chart, `kubectl apply` the
+simulator example, wait for Ready, and talk to the model with the OpenAI SDK through the
+gateway's Service. Every pod here really runs, from images built on this machine."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.localplane import wait_until
+from tests.e2e.conftest import ROOT, Cluster
+
+CHART = ROOT / "charts" / "pdserve"
+EXAMPLE = ROOT / "examples" / "sim-qwen3.yaml"
+RELEASE_NAMESPACE = "pdserve-system"
+MODEL_NAMESPACE = "llm"
+OPERATOR_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:pdserve"
+
+
+def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str, Any]]:
+    args = ["get", "pods", "-n", namespace, "-o", "json", *(["-l", selector] if selector else [])]
+    items: list[dict[str, Any]] = json.loads(cluster.kubectl(*args).stdout)["items"]
+    return items
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def describe(cluster: Cluster, namespace: str) -> str:
+    """What a user would look at when something is not Ready."""
+    listing = cluster.kubectl("get", "pods,events", "-n", namespace, "-o", "wide", check=False)
+    return listing.stdout + listing.stderr
+
+
+def operator_logs(cluster: Cluster) -> str:
+    logs = cluster.kubectl(
+        "logs", "-n", RELEASE_NAMESPACE, "deploy/pdserve", "--tail=40", check=False
+    )  # fmt: skip
+    return f"\noperator log:\n{logs.stdout}{logs.stderr}"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[None]:
+    """The chart installed as a user installs it, with the images built here."""
+    cluster.helm(
+        "install", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+        "--wait", "--timeout", "3m",
+    )  # fmt: skip
+    yield
+    cluster.helm("uninstall", "pdserve", "-n", RELEASE_NAMESPACE, "--wait", check=False)
+
+
+@pytest.fixture(scope="module")
+def model(cluster: Cluster, operator: None) -> Iterator[str]:
+    """examples/sim-qwen3.yaml applied and Ready; yields the gateway Service's base URL."""
+    cluster.kubectl("create", "namespace", MODEL_NAMESPACE)
+    cluster.kubectl("apply", "-f", str(EXAMPLE))
+    waited = cluster.kubectl(
+        "wait", "--for=condition=Ready", "dm/sim-qwen3", "-n", MODEL_NAMESPACE, "--timeout=4m",
+        check=False, timeout=300,
+    )  # fmt: skip
+    assert waited.returncode == 0, waited.stderr + describe(cluster, MODEL_NAMESPACE)
+    service = json.loads(
+        cluster.kubectl(
+            "get", "svc", "sim-qwen3-gateway", "-n", MODEL_NAMESPACE, "-o", "json"
+        ).stdout
+    )
+    yield f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}/v1"
+    cluster.kubectl("delete", "-f", str(EXAMPLE), "--wait", check=False)
+
+
+def test_chart_runs_the_operator_as_a_pod_and_its_webhook_names_the_bad_field(
+    cluster: Cluster, operator: None, tmp_path: Path
+) -> None:
+    [operator_pod] = pods(cluster, RELEASE_NAMESPACE, "app.kubernetes.io/name=pdserve")
+    assert ready(operator_pod), operator_pod["status"]
+    assert operator_pod["spec"]["serviceAccountName"] == "pdserve"
+    assert operator_pod["spec"]["nodeName"] == "real-node"
+
+    cluster.kubectl("create", "namespace", "webhook-check")
+    bad = {
+        "apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
+        "metadata": {"name": "bad", "namespace": "webhook-check"},
+        "spec": {"model": {"name": "Qwen/Qwen3-8B"},
+                 "decode": {"extraArgs": ["--chat-template", "/tmp/other.jinja"]}},
+    }  # fmt: skip
+    refused = cluster.kubectl("apply", "-f", "-", stdin=json.dumps(bad), check=False)
+    assert refused.returncode != 0
+    # The API server called the operator's webhook through its Service (the CRD schema alone
+    # cannot judge extraArgs), and the message names the field.
+    logs = operator_logs(cluster)
+    assert "admission webhook" in refused.stderr, refused.stderr + logs
+    assert "spec.decode.extraArgs" in refused.stderr, refused.stderr + logs
+    cluster.kubectl("delete", "namespace", "webhook-check", "--wait=false")
+
+
+def test_simulated_model_is_ready_and_answers_the_openai_sdk_through_its_gateway(
+    cluster: Cluster, model: str
+) -> None:
+    for pod in pods(cluster, MODEL_NAMESPACE):
+        assert pod["status"]["phase"] == "Running", pod["metadata"]["name"]
+        assert ready(pod), pod["metadata"]["name"]
+        assert pod["spec"]["nodeName"] == "real-node"
+    components = {
+        p["metadata"]["labels"]["app.kubernetes.io/component"]
+        for p in pods(cluster, MODEL_NAMESPACE)
+    }
+    assert components >= {"render", "prefill", "decode", "gateway"}
+
+    client = openai.OpenAI(base_url=model, api_key="unused", timeout=60, max_retries=0)
+    chat = client.chat.completions.create(
+        model="sim-qwen3", messages=[{"role": "user", "content": "Say hello"}], max_tokens=48
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens > 0
+
+    stream = client.chat.completions.create(
+        model="sim-qwen3", messages=[{"role": "user", "content": "Count to five"}],
+        max_tokens=32, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length")
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]},
+        },
+    }  # fmt: skip
+    tools = client.chat.completions.create(
+        model="sim-qwen3", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[weather], max_tokens=128,  # type: ignore[list-item]
+    )  # fmt: skip
+    [call] = tools.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["city"]  # type: ignore[union-attr]
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert "no-such-model" in str(unknown.value)
+
+
+def test_gateway_service_is_reached_only_through_this_machine(cluster: Cluster, model: str) -> None:
+    """The Service address resolves, through kube-proxy, to a pod on the node's bridge."""
+    wait_until("the gateway Service", lambda: httpx.get(f"{model}/models").is_success, timeout=30)
+    slices = json.loads(
+        cluster.kubectl(
+            "get", "endpointslices", "-n", MODEL_NAMESPACE,
+            "-l", "kubernetes.io/service-name=sim-qwen3-gateway", "-o", "json",
+        ).stdout
+    )  # fmt: skip
+    addresses = [a for s in slices["items"] for e in s["endpoints"] for a in e["addresses"]]
+    assert addresses
+    assert all(a.startswith("10.244.0.") for a in addresses)
