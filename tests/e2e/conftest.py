@@ -1,14 +1,17 @@
 """The local control plane with a real node: pods really run (tests/cluster/realnode.py) from
-images built here (tests/cluster/images.py). One plane for the whole session, started by the
-first test that asks for it and stopped, leaving nothing behind, at the end."""
+images built here (tests/cluster/images.py). One plane for the tests of this package, started
+by the first that asks for it and stopped after the last one, leaving nothing behind (the other
+tests then run without its pods busy in the background)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,7 +79,7 @@ class Cluster:
         return self.tool("helm", *args, check=check, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("e2e")
     images = build_images()
@@ -98,3 +101,64 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         delete_bridge()
     left = leftovers(node)
     assert left == [], f"the real node left these behind: {left}"
+
+
+CHART = ROOT / "charts" / "pdserve"
+EXAMPLE = ROOT / "examples" / "sim-qwen3.yaml"
+RELEASE_NAMESPACE = "pdserve-system"
+MODEL_NAMESPACE = "llm"
+OPERATOR_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:pdserve"
+
+
+def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str, Any]]:
+    args = ["get", "pods", "-n", namespace, "-o", "json", *(["-l", selector] if selector else [])]
+    items: list[dict[str, Any]] = json.loads(cluster.kubectl(*args).stdout)["items"]
+    return items
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def describe(cluster: Cluster, namespace: str) -> str:
+    """What a user would look at when something is not Ready."""
+    listing = cluster.kubectl("get", "pods,events", "-n", namespace, "-o", "wide", check=False)
+    return listing.stdout + listing.stderr
+
+
+def operator_logs(cluster: Cluster) -> str:
+    logs = cluster.kubectl(
+        "logs", "-n", RELEASE_NAMESPACE, "deploy/pdserve", "--tail=40", check=False
+    )  # fmt: skip
+    return f"\noperator log:\n{logs.stdout}{logs.stderr}"
+
+
+@pytest.fixture(scope="package")
+def operator(cluster: Cluster) -> Iterator[None]:
+    """The chart installed as a user installs it, with the images built here."""
+    cluster.helm(
+        "install", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+        "--wait", "--timeout", "3m",
+    )  # fmt: skip
+    yield
+    cluster.helm("uninstall", "pdserve", "-n", RELEASE_NAMESPACE, "--wait", check=False)
+
+
+@pytest.fixture(scope="package")
+def model(cluster: Cluster, operator: None) -> Iterator[str]:
+    """examples/sim-qwen3.yaml applied and Ready; yields the gateway Service's base URL."""
+    cluster.kubectl("create", "namespace", MODEL_NAMESPACE)
+    cluster.kubectl("apply", "-f", str(EXAMPLE))
+    waited = cluster.kubectl(
+        "wait", "--for=condition=Ready", "dm/sim-qwen3", "-n", MODEL_NAMESPACE, "--timeout=4m",
+        check=False, timeout=300,
+    )  # fmt: skip
+    assert waited.returncode == 0, waited.stderr + describe(cluster, MODEL_NAMESPACE)
+    service = json.loads(
+        cluster.kubectl(
+            "get", "svc", "sim-qwen3-gateway", "-n", MODEL_NAMESPACE, "-o", "json"
+        ).stdout
+    )
+    yield f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}/v1"
+    cluster.kubectl("delete", "-f", str(EXAMPLE), "--wait", check=False)

@@ -5,76 +5,22 @@ gateway's Service. Every pod here really runs, from images built on this machine
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import ROOT, Cluster
-
-CHART = ROOT / "charts" / "pdserve"
-EXAMPLE = ROOT / "examples" / "sim-qwen3.yaml"
-RELEASE_NAMESPACE = "pdserve-system"
-MODEL_NAMESPACE = "llm"
-OPERATOR_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:pdserve"
-
-
-def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str, Any]]:
-    args = ["get", "pods", "-n", namespace, "-o", "json", *(["-l", selector] if selector else [])]
-    items: list[dict[str, Any]] = json.loads(cluster.kubectl(*args).stdout)["items"]
-    return items
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
-def describe(cluster: Cluster, namespace: str) -> str:
-    """What a user would look at when something is not Ready."""
-    listing = cluster.kubectl("get", "pods,events", "-n", namespace, "-o", "wide", check=False)
-    return listing.stdout + listing.stderr
-
-
-def operator_logs(cluster: Cluster) -> str:
-    logs = cluster.kubectl(
-        "logs", "-n", RELEASE_NAMESPACE, "deploy/pdserve", "--tail=40", check=False
-    )  # fmt: skip
-    return f"\noperator log:\n{logs.stdout}{logs.stderr}"
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[None]:
-    """The chart installed as a user installs it, with the images built here."""
-    cluster.helm(
-        "install", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
-        "--wait", "--timeout", "3m",
-    )  # fmt: skip
-    yield
-    cluster.helm("uninstall", "pdserve", "-n", RELEASE_NAMESPACE, "--wait", check=False)
-
-
-@pytest.fixture(scope="module")
-def model(cluster: Cluster, operator: None) -> Iterator[str]:
-    """examples/sim-qwen3.yaml applied and Ready; yields the gateway Service's base URL."""
-    cluster.kubectl("create", "namespace", MODEL_NAMESPACE)
-    cluster.kubectl("apply", "-f", str(EXAMPLE))
-    waited = cluster.kubectl(
-        "wait", "--for=condition=Ready", "dm/sim-qwen3", "-n", MODEL_NAMESPACE, "--timeout=4m",
-        check=False, timeout=300,
-    )  # fmt: skip
-    assert waited.returncode == 0, waited.stderr + describe(cluster, MODEL_NAMESPACE)
-    service = json.loads(
-        cluster.kubectl(
-            "get", "svc", "sim-qwen3-gateway", "-n", MODEL_NAMESPACE, "-o", "json"
-        ).stdout
-    )
-    yield f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}/v1"
-    cluster.kubectl("delete", "-f", str(EXAMPLE), "--wait", check=False)
+from tests.e2e.conftest import (
+    MODEL_NAMESPACE,
+    OPERATOR_ACCOUNT,
+    RELEASE_NAMESPACE,
+    Cluster,
+    operator_logs,
+    pods,
+    ready,
+)
 
 
 def test_chart_runs_the_operator_as_a_pod_and_its_webhook_names_the_bad_field(
@@ -114,6 +60,10 @@ def test_simulated_model_is_ready_and_answers_the_openai_sdk_through_its_gateway
         for p in pods(cluster, MODEL_NAMESPACE)
     }
     assert components >= {"render", "prefill", "decode", "gateway"}
+    # The operator made them as its own service account, with the chart's RBAC.
+    writes = cluster.plane.audit_events(user=OPERATOR_ACCOUNT)
+    made = {(e["objectRef"]["resource"], e["objectRef"].get("namespace")) for e in writes}
+    assert {("statefulsets", MODEL_NAMESPACE), ("deployments", MODEL_NAMESPACE)} <= made, made
 
     client = openai.OpenAI(base_url=model, api_key="unused", timeout=60, max_retries=0)
     chat = client.chat.completions.create(
