@@ -61,10 +61,10 @@ test-e2e: install cluster-build node-deps ## only the end-to-end tests on the re
 cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG
 	$(LOCALPLANE) up
 
-cluster-down: install ## stop the local control plane (and the demo's operator)
+cluster-down: install ## stop the local control plane and the demo's real node, leaving nothing behind
 	$(LOCALPLANE) down
 
-demo: install cluster-build ## local plane + pdserve operator + examples/qwen2.5-7b-pd.yaml, then kubectl get dm
+demo: install cluster-build node-deps ## local plane + real node, helm install, the simulator example Ready, a chat completion through its gateway (root)
 	$(PY) -m tests.cluster.demo
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once

@@ -587,11 +587,27 @@ def _cmd_down(state_dir: Path) -> int:
         print("no local control plane is running")
         return 0
     state = json.loads(state_file.read_text())
+    _stop_real_node(state_dir)
     for pid in reversed(list(state["pids"].values())):
         _terminate(pid, None)
     state_file.unlink()
     print(f"stopped the control plane at {state['server']}")
     return 0
+
+
+def _stop_real_node(state_dir: Path) -> None:
+    """The real node `make demo` started (its containers first, while containerd still runs),
+    then its bridge, so nothing of it is left."""
+    from tests.cluster.realnode import NODE_WORKDIR, RealNode, delete_bridge
+
+    plane = ControlPlane(workdir=state_dir, binaries=build_binaries(quiet=True))
+    node = RealNode.saved(plane, state_dir / NODE_WORKDIR)
+    if node is None:
+        return
+    node.stop()
+    (state_dir / NODE_WORKDIR / "node-state.json").unlink()
+    delete_bridge()
+    print("stopped the real node")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from tests.cluster.localplane import (
 )
 
 NODE_NAME = "real-node"
+NODE_WORKDIR = "node"  # under a plane's work directory, for `make demo` / `make cluster-down`
 BRIDGE = "pdserve0"
 BRIDGE_ADDRESS = "10.244.0.1"  # the node's address and the pods' gateway
 POD_CIDR = "10.244.0.0/24"
@@ -116,8 +117,11 @@ class RealNode:
     workdir: Path
     ports: NodePorts = field(default_factory=NodePorts)
     labels: dict[str, str] = field(default_factory=dict)
+    # Every component's process id: a node started by another command (`make demo`) is
+    # stopped from its saved state (`make cluster-down`).
+    pids: dict[str, int] = field(default_factory=dict)
+    netns_before: set[str] = field(default_factory=set)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
-    _netns_before: set[str] = field(default_factory=set, repr=False)
 
     # ---- paths -------------------------------------------------------------------------------
     @property
@@ -139,7 +143,7 @@ class RealNode:
             raise NodeError("a real node needs: " + ", ".join(missing))
         for directory in (self.workdir, self.logs):
             directory.mkdir(parents=True, exist_ok=True)
-        self._netns_before = set(_netns())
+        self.netns_before = set(_netns())
         try:
             create_bridge()
             self._start_containerd(timeout)
@@ -154,19 +158,34 @@ class RealNode:
 
     def stop(self) -> None:
         """Stop everything and remove what it made; never raises for what is already gone."""
-        if (proxy := self._procs.pop("kube-proxy", None)) is not None:
-            _terminate(proxy.pid, proxy)
+        self._stop_component("kube-proxy")
         self._cleanup_proxy_rules()
-        if (kubelet := self._procs.pop("kubelet", None)) is not None:
-            _terminate(kubelet.pid, kubelet)
+        self._stop_component("kubelet")
         self._remove_containers()
-        if (containerd := self._procs.pop("containerd", None)) is not None:
-            _terminate(containerd.pid, containerd)
+        self._stop_component("containerd")
         self._kill_leftover_shims()
         self._remove_pod_networks()
         self._unmount_all()
         self._remove_cgroups()
         delete_bridge()
+
+    def _stop_component(self, name: str) -> None:
+        if (pid := self.pids.pop(name, None)) is not None:
+            _terminate(pid, self._procs.pop(name, None))
+
+    def save(self) -> None:
+        state = {"pids": self.pids, "netns_before": sorted(self.netns_before)}
+        self._path("node-state.json").write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def saved(cls, plane: ControlPlane, workdir: Path) -> RealNode | None:
+        """The node a `save()` left in ``workdir``, to stop it from another process."""
+        path = workdir / "node-state.json"
+        if not path.exists():
+            return None
+        state = json.loads(path.read_text())
+        return cls(plane=plane, workdir=workdir, pids=state["pids"],
+                   netns_before=set(state["netns_before"]))  # fmt: skip
 
     def check_alive(self) -> None:
         for name, proc in self._procs.items():
@@ -192,6 +211,7 @@ class RealNode:
         )  # fmt: skip
         log.close()
         self._procs[name] = proc
+        self.pids[name] = proc.pid
 
     def _start_containerd(self, timeout: float) -> None:
         base = self._path("containerd")
@@ -371,7 +391,7 @@ class RealNode:
     def _remove_containers(self) -> None:
         """Kill every task of the node's containerd and delete its containers, so the shims
         exit; CNI teardown of the sandboxes is done by hand afterwards."""
-        if self._procs.get("containerd") is None or not self.containerd_socket.exists():
+        if "containerd" not in self.pids or not self.containerd_socket.exists():
             return
         with contextlib.suppress(NodeError, subprocess.TimeoutExpired):
             tasks = self.ctr("tasks", "ls", "-q").split()
@@ -395,7 +415,7 @@ class RealNode:
                     os.kill(int(proc.name), signal.SIGKILL)
 
     def _remove_pod_networks(self) -> None:
-        for name in set(_netns()) - self._netns_before:
+        for name in set(_netns()) - self.netns_before:
             run(["ip", "netns", "delete", name], check=False)
         shutil.rmtree(self._path("cni-ipam"), ignore_errors=True)
 
@@ -431,7 +451,7 @@ def leftovers(node: RealNode) -> list[str]:
     found: list[str] = []
     prefix = str(node.workdir.resolve()) + "/"
     found += [f"mount {m}" for m in _mount_points() if (m + "/").startswith(prefix)]
-    found += [f"netns {n}" for n in set(_netns()) - node._netns_before]
+    found += [f"netns {n}" for n in set(_netns()) - node.netns_before]
     if run(["ip", "link", "show", BRIDGE], check=False):
         found.append(f"bridge {BRIDGE}")
     veths = run(["ip", "-o", "link", "show", "master", BRIDGE], check=False)
