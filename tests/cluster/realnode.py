@@ -53,6 +53,9 @@ CONTAINERD_NAMESPACE = "k8s.io"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 NETNS_DIR = Path("/var/run/netns")
+# Fixed paths outside the work directory that the node writes to: the kubelet's links to each
+# container's log, and libcni's cache of each sandbox's network.
+HOST_DIRS = (Path("/var/log/containers"), Path("/var/lib/cni/results"))
 REQUIRED_COMMANDS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "iptables",
                      "iptables-save", "conntrack")  # fmt: skip
 CNI_PLUGIN_DIR = Path("/usr/lib/cni")
@@ -121,6 +124,7 @@ class RealNode:
     # stopped from its saved state (`make cluster-down`).
     pids: dict[str, int] = field(default_factory=dict)
     netns_before: set[str] = field(default_factory=set)
+    host_entries_before: set[str] = field(default_factory=set)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     # ---- paths -------------------------------------------------------------------------------
@@ -144,6 +148,7 @@ class RealNode:
         for directory in (self.workdir, self.logs):
             directory.mkdir(parents=True, exist_ok=True)
         self.netns_before = set(_netns())
+        self.host_entries_before = set(_host_entries())
         try:
             create_bridge()
             self._start_containerd(timeout)
@@ -174,7 +179,8 @@ class RealNode:
             _terminate(pid, self._procs.pop(name, None))
 
     def save(self) -> None:
-        state = {"pids": self.pids, "netns_before": sorted(self.netns_before)}
+        state = {"pids": self.pids, "netns_before": sorted(self.netns_before),
+                 "host_entries_before": sorted(self.host_entries_before)}  # fmt: skip
         self._path("node-state.json").write_text(json.dumps(state, indent=2))
 
     @classmethod
@@ -185,7 +191,8 @@ class RealNode:
             return None
         state = json.loads(path.read_text())
         return cls(plane=plane, workdir=workdir, pids=state["pids"],
-                   netns_before=set(state["netns_before"]))  # fmt: skip
+                   netns_before=set(state["netns_before"]),
+                   host_entries_before=set(state["host_entries_before"]))  # fmt: skip
 
     def check_alive(self) -> None:
         for name, proc in self._procs.items():
@@ -324,6 +331,7 @@ class RealNode:
             "fileCheckFrequency": "5s",
             "maxPods": 60,
             "localStorageCapacityIsolation": False,
+            "podLogsDir": str(self._path("pod-logs")),
         }  # fmt: skip
         (root / "config.yaml").write_text(yaml.safe_dump(config))
         labels = ",".join(f"{k}={v}" for k, v in sorted(self.labels.items()))
@@ -418,6 +426,12 @@ class RealNode:
         for name in set(_netns()) - self.netns_before:
             run(["ip", "netns", "delete", name], check=False)
         shutil.rmtree(self._path("cni-ipam"), ignore_errors=True)
+        for entry in set(_host_entries()) - self.host_entries_before:
+            path = Path(entry)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def _unmount_all(self) -> None:
         """Every mount under the work directory (pod volumes, rootfs overlays, sandbox shm),
@@ -452,6 +466,7 @@ def leftovers(node: RealNode) -> list[str]:
     prefix = str(node.workdir.resolve()) + "/"
     found += [f"mount {m}" for m in _mount_points() if (m + "/").startswith(prefix)]
     found += [f"netns {n}" for n in set(_netns()) - node.netns_before]
+    found += [f"file {e}" for e in set(_host_entries()) - node.host_entries_before]
     if run(["ip", "link", "show", BRIDGE], check=False):
         found.append(f"bridge {BRIDGE}")
     veths = run(["ip", "-o", "link", "show", "master", BRIDGE], check=False)
@@ -482,6 +497,10 @@ def remove_node_iptables_rules() -> None:
         kept = [line for line in rules.splitlines() if not NODE_RULE.search(line)]
         if len(kept) != len(rules.splitlines()):
             subprocess.run([restore], input="\n".join(kept) + "\n", text=True, check=False)
+
+
+def _host_entries() -> list[str]:
+    return [str(p) for d in HOST_DIRS if d.is_dir() for p in d.iterdir()]
 
 
 def _netns() -> list[str]:

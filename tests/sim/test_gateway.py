@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.service import Gateway, GatewaySettings
 from pdserve.sim.engine_core import SchedulerConfig
@@ -357,12 +358,38 @@ async def test_parity_gating_never_mixes_templates(stack: Stack) -> None:
     mixed = await stack.gateway(
         routing(
             prefill=False, endpoints={"render": [ep(render_a, "old")], "decode": [ep(decode, "p1")]}
-        )
+        ),
+        endpoint_wait_seconds=0.2,
     )
     response = await mixed.post("/v1/chat/completions", json=PLAIN)
     assert response.status_code == 503
     assert "refusing to mix chat templates or parsers" in response.json()["error"]["message"]
     assert (await mixed.get("/ready")).status_code == 503
+
+
+async def test_a_request_waits_for_a_replaced_pools_new_replica_then_is_served(
+    stack: Stack,
+) -> None:
+    """A pool's only replica being replaced (a parity rollout, a restart) holds requests for
+    the bound instead of failing them; they are served once discovery finds the new one."""
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render, "p1")], "decode": []}),
+        endpoint_wait_seconds=30,
+    )
+    assert stack.gateway_server is not None
+    waiting = asyncio.create_task(client.post("/v1/chat/completions", json=PLAIN))
+
+    async def held() -> None:
+        while "pdserve_gateway_inflight_requests 1.0" not in (await client.get("/metrics")).text:  # noqa: ASYNC110 - polled with a deadline
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(held(), timeout=10)
+    assert not waiting.done()  # with no decode endpoint it can only be waiting
+    stack.gateway_server.endpoints.replace("decode", [Endpoint(decode.rstrip("/"), "p1")])
+    response = await asyncio.wait_for(waiting, timeout=10)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(

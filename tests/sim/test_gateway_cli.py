@@ -43,7 +43,8 @@ def write_config(path: Path, upstreams: dict[str, str]) -> Path:
         "model": MODEL,
         "engineApi": "tokens",
         "pools": {"render": pool, "prefill": None, "decode": pool},
-        "endpoints": {name: [{"url": url}] for name, url in upstreams.items()},
+        "parityHash": "p1",
+        "endpoints": {name: [{"url": url, "parityHash": "p1"}] for name, url in upstreams.items()},
     }
     path.write_text(json.dumps(config))
     return path
@@ -105,6 +106,8 @@ async def test_gateway_process_serves_and_logs_each_request(
         assert entry["prompt_tokens"] > 0
         # Where it ran and why (Auto, the default mode, with no prefill pool to use).
         assert entry["decode_engine"] == upstreams["decode"]
+        assert entry["render_engine"] == upstreams["render"]
+        assert entry["parity_hash"] == "p1"
         assert (entry["prefill_engine"], entry["auto_reason"]) == (None, "no_prefill")
     finally:
         process.terminate()

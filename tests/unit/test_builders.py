@@ -285,3 +285,15 @@ def test_other_accelerators_are_requested_by_name() -> None:
                    decode={"tensorParallelSize": 2})  # fmt: skip
     decode = objects_by_key(dm)[("StatefulSet", "m-decode")]
     assert container(decode)["resources"]["limits"] == {"amd.com/gpu": "2"}
+
+
+def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None:
+    def gateway_args(dm: DisaggregatedModel) -> list[str]:
+        [deployment] = [o for o in build_all(dm) if o["kind"] == "Deployment"
+                        and o["metadata"]["name"].endswith("-gateway")]  # fmt: skip
+        args: list[str] = container(deployment)["args"]
+        return args
+
+    assert "--request-log" not in gateway_args(with_spec())
+    args = gateway_args(with_spec(gateway__requestLog=True))
+    assert args[args.index("--request-log") + 1] == "/dev/stdout"

@@ -681,6 +681,10 @@ class GatewaySpec(ApiModel):
     """Node labels the gateway pods require."""
     tolerations: list[PreservedObject] = Field(default_factory=list)
     """Tolerations of the gateway pods."""
+    request_log: bool = False
+    """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
+    render, prefill and decode pods that served it, their parity hash, timings and token
+    counts. Off by default: a line per request costs CPU at high rates."""
 
 
 # ---- placement ---------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from pdserve.builders.names import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
     GATEWAY_CONTAINER_PORT,
+    GATEWAY_DRAIN_SECONDS,
+    GATEWAY_SHUTDOWN_SECONDS,
     RENDER_PORT,
     Component,
     child_name,
@@ -85,10 +87,18 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
         "image": dm.spec.image.gateway,
         "imagePullPolicy": dm.spec.image.pull_policy,
         "command": ["pdserve", "gateway"],
-        "args": ["--config", f"{ROUTING_DIR}/{ROUTING_KEY}", "--port", str(GATEWAY_CONTAINER_PORT)],
+        "args": [
+            "--config",
+            f"{ROUTING_DIR}/{ROUTING_KEY}",
+            "--port",
+            str(GATEWAY_CONTAINER_PORT),
+            # The container's stdout: `kubectl logs` shows the lines.
+            *(["--request-log", "/dev/stdout"] if spec.request_log else []),
+        ],
         "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": resources(spec.resources),
         **http_probes("/health", slow_start=False),
+        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_DRAIN_SECONDS}}},
         "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
     }
     container["env"] = env
@@ -105,6 +115,7 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
         node_selector=spec.node_selector,
         tolerations=[dict(t) for t in spec.tolerations],
         service_account=name,
+        termination_grace_seconds=GATEWAY_DRAIN_SECONDS + GATEWAY_SHUTDOWN_SECONDS,
     )
     labels_meta = meta(dm, Component.gateway)
     return [

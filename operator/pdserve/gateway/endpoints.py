@@ -5,6 +5,8 @@ answers 503 rather than mixing."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +99,8 @@ class Endpoints:
         self.config = config
         self.down_seconds = down_seconds
         self.pools: dict[str, list[Endpoint]] = {"render": [], "prefill": [], "decode": []}
+        # Set (and replaced) on every discovery update: requests waiting for a complete set.
+        self._changed = asyncio.Event()
         if config.endpoints is not None:
             for pool in self.pools:
                 self.pools[pool] = [
@@ -124,6 +128,27 @@ class Endpoints:
             else:
                 updated.append(endpoint)
         self.pools[pool] = updated
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_select(
+        self, needed: Iterable[str], optional: Iterable[str] = (), *, wait_seconds: float
+    ) -> Selection:
+        """`select`, waiting up to `wait_seconds` for a complete set: a pool's only replica
+        being replaced (a parity rollout, a restart) holds requests instead of failing them."""
+        needed, optional = list(needed), list(optional)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                return self.select(needed, optional)
+            except NoEndpoints:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                # Woken by discovery; re-checked at least twice a second, as replicas marked
+                # down come back by time alone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
 
     def select(self, needed: Iterable[str], optional: Iterable[str] = ()) -> Selection:
         """The newest complete parity-consistent set covering every needed pool."""

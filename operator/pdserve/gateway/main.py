@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 from kubernetes.config import ConfigException
 
+from pdserve.builders.names import GATEWAY_SHUTDOWN_SECONDS
 from pdserve.controller.kube import Kube, load_credentials
 from pdserve.gateway.config import ConfigError, load_config
 from pdserve.gateway.service import Gateway, GatewaySettings
@@ -49,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-cap", type=int, help="largest max_tokens a client may ask for"
     )
     parser.add_argument(
+        "--endpoint-wait-seconds",
+        type=float,
+        default=GatewaySettings.endpoint_wait_seconds,
+        help="how long a request waits for a complete set of render/prefill/decode endpoints "
+        "of one parity hash (a rollout or restart) before 503 (default %(default)s; 0: none)",
+    )
+    parser.add_argument(
         "--api-key-file",
         type=Path,
         help="file with one API key per line (default: env PDSERVE_API_KEY)",
@@ -70,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         settings = GatewaySettings(
             max_inflight=args.max_inflight,
             max_tokens_cap=args.max_tokens_cap,
+            endpoint_wait_seconds=args.endpoint_wait_seconds,
             api_keys=api_keys(args.api_key_file),
             derender_pipelining=args.pipelining,
             request_log=args.request_log,
@@ -92,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
         # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
         gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
     # A client that disconnects cancels its handler, which aborts the engines' work.
+    # SIGTERM (after the pod's preStop drain): stop accepting, finish what is in flight.
     web.run_app(
-        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
-    )
+        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None,
+        shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS,
+    )  # fmt: skip
     return 0

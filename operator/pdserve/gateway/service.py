@@ -52,6 +52,9 @@ class GatewaySettings:
     max_tokens_cap: int | None = None
     api_keys: tuple[str, ...] = ()
     connect_timeout: float = 2.0
+    # How long a request waits for a complete, parity-consistent set of endpoints (a pool's
+    # only replica being replaced) before 503; 0: fail at once.
+    endpoint_wait_seconds: float = 30.0
     render_timeout: float = 30.0
     prefill_timeout: float = 300.0
     decode_timeout: float = 300.0
@@ -518,7 +521,10 @@ class Gateway:
                 self.authorize(request)
                 body = await self.read_body(request)
                 request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
-                selection = self.endpoints.select(self.needed_pools(), optional=["prefill"])
+                wait = self.settings.endpoint_wait_seconds
+                selection = await self.endpoints.wait_select(
+                    self.needed_pools(), ["prefill"], wait_seconds=wait
+                )
                 unverified = self.keep_verified_prefill(selection)
                 pd = self.wants_pd(selection)
                 if (
@@ -714,8 +720,10 @@ class Context:
                 "finished_at_ms": wall_ms(now),
                 "output_tokens": self.output_tokens,
                 "inter_token_ms_p95": None if gap_p95 is None else round(gap_p95 * 1000, 2),
+                "render_engine": self.served_by.get("render"),
                 "prefill_engine": self.served_by.get("prefill"),
                 "decode_engine": self.served_by.get("decode"),
+                "parity_hash": self.selection.parity_hash,
                 "auto_reason": self.auto_reason,
             }
         )
@@ -878,7 +886,7 @@ class Context:
     async def tokens_route(self) -> web.StreamResponse:
         gw = self.gw
         path = "/v1/chat/completions/render" if self.chat else "/v1/completions/render"
-        _, rendered = await gw.post_json(
+        render_endpoint, rendered = await gw.post_json(
             "render",
             self.selection.pools["render"],
             path,
@@ -886,6 +894,7 @@ class Context:
             self.headers,
             self.settings.render_timeout,
         )
+        self.served_by["render"] = render_endpoint.label
         generates = rendered if isinstance(rendered, list) else [rendered]
         if len(generates) != 1:
             raise GatewayError(400, "send one prompt per request", param="prompt")
