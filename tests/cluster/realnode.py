@@ -6,9 +6,10 @@ built from the same Kubernetes release as the control plane (bin-src/build.sh). 
 listens on the bridge's address, so pods reach it through the `kubernetes` Service that
 kube-proxy programs, and it reaches webhooks through their endpoints.
 
-Nothing leaves the machine: pods get bridge addresses only, their resolv.conf names a resolver on
-their own loopback (nothing answers: a Service name never goes to the host's resolver), and
-every image is built here and imported (images.py), never pulled.
+Nothing leaves the machine: pods get bridge addresses only, resolve names with the node's
+CoreDNS (cluster names from the API server; every other name refused, never forwarded; pods
+with `dnsPolicy: Default` get a resolver on their own loopback), and every image is built here
+and imported (images.py), never pulled.
 
 `stop()` leaves nothing behind: no process, mount, network namespace, veth, bridge, cgroup or
 iptables rule of the node.
@@ -32,7 +33,9 @@ import httpx
 import yaml
 
 from tests.cluster.localplane import (
+    ADMIN_USER,
     SERVICE_CLUSTER_IP_RANGE,
+    ComponentExited,
     ControlPlane,
     ControlPlaneError,
     _tail,
@@ -64,6 +67,10 @@ NODE_RULE = re.compile(r"\b(KUBE|CNI)-")
 
 class NodeError(ControlPlaneError):
     """The real node could not be set up, started or torn down."""
+
+
+class NodeComponentExited(NodeError, ComponentExited):
+    """A node process died: waiting longer cannot help."""
 
 
 def missing_prerequisites() -> list[str]:
@@ -104,8 +111,13 @@ def delete_bridge() -> None:
     run(["ip", "link", "delete", BRIDGE], check=False)
 
 
+CLUSTER_DOMAIN = "cluster.local"
+
+
 @dataclass
 class NodePorts:
+    dns_health: int = field(default_factory=free_port)
+    dns_ready: int = field(default_factory=free_port)
     kubelet: int = field(default_factory=free_port)
     kubelet_healthz: int = field(default_factory=free_port)
     proxy_healthz: int = field(default_factory=free_port)
@@ -155,6 +167,7 @@ class RealNode:
             for archive in images:
                 self.ctr("images", "import", "--no-unpack", str(archive), timeout=300)
             self._write_cni_config()
+            self._start_dns(timeout)
             self._start_kubelet(timeout)
             self._start_kube_proxy(timeout)
         except BaseException:
@@ -168,6 +181,7 @@ class RealNode:
         self._stop_component("kubelet")
         self._remove_containers()
         self._stop_component("containerd")
+        self._stop_component("coredns")
         self._kill_leftover_shims()
         self._remove_pod_networks()
         self._unmount_all()
@@ -197,7 +211,7 @@ class RealNode:
     def check_alive(self) -> None:
         for name, proc in self._procs.items():
             if proc.poll() is not None:
-                raise NodeError(
+                raise NodeComponentExited(
                     f"{name} exited with code {proc.returncode}; see {self.logs / name}.log:\n"
                     + _tail(self.logs / f"{name}.log")
                 )
@@ -297,6 +311,33 @@ class RealNode:
         }
         (directory / "10-pdserve.conflist").write_text(json.dumps(config, indent=2))
 
+    def _start_dns(self, timeout: float) -> None:
+        """Cluster DNS on the node's address: Service and pod names from the API server; any
+        other name is refused, never forwarded."""
+        corefile = self._path("Corefile")
+        kubeconfig = self.plane.kubeconfig(ADMIN_USER)
+        corefile.write_text(
+            f"{CLUSTER_DOMAIN}:53 in-addr.arpa:53 ip6.arpa:53 {{\n"
+            f"    bind {BRIDGE_ADDRESS}\n"
+            "    errors\n"
+            f"    health 127.0.0.1:{self.ports.dns_health}\n"
+            f"    ready 127.0.0.1:{self.ports.dns_ready}\n"
+            f"    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{\n"
+            f"        kubeconfig {kubeconfig}\n"
+            "        pods insecure\n"
+            "    }\n"
+            "}\n"
+        )
+        binary = str(self.plane.binaries.path("coredns"))
+        self._spawn("coredns", [binary, "-conf", str(corefile)])
+
+        def ready() -> bool:
+            self.check_alive()
+            url = f"http://127.0.0.1:{self.ports.dns_ready}/ready"
+            return httpx.get(url, timeout=2).status_code == 200
+
+        wait_until("cluster DNS", ready, timeout=timeout)
+
     def _start_kubelet(self, timeout: float) -> None:
         root = self._path("kubelet")
         root.mkdir(parents=True, exist_ok=True)
@@ -318,6 +359,8 @@ class RealNode:
             "authorization": {"mode": "AlwaysAllow"},
             "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
             "resolvConf": str(resolv),
+            "clusterDNS": [BRIDGE_ADDRESS],
+            "clusterDomain": CLUSTER_DOMAIN,
             "podCIDR": POD_CIDR,
             "registerNode": True,
             "serializeImagePulls": False,

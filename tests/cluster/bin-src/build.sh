@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local test control plane from the Go module proxy into a cache keyed by version:
 #   $PDSERVE_CACHE/k8s-<version>-kwok-<version>/{etcd,kube-apiserver,kube-controller-manager,
-#   kube-scheduler,kubelet,kube-proxy,kwok}
+#   kube-scheduler,kubelet,kube-proxy,coredns,kwok}
 # A rerun with every binary present costs nothing. Prints the directory on stdout, progress on stderr.
 set -euo pipefail
 
@@ -48,6 +48,20 @@ build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler
 # The real node (tests/cluster/realnode.py): the same release's kubelet and kube-proxy.
 build kubelet k8s.io/kubernetes/cmd/kubelet
 build kube-proxy k8s.io/kubernetes/cmd/kube-proxy
+
+# The real node's cluster DNS: CoreDNS with the kubernetes plugin only (coredns/main.go).
+coredns_version=$(cd "$here/coredns" && go list -m -f '{{.Version}}' github.com/coredns/coredns)
+coredns_version+="-$(cat "$here/coredns/main.go" "$here/coredns/go.sum" | sha256sum | cut -c1-12)"
+if [[ ! -x "$out/coredns" || "$(cat "$out/coredns.version" 2>/dev/null)" != "$coredns_version" ]]; then
+  echo "cluster build: compiling coredns $coredns_version ..." >&2
+  start=$SECONDS
+  (cd "$here/coredns" && go build -trimpath -ldflags "-s -w" -o "$out/coredns.tmp" .)
+  mv "$out/coredns.tmp" "$out/coredns"
+  echo "$coredns_version" > "$out/coredns.version"
+  echo "cluster build: coredns done in $((SECONDS - start))s" >&2
+else
+  echo "cluster build: coredns $coredns_version cached" >&2
+fi
 
 if [[ ! -x "$out/kwok" ]]; then
   echo "cluster build: compiling kwok $kwok_version ..." >&2
