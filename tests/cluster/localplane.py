@@ -23,7 +23,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,12 +200,7 @@ class ControlPlane:
 
     def check_alive(self) -> None:
         """Raise naming the component (and its log) if any process has exited."""
-        for name, proc in self._procs.items():
-            if proc.poll() is not None:
-                raise ComponentExited(
-                    f"{name} exited with code {proc.returncode}; see {self.logs / name}.log:\n"
-                    + _tail(self.logs / f"{name}.log")
-                )
+        raise_if_exited(self._procs, self.logs, ComponentExited)
 
     # ---- clients -----------------------------------------------------------------------------
     def http(self, user: str = ADMIN_USER) -> httpx.Client:
@@ -267,18 +262,7 @@ class ControlPlane:
         path.chmod(0o600)
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
-        # A session of its own: Ctrl-C in a terminal must not leave half a plane behind, and
-        # `down` from another process can stop the whole group.
-        proc = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.workdir,
-        )
-        log.close()
+        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
         self._procs[name] = proc
         self.pids[name] = proc.pid
 
@@ -480,6 +464,31 @@ def _run(args: list[str]) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ControlPlaneError(f"{' '.join(args)} failed: {proc.stderr.strip()}")
+
+
+def spawn_component(
+    name: str, args: list[str], *, logs: Path, cwd: Path
+) -> subprocess.Popen[bytes]:
+    """A component process writing to logs/<name>.log, in a session of its own: Ctrl-C in a
+    terminal must not leave half a plane behind, and `down` from another process can stop the
+    whole group."""
+    with (logs / f"{name}.log").open("ab") as log:
+        return subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, cwd=cwd,
+        )  # fmt: skip
+
+
+def raise_if_exited(
+    procs: Mapping[str, subprocess.Popen[bytes]], logs: Path, error: type[ControlPlaneError]
+) -> None:
+    """Raise `error` naming the first component that exited, with the tail of its log."""
+    for name, proc in procs.items():
+        if proc.poll() is not None:
+            raise error(
+                f"{name} exited with code {proc.returncode}; see {logs / name}.log:\n"
+                + _tail(logs / f"{name}.log")
+            )
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -38,9 +38,10 @@ from tests.cluster.localplane import (
     ComponentExited,
     ControlPlane,
     ControlPlaneError,
-    _tail,
     _terminate,
     free_port,
+    raise_if_exited,
+    spawn_component,
     wait_until,
 )
 
@@ -209,12 +210,7 @@ class RealNode:
                    host_entries_before=set(state["host_entries_before"]))  # fmt: skip
 
     def check_alive(self) -> None:
-        for name, proc in self._procs.items():
-            if proc.poll() is not None:
-                raise NodeComponentExited(
-                    f"{name} exited with code {proc.returncode}; see {self.logs / name}.log:\n"
-                    + _tail(self.logs / f"{name}.log")
-                )
+        raise_if_exited(self._procs, self.logs, NodeComponentExited)
 
     def ctr(self, *args: str, timeout: float = 60) -> str:
         return run(
@@ -225,12 +221,7 @@ class RealNode:
 
     # ---- components --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=self.workdir,
-        )  # fmt: skip
-        log.close()
+        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
         self._procs[name] = proc
         self.pids[name] = proc.pid
 
@@ -331,12 +322,7 @@ class RealNode:
         binary = str(self.plane.binaries.path("coredns"))
         self._spawn("coredns", [binary, "-conf", str(corefile)])
 
-        def ready() -> bool:
-            self.check_alive()
-            url = f"http://127.0.0.1:{self.ports.dns_ready}/ready"
-            return httpx.get(url, timeout=2).status_code == 200
-
-        wait_until("cluster DNS", ready, timeout=timeout)
+        self._wait_healthy("cluster DNS", f"http://127.0.0.1:{self.ports.dns_ready}/ready", timeout)
 
     def _start_kubelet(self, timeout: float) -> None:
         root = self._path("kubelet")
@@ -425,12 +411,15 @@ class RealNode:
         binary = str(self.plane.binaries.path("kube-proxy"))
         self._spawn("kube-proxy", [binary, f"--config={path}", "--v=1"])
 
+        url = f"http://127.0.0.1:{self.ports.proxy_healthz}/healthz"
+        self._wait_healthy("kube-proxy", url, timeout)
+
+    def _wait_healthy(self, what: str, url: str, timeout: float) -> None:
         def healthy() -> bool:
             self.check_alive()
-            url = f"http://127.0.0.1:{self.ports.proxy_healthz}/healthz"
             return httpx.get(url, timeout=2).status_code == 200
 
-        wait_until("kube-proxy", healthy, timeout=timeout)
+        wait_until(f"{what} at {url}", healthy, timeout=timeout)
 
     # ---- teardown ----------------------------------------------------------------------------
     def _cleanup_proxy_rules(self) -> None:

@@ -116,6 +116,15 @@ def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str,
     return items
 
 
+def model_status(cluster: Cluster) -> dict[str, Any]:
+    """status of the simulator model, as `kubectl get dm -o json` shows it."""
+    dm = json.loads(
+        cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "json").stdout
+    )
+    status: dict[str, Any] = dm.get("status", {})
+    return status
+
+
 def ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)

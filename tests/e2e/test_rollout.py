@@ -19,17 +19,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from pdserve.builders.names import PARITY_HASH_ANNOTATION
 from tests.cluster.clitools import ensure_cli_tools
 from tests.cluster.localplane import ADMIN_USER, wait_until
-from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, pods, ready
+from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready
 
 GATEWAY = "app.kubernetes.io/component=gateway"
-
-
-def dm_status(cluster: Cluster) -> dict[str, Any]:
-    dm = json.loads(
-        cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "json").stdout
-    )
-    status: dict[str, Any] = dm.get("status", {})
-    return status
 
 
 def patch_dm(cluster: Cluster, patch: dict[str, Any]) -> None:
@@ -164,7 +156,7 @@ def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
         "--request-log" in p["spec"]["containers"][0]["args"]
         for p in pods(cluster, MODEL_NAMESPACE, GATEWAY)
     ), timeout=120, interval=1)  # fmt: skip
-    old = dm_status(cluster)["parityHash"]
+    old = model_status(cluster)["parityHash"]
 
     history, logs, load = PodHistory(), GatewayLogs(), Load(model)
     workers = [(partial(load.run_one, i), load.stop) for i in range(load.clients)]
@@ -176,9 +168,9 @@ def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
             # A parity change: the default chat-template kwargs every pool renders with.
             patch_dm(cluster, {"spec": {"serving": {
                 "defaultChatTemplateKwargs": {"enable_thinking": False}}}})  # fmt: skip
-            wait_until("the new parity hash", lambda: dm_status(cluster)["parityHash"] != old,
+            wait_until("the new parity hash", lambda: model_status(cluster)["parityHash"] != old,
                        timeout=30)  # fmt: skip
-            new = dm_status(cluster)["parityHash"]
+            new = model_status(cluster)["parityHash"]
             wait_until(
                 "every pod on the new parity hash",
                 lambda: settled(cluster, new),

@@ -7,15 +7,14 @@ import json
 from typing import Any
 
 from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, operator_logs, pods
-
-
-def model_status(cluster: Cluster) -> dict[str, Any]:
-    dm = json.loads(
-        cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "json").stdout
-    )
-    status: dict[str, Any] = dm.get("status", {})
-    return status
+from tests.e2e.conftest import (
+    MODEL_NAMESPACE,
+    Cluster,
+    describe,
+    model_status,
+    operator_logs,
+    pods,
+)
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -40,11 +40,16 @@ def test_dockerfile_follows_the_checklist() -> None:
     assert all(re.search(r":\d+\.\d+\.\d+", base) for base in external), f"unpinned: {external}"
     assert "pip wheel" in text
     assert text.count("--no-cache-dir") >= 2
+
+    def body(stage: str) -> str:
+        return re.split(r"^FROM ", text.split(f" AS {stage}\n", 1)[1], flags=re.MULTILINE)[0]
+
+    for label in ("version", "source", "licenses"):  # on the stage both targets build on
+        assert f"org.opencontainers.image.{label}=" in body("runtime"), label
     for target in ("sim", "pdserve"):
-        body = re.split(r"^FROM ", text.split(f" AS {target}\n", 1)[1], flags=re.MULTILINE)[0]
-        assert re.search(r"^USER 10001$", body, re.MULTILINE), target
-        for label in ("title", "version", "source", "licenses"):
-            assert f"org.opencontainers.image.{label}=" in body, (target, label)
+        assert built[target] == "runtime", target
+        assert re.search(r"^USER 10001$", body(target), re.MULTILINE), target
+        assert "org.opencontainers.image.title=" in body(target), target
 
 
 def test_pause_image_is_static_and_unprivileged() -> None:
