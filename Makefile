@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m tests.cluster.localplane
 
-.PHONY: help install node-deps lint typecheck test test-unit test-cluster test-e2e cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
+.PHONY: help install node-deps node-images lint typecheck test test-unit test-cluster test-e2e cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -46,7 +46,10 @@ typecheck: install ## mypy --strict
 cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (cached)
 	$(LOCALPLANE) build
 
-test: install cluster-build node-deps ## every test: unit, the real local control plane, the real node
+node-images: install node-deps ## build the pause, pdserve and pdserve-sim images with buildah (cached)
+	$(PY) -m tests.cluster.images
+
+test: install cluster-build node-images ## every test: unit, the real local control plane, the real node
 	$(VENV)/bin/pytest
 
 test-unit: install ## tests that need no control plane
@@ -55,7 +58,7 @@ test-unit: install ## tests that need no control plane
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
 
-test-e2e: install cluster-build node-deps ## only the end-to-end tests on the real node (root)
+test-e2e: install cluster-build node-images ## only the end-to-end tests on the real node (root)
 	$(VENV)/bin/pytest -m e2e
 
 cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG
@@ -64,7 +67,7 @@ cluster-up: install ## start a local control plane with fake GPU nodes; prints K
 cluster-down: install ## stop the local control plane and the demo's real node, leaving nothing behind
 	$(LOCALPLANE) down
 
-demo: install cluster-build node-deps ## local plane + real node, helm install, the simulator example Ready, a chat completion through its gateway (root)
+demo: install cluster-build node-images ## local plane + real node, helm install, the simulator example Ready, a chat completion through its gateway (root)
 	$(PY) -m tests.cluster.demo
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once

@@ -223,7 +223,17 @@ def _digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
     return digest.hexdigest()[:16]
 
 
-if __name__ == "__main__":
-    built = build_images()
+def main() -> int:
+    """`make node-images`: build what is missing, print the archives."""
+    try:
+        built = build_images()
+    except ImageBuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     for path in built.archives:
         print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

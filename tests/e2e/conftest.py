@@ -23,6 +23,7 @@ from tests.cluster.localplane import (
     ControlPlane,
     build_binaries,
 )
+from tests.cluster.nodes import create_nodes, gpu_node, wait_nodes_ready
 from tests.cluster.realnode import (
     BRIDGE_ADDRESS,
     KUBELET_USER,
@@ -34,6 +35,7 @@ from tests.cluster.realnode import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -94,6 +96,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         plane.start()
         node.start(images.archives)
+        # The fake H200 nodes join the same plane, tainted as GPU pools usually are: pods that
+        # ask for GPUs are scheduled there (kwok plays them), every other pod runs for real.
+        with plane.http() as http:
+            fake = [gpu_node(f"gpu-{i}", taints=(GPU_TAINT,)) for i in range(2)]
+            wait_nodes_ready(http, create_nodes(http, fake), timeout=60)
         yield Cluster(plane=plane, node=node, images=images, workdir=workdir)
     finally:
         node.stop()
