@@ -38,6 +38,7 @@ from tests.cluster.realnode import (
     PROXY_USER,
     RealNode,
     create_bridge,
+    ensure_no_other_node,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,6 +56,7 @@ def bring_up_with_node(state_dir: Path) -> Path:
     shutil.rmtree(state_dir, ignore_errors=True)
     started = time.monotonic()
     images = build_images()
+    ensure_no_other_node()
     create_bridge()
     plane = ControlPlane(
         workdir=state_dir, binaries=build_binaries(), address=BRIDGE_ADDRESS,

@@ -18,11 +18,13 @@ iptables rule of the node.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -158,6 +160,7 @@ class RealNode:
         and wait until the node is Ready."""
         if missing := missing_prerequisites():
             raise NodeError("a real node needs: " + ", ".join(missing))
+        ensure_no_other_node()
         for directory in (self.workdir, self.logs):
             directory.mkdir(parents=True, exist_ok=True)
         self.netns_before = set(_netns())
@@ -515,6 +518,22 @@ def leftovers(node: RealNode) -> list[str]:
         if (hierarchy / "kubepods").exists():
             found.append(f"cgroup {hierarchy / 'kubepods'}")
     return found
+
+
+def ensure_no_other_node() -> None:
+    """One real node per machine: every node uses the same bridge, address and host rules, so
+    a second one (a `make demo` node still up) would break the first. Call it before touching
+    any of those."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((BRIDGE_ADDRESS, 53))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                return  # no bridge address yet: no node
+            raise NodeError(
+                f"another real node runs on this machine (its DNS holds {BRIDGE_ADDRESS}:53): "
+                "stop it first (`make cluster-down` stops the one `make demo` started)"
+            ) from error
 
 
 def remove_node_iptables_rules() -> None:

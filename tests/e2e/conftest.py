@@ -31,6 +31,7 @@ from tests.cluster.realnode import (
     RealNode,
     create_bridge,
     delete_bridge,
+    ensure_no_other_node,
     leftovers,
 )
 
@@ -86,6 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("e2e")
     images = build_images()
     binaries = build_binaries()
+    ensure_no_other_node()
     # The API server listens on the node's bridge, which must exist before it starts.
     create_bridge()
     plane = ControlPlane(
