@@ -36,9 +36,10 @@ node-deps: ## Debian packages for the real node and the image builds (root)
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-lint: install ## ruff
+lint: install ## ruff, and the package graph's import contracts (pyproject.toml)
 	$(VENV)/bin/ruff check operator tests
 	$(VENV)/bin/ruff format --check operator tests
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install ## mypy --strict
 	$(VENV)/bin/mypy

@@ -21,10 +21,11 @@ import pytest
 
 from pdserve.api import parse_resource
 from pdserve.builders import build_all
-from pdserve.builders.names import COMPONENT_LABEL, FIELD_MANAGER
-from pdserve.controller.kube import KINDS, Kube, load_credentials
+from pdserve.contract.names import COMPONENT_LABEL, FIELD_MANAGER
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
+from pdserve.kube.client import KINDS, Kube
+from pdserve.kube.credentials import load_credentials
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer

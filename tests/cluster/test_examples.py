@@ -11,9 +11,10 @@ import yaml
 
 from pdserve.api import parse_resource
 from pdserve.builders import NetworkPolicyOptions, build_all
-from pdserve.builders.names import FIELD_MANAGER
+from pdserve.contract.names import FIELD_MANAGER
 from pdserve.controller.diff import contains
-from pdserve.controller.kube import Kube, load_credentials
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import load_credentials
 from pdserve.manifests import load_resources
 from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import ControlPlane

@@ -11,13 +11,13 @@ import pytest
 
 from pdserve.api import parse_resource
 from pdserve.builders import routing_config
-from pdserve.builders.names import PARITY_HASH_ANNOTATION
-from pdserve.controller.kube import Kube, load_credentials
-from pdserve.gateway.config import GatewayConfig
+from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fairqueue import PrefillAdmission
 from pdserve.gateway.peers import PeerAdmission
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import load_credentials
 from tests.cluster.localplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
@@ -60,7 +60,7 @@ async def test_ready_pods_become_endpoints_with_their_parity_hash(
             "spec": {"model": {"name": "org/model"}, "prefill": {}},
         }
     )
-    config = GatewayConfig.model_validate(routing_config(dm, "hash-new"))
+    config = routing_config(dm, "hash-new")
     endpoints = Endpoints(config)
     kube = Kube(load_credentials(str(control_plane.kubeconfig())))
     peers = PeerAdmission(PrefillAdmission(), lambda: None)  # type: ignore[arg-type,return-value]

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.builders.names import GATEWAY_CONTAINER_PORT
+from pdserve.contract.names import GATEWAY_CONTAINER_PORT
 from tests.cluster.clitools import Kubectl
 from tests.cluster.localplane import ComponentExited, ControlPlane, wait_until
 

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from pdserve.builders.names import PARITY_HASH_ANNOTATION
+from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from tests.cluster.clitools import ensure_cli_tools
 from tests.cluster.localplane import ADMIN_USER, wait_until
 from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready

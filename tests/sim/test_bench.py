@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.gateway.config import GatewayConfig
+from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.service import Gateway
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer

@@ -17,7 +17,7 @@ from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig
 from pdserve.sim.tokenizer import SimTokenizer
-from pdserve.vllm_protocol import prefill_handoff_params
+from pdserve.vllm.protocol import prefill_handoff_params
 from tests.cluster.localplane import free_port
 from tests.sim.conftest import serving
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from aiohttp import web
 
+from pdserve.contract.routing import GatewayConfig
 from pdserve.controller.health import HealthVerdict, TransportMonitor
-from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.service import Gateway, GatewaySettings

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.builders import build_all
 from pdserve.manifests import load_resources
-from pdserve.vllm_protocol import prefill_handoff_params
+from pdserve.vllm.protocol import prefill_handoff_params
 from tests.cluster.localplane import free_port, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-7b-pd.yaml"

@@ -16,10 +16,10 @@ from pdserve.bench import plots, scenarios
 from pdserve.bench.records import RequestRecord, read_jsonl, write_jsonl
 from pdserve.bench.report import text_block
 from pdserve.bench.runner import QueueSample, RunResult, parse_queue
-from pdserve.bench.stats import percentile
 from pdserve.bench.summary import Slo, summarize
 from pdserve.bench.workload import Lengths, collision_mix, fixed, parse_groups, plan
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.stats import percentile
 
 
 def test_percentile_interpolates_like_numpy_and_vllm_bench() -> None:

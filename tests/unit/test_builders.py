@@ -13,7 +13,7 @@ import yaml
 
 from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.builders import build_all, parity_hash
-from pdserve.builders.names import PARITY_HASH_ANNOTATION
+from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from pdserve.manifests import load_resources, render_manifests
 
 REPO = Path(__file__).resolve().parents[2]

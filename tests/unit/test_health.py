@@ -7,13 +7,8 @@ from typing import Any
 import pytest
 
 from pdserve.api import DisaggregatedModel, parse_resource
-from pdserve.controller.health import (
-    HealthVerdict,
-    TransferCounters,
-    judge_health,
-    kv_policy,
-    parse_counters,
-)
+from pdserve.controller.health import HealthVerdict, judge_health, kv_policy
+from pdserve.vllm.metrics import TransferCounters, parse_transfer_counters
 
 METRICS = """\
 # HELP vllm:nixl_xfer_time_seconds KV transfer time
@@ -31,7 +26,7 @@ vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="m"} 0.0
 
 
 def test_counters_come_from_the_engines_metrics_and_survive_restarts() -> None:
-    counters = parse_counters(METRICS)
+    counters = parse_transfer_counters(METRICS)
     assert counters == TransferCounters(transfers=4, seconds=1.2, failed=1, expired=0)
     later = TransferCounters(transfers=10, seconds=2.0, failed=1, expired=0)
     assert later.since(counters) == TransferCounters(6, pytest.approx(0.8), 0, 0)  # type: ignore[arg-type]

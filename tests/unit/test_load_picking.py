@@ -3,7 +3,7 @@ spread traffic between scrapes, a nearly full KV cache is avoided."""
 
 from __future__ import annotations
 
-from pdserve.gateway.config import GatewayConfig
+from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.load import LoadScraper, parse_load
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from pdserve.controller import runner
-from pdserve.controller.kube import Kube, KubeError
 from pdserve.controller.reconcile import Outcome, annotate_pod
 from pdserve.controller.settings import OperatorSettings
+from pdserve.kube.client import Kube, KubeError
 
 BODY: dict[str, Any] = {
     "apiVersion": "pdserve.io/v1alpha1",

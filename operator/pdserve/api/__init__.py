@@ -3,11 +3,9 @@ validation, defaults, documentation and the generated CRD."""
 
 from __future__ import annotations
 
-from pdserve.api.base import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from pdserve.api.resource import (
     DisaggregatedModel,
     SpecError,
-    format_validation_error,
     parse_resource,
     parse_spec,
 )
@@ -20,6 +18,16 @@ from pdserve.api.spec import (
     RoutingMode,
 )
 from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
+from pdserve.contract.resource import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
+from pdserve.validation import format_validation_error
 
 __all__ = [
     "API_VERSION",

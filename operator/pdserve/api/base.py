@@ -9,14 +9,6 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
 
-GROUP = "pdserve.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "DisaggregatedModel"
-PLURAL = "disaggregatedmodels"
-SINGULAR = "disaggregatedmodel"
-SHORT_NAMES = ("dm", "dmodel")
-
 # x-kubernetes-* keys are carried through JSON schema generation under this extra key.
 CEL = "x-kubernetes-validations"
 

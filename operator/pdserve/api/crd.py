@@ -13,10 +13,11 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from pdserve.api.base import CEL, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, rule
+from pdserve.api.base import CEL, rule
 from pdserve.api.resource import MAX_NAME_LENGTH
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import DisaggregatedModelStatus
+from pdserve.contract.resource import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from pdserve.yamlio import dump
 
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"

@@ -7,9 +7,11 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
-from pdserve.api.base import API_VERSION, KIND, ApiModel
+from pdserve.api.base import ApiModel
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import DisaggregatedModelStatus
+from pdserve.contract.resource import API_VERSION, KIND
+from pdserve.validation import format_validation_error
 
 # Child names are "<name>-prefill", "<name>-decode", "<name>-render", "<name>-gateway" (and
 # "-s<n>" slices later). A StatefulSet's pods carry the label controller-revision-hash =
@@ -61,33 +63,6 @@ class SpecError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("; ".join(problems))
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path
-
-
-def format_validation_error(error: ValidationError, prefix: str = "") -> list[str]:
-    """One line per problem: `spec.render.workers: Input should be greater than or equal to 1`."""
-    problems = []
-    for item in error.errors(include_url=False):
-        message = str(item["msg"]).removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field; check its spelling (kubectl explain disaggregatedmodel.spec)"
-        path = _field_path(tuple(item["loc"]))
-        path = f"{prefix}.{path}" if prefix and path else (path or prefix)
-        # Whole-object validators already name their fields in full ("spec.prefill.extraArgs...").
-        if not path or message.startswith(f"{path}.") or message.startswith("spec."):
-            problems.append(message)
-        else:
-            problems.append(f"{path}: {message}")
-    return problems
 
 
 def check_name(name: str) -> list[str]:

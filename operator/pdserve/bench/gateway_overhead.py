@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.procs import Proc, Processes, cpu_seconds, free_port
-from pdserve.bench.stats import percentile
+from pdserve.sim.procs import Proc, Processes, cpu_seconds, free_port
+from pdserve.stats import percentile
 
 ZERO_LATENCY = [
     "--sim-step-base-ms",

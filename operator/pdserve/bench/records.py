@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.stats import percentile
+from pdserve.stats import percentile
 
 
 @dataclass

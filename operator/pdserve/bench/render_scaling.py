@@ -47,8 +47,8 @@ from pdserve.controller.autoscale import (
     decide,
     proportional,
     recommend_render,
-    scrape_totals,
 )
+from pdserve.vllm.metrics import sum_samples
 
 DERENDER = "/v1/chat/completions/derender"
 
@@ -109,10 +109,10 @@ async def calibrate(points: Sequence[int] = (256, 1024, 2048, 4096, 8192), calls
 
             for n in points:
                 state = await call(ids[:n], None)  # the history, in one call
-                before = scrape_totals((await client.get("/metrics")).text, _handler_seconds)
+                before = sum_samples((await client.get("/metrics")).text, _handler_seconds)
                 for i in range(calls):
                     state = await call(ids[n + i : n + i + 1], state)
-                after = scrape_totals((await client.get("/metrics")).text, _handler_seconds)
+                after = sum_samples((await client.get("/metrics")).text, _handler_seconds)
                 seconds = after["seconds"] - before["seconds"]
                 samples.append((n + calls // 2, seconds / (after["calls"] - before["calls"])))
     finally:

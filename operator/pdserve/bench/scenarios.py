@@ -41,13 +41,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import plots
-from pdserve.bench.procs import Processes, free_port, sim_engine_argv, sim_render_argv
 from pdserve.bench.records import read_jsonl, write_jsonl
 from pdserve.bench.report import num, share, table
 from pdserve.bench.runner import Load, Progress, QueueSample, RunResult, Target, run_load
 from pdserve.bench.summary import Slo, compact, summarize
 from pdserve.bench.workload import Workload, collision_mix, fixed, plan
 from pdserve.sim.experiment import ARTICLE, ENGINE_MODEL
+from pdserve.sim.procs import Processes, free_port, sim_engine_argv, sim_render_argv
 
 MODEL = "bench"
 SIMGATEWAY = [sys.executable, "-m", "pdserve.bench.simgateway"]

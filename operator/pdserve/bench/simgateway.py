@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pdserve.gateway.config import ConfigError, load_config
+from pdserve.contract.routing import ConfigError, load_config
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.policy import PolicySettings
 from pdserve.gateway.service import Gateway, GatewaySettings

@@ -17,7 +17,7 @@ from typing import Any
 
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import QueueSample, RunResult
-from pdserve.bench.stats import distribution, percentile_word
+from pdserve.stats import distribution, percentile_word
 
 PERCENTILES = (50, 95, 99)
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms", "e2e": "e2e_ms"}

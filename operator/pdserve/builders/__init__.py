@@ -10,11 +10,12 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.builders.engines import engine_pool
 from pdserve.builders.gateway import endpoint, gateway, routing_config
-from pdserve.builders.names import Component, child_name
+from pdserve.builders.names import child_name
 from pdserve.builders.network import NetworkPolicyOptions, network_policies
 from pdserve.builders.parity import content_digest, parity_hash, parity_set
 from pdserve.builders.render import render_pool
 from pdserve.builders.scaling import ReplicaPlan
+from pdserve.contract.names import Component
 
 # Apply order: identities and config before the workloads that use them.
 # NetworkPolicies come before the workloads, so no pod of the model starts unprotected.

@@ -6,16 +6,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.spec import NIXL_CONNECTORS
-from pdserve.builders.names import (
-    ENGINE_PORT,
-    MODEL_LABEL,
-    Component,
-    child_name,
-    engine_name,
-    meta,
-    selector_labels,
-    slice_labels,
-)
+from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
 from pdserve.builders.placement import (
     engine_affinity,
     engine_pod_annotations,
@@ -34,6 +25,7 @@ from pdserve.builders.pods import (
 )
 from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
+from pdserve.contract.names import ENGINE_PORT, MODEL_LABEL, Component
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
 

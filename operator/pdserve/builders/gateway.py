@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.builders.names import (
+from pdserve.builders.names import child_name, meta, selector_labels
+from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
+from pdserve.contract.names import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_PORT,
     GATEWAY_CONTAINER_PORT,
@@ -15,64 +16,64 @@ from pdserve.builders.names import (
     GATEWAY_SHUTDOWN_SECONDS,
     RENDER_PORT,
     Component,
-    child_name,
-    meta,
-    selector_labels,
 )
-from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
+from pdserve.contract.routing import (
+    ROUTING_DIR,
+    ROUTING_KEY,
+    GatewayConfig,
+    KvTransfer,
+    PoolRef,
+    Pools,
+    Routing,
+    Slo,
+    config_text_of,
+)
 
-ROUTING_KEY = "routing.json"
-ROUTING_DIR = "/etc/pdserve/routing"
+
+def _pool_ref(dm: DisaggregatedModel, component: Component, port: int) -> PoolRef:
+    return PoolRef(
+        service=child_name(dm, component), port=port, selector=selector_labels(dm, component)
+    )
 
 
-def _pool_ref(dm: DisaggregatedModel, component: Component, port: int) -> dict[str, Any]:
-    return {
-        "service": child_name(dm, component),
-        "port": port,
-        "selector": selector_labels(dm, component),
-    }
-
-
-def routing_config(dm: DisaggregatedModel, parity: str) -> dict[str, Any]:
+def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
     """What the gateway needs to route: pools, the parity hash pods must carry, policies, SLOs."""
     spec = dm.spec
     kv = spec.kv_transfer
-    return {
-        "model": dm.served_model_name,
-        "namespace": dm.namespace,
-        "parityHash": parity,
-        "engineApi": "tokens" if spec.render.enabled else "openai",
+    return GatewayConfig(
+        model=dm.served_model_name,
+        namespace=dm.namespace,
+        parity_hash=parity,
+        engine_api="tokens" if spec.render.enabled else "openai",
         # The engines' KV block size: the gateway hashes prompts in the same blocks to guess
         # which engine holds a prefix.
-        "blockSize": spec.serving.block_size,
-        "routing": {
-            "mode": spec.gateway.routing.mode.value,
-            "slo": spec.gateway.slo.model_dump(by_alias=True, exclude_none=True),
-        },
-        "pools": {
-            "render": _pool_ref(dm, Component.render, RENDER_PORT) if spec.render.enabled else None,
-            "prefill": _pool_ref(dm, Component.prefill, ENGINE_PORT)
-            if spec.disaggregated
-            else None,
-            "decode": _pool_ref(dm, Component.decode, ENGINE_PORT),
+        block_size=spec.serving.block_size,
+        routing=Routing(
+            mode=spec.gateway.routing.mode.value,
+            slo=Slo.model_validate(spec.gateway.slo.model_dump(exclude_none=True)),
+        ),
+        pools=Pools(
+            render=_pool_ref(dm, Component.render, RENDER_PORT) if spec.render.enabled else None,
+            prefill=_pool_ref(dm, Component.prefill, ENGINE_PORT) if spec.disaggregated else None,
+            decode=_pool_ref(dm, Component.decode, ENGINE_PORT),
             # Peers: the replicas that share the cluster-wide long-prefill limit.
-            "gateway": _pool_ref(dm, Component.gateway, GATEWAY_CONTAINER_PORT),
-        },
-        "kvTransfer": {
-            "connector": kv.connector.value,
-            "leaseDurationSeconds": kv.lease_duration_seconds,
-            "loadFailurePolicy": kv.load_failure_policy,
-            "bidirectional": kv.bidirectional,
-            "verify": kv.verify.value,
-        },
-    }
+            gateway=_pool_ref(dm, Component.gateway, GATEWAY_CONTAINER_PORT),
+        ),
+        kv_transfer=KvTransfer(
+            connector=kv.connector.value,
+            lease_duration_seconds=kv.lease_duration_seconds,
+            load_failure_policy=kv.load_failure_policy,
+            bidirectional=kv.bidirectional,
+            verify=kv.verify.value,
+        ),
+    )
 
 
 def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
     spec = dm.spec.gateway
     name = child_name(dm, Component.gateway)
     # Indented so a GitOps diff of the ConfigMap shows which setting changed.
-    config_text = json.dumps(routing_config(dm, parity), indent=2, sort_keys=True) + "\n"
+    config_text = config_text_of(routing_config(dm, parity))
     # Its own pod name: the gateway tells itself apart from the peers it shares the prefill
     # admission limit with.
     env: list[dict[str, Any]] = [

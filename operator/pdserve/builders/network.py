@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.builders.names import (
+from pdserve.builders.names import meta
+from pdserve.contract.names import (
     COMPONENT_LABEL,
     ENGINE_PORT,
     GATEWAY_CONTAINER_PORT,
     MODEL_LABEL,
     RENDER_PORT,
     Component,
-    meta,
 )
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"

@@ -10,8 +10,9 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.spec import ResourceRequirements, Strength, guaranteed_resources
-from pdserve.builders.names import MODEL_LABEL, SLICE_LABEL, Component, slice_labels
+from pdserve.builders.names import slice_labels
 from pdserve.builders.pods import resources
+from pdserve.contract.names import MODEL_LABEL, SLICE_LABEL, Component
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 MULTUS_NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"

@@ -7,14 +7,9 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.spec import EnvVar, PlacementSpec, ResourceRequirements
-from pdserve.builders.names import (
-    PARITY_HASH_ANNOTATION,
-    Component,
-    labels,
-    meta,
-    selector_labels,
-)
+from pdserve.builders.names import labels, meta, selector_labels
 from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
+from pdserve.contract.names import PARITY_HASH_ANNOTATION, Component
 
 HF_CACHE = "/root/.cache/huggingface"
 # Render and gateway pods need no GPU: keep them off GPU nodes when other nodes have room

@@ -13,12 +13,13 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.api.spec import NIXL_CONNECTORS, TransportVerification
 from pdserve.builders.engines import nixl_env
-from pdserve.builders.names import SLICE_LABEL, Component, labels, meta
+from pdserve.builders.names import labels, meta
 from pdserve.builders.placement import (
     engine_pod_annotations,
     engine_pod_fields,
     engine_security_context,
 )
+from pdserve.contract.names import SLICE_LABEL, Component
 
 PROBE_PORT = 5590  # not the engines' side-channel port: host-network probes share their nodes
 PROBE_MOUNT = "/opt/pdserve-probe"

@@ -8,13 +8,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.spec import RenderAutoscaler
-from pdserve.builders.names import (
-    RENDER_PORT,
-    Component,
-    child_name,
-    meta,
-    selector_labels,
-)
+from pdserve.builders.names import child_name, meta, selector_labels
 from pdserve.builders.pods import (
     common_env,
     env_list,
@@ -36,6 +30,7 @@ from pdserve.builders.scaling import (
     render_replicas,
 )
 from pdserve.builders.vllm_args import render_args
+from pdserve.contract.names import RENDER_PORT, Component
 
 # Grace after the drain: the server finishes in-flight derender calls on SIGTERM.
 SHUTDOWN_SECONDS = 30

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.spec import EngineAutoscaler, RenderAutoscaler, ScalingBehaviour
-from pdserve.builders.names import Component
+from pdserve.contract.metrics import GATEWAY_RENDER_CALL_SECONDS_SUM
+from pdserve.contract.names import Component
 
 # The custom metrics the Prometheus Adapter rule (charts/pdserve) serves per render pod, and
 # the series behind them. vLLM's API servers (render included) expose
@@ -22,7 +23,7 @@ PARSER_BUSY_METRIC = "pdserve_render_parser_busy"
 GATEWAY_BUSY_METRIC = "pdserve_render_gateway_busy"
 RENDER_HANDLERS = "/v1/(chat/)?completions/(de)?render"
 SERVER_DURATION_SERIES = "http_request_duration_seconds_sum"
-GATEWAY_DURATION_SERIES = "pdserve_gateway_render_call_seconds_sum"
+GATEWAY_DURATION_SERIES = GATEWAY_RENDER_CALL_SECONDS_SUM
 
 
 @dataclass(frozen=True)

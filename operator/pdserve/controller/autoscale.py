@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.spec import (
@@ -37,14 +36,17 @@ from pdserve.api.spec import (
     ScalingBehaviour,
     cpu_cores,
 )
-from pdserve.builders.names import COMPONENT_LABEL, ENGINE_PORT, SLICE_LABEL, Component
 from pdserve.builders.scaling import (
     ReplicaPlan,
     active_slices,
     builtin_slices,
     render_replicas,
 )
+from pdserve.contract.metrics import GATEWAY_RENDER_CALL_SECONDS_SUM, RENDER_POD_LABEL
+from pdserve.contract.names import COMPONENT_LABEL, ENGINE_PORT, SLICE_LABEL, Component
 from pdserve.controller.scraper import Key, PeriodicScraper
+from pdserve.vllm import metrics
+from pdserve.vllm.metrics import Selector, Totals, sum_samples
 
 log = logging.getLogger("pdserve.autoscale")
 TOLERANCE = 0.1  # as the HPA: no change while the load is within 10% of the target
@@ -58,21 +60,6 @@ RENDER_PATHS = (
 
 
 # ---- metrics of one scrape ---------------------------------------------------------------------
-Totals = dict[str, float]
-Selector = Callable[[str, Mapping[str, str]], str | None]
-
-
-def scrape_totals(text: str, select: Selector) -> Totals:
-    """Sum every sample `select(name, labels)` maps to a key."""
-    totals: Totals = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = select(sample.name, sample.labels)
-            if key is not None:
-                totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
-
-
 def render_series(name: str, labels: Mapping[str, str]) -> str | None:
     """A render server: its render/derender handler time and its CPU."""
     if name == "http_request_duration_seconds_sum" and labels.get("handler") in RENDER_PATHS:
@@ -84,39 +71,28 @@ def render_series(name: str, labels: Mapping[str, str]) -> str | None:
 
 def gateway_series(name: str, labels: Mapping[str, str]) -> str | None:
     """A gateway: its call time per render replica (`busy:<pod>`)."""
-    if name == "pdserve_gateway_render_call_seconds_sum":
-        return f"busy:{labels.get('render_pod', '')}"
+    if name == GATEWAY_RENDER_CALL_SECONDS_SUM:
+        return f"busy:{labels.get(RENDER_POD_LABEL, '')}"
     return None
 
 
 ENGINE_SERIES = {
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
-    "vllm:request_prompt_tokens_sum": "prompt_lengths",
-    "vllm:request_prompt_tokens_count": "prompts",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:inter_token_latency_seconds_sum": "itl_seconds",
-    "vllm:inter_token_latency_seconds_count": "itl_count",
-    "vllm:time_to_first_token_seconds_sum": "ttft_seconds",
-    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    **dict.fromkeys(metrics.counter_samples(metrics.PROMPT_TOKENS), "prompt_tokens"),
+    metrics.total(metrics.REQUEST_PREFILL_TIME): "prefill_seconds",
+    metrics.total(metrics.REQUEST_PROMPT_TOKENS): "prompt_lengths",
+    metrics.count(metrics.REQUEST_PROMPT_TOKENS): "prompts",
+    metrics.NUM_REQUESTS_WAITING: "waiting",
+    metrics.KV_CACHE_USAGE: "kv_usage",
+    metrics.total(metrics.INTER_TOKEN_LATENCY): "itl_seconds",
+    metrics.count(metrics.INTER_TOKEN_LATENCY): "itl_count",
+    metrics.total(metrics.TIME_TO_FIRST_TOKEN): "ttft_seconds",
+    metrics.count(metrics.TIME_TO_FIRST_TOKEN): "ttft_count",
 }
-GAUGES = {"waiting", "kv_usage"}
+GAUGES = frozenset({"waiting", "kv_usage"})
 
 
 def engine_series(name: str, labels: Mapping[str, str]) -> str | None:
     return ENGINE_SERIES.get(name)
-
-
-def window(now: Totals, before: Totals) -> Totals:
-    """Counter deltas since `before` (a counter that went down restarted: it counts from 0);
-    gauges as they are now."""
-    out: Totals = {}
-    for key, value in now.items():
-        then = before.get(key, 0.0)
-        out[key] = value if key in GAUGES or value < then else value - then
-    return out
 
 
 # ---- raw recommendations -----------------------------------------------------------------------
@@ -509,7 +485,7 @@ class Autoscaler(PeriodicScraper):
         if text is None:
             return None
         try:
-            return scrape_totals(text, select)
+            return sum_samples(text, select)
         except ValueError as error:
             log.debug("%s: unreadable metrics: %s", url, error)
             return None
@@ -528,7 +504,7 @@ class Autoscaler(PeriodicScraper):
             before = model.samples.get(name)
             model.samples[name] = (now, totals)
             if before is not None and now > before[0]:
-                out.append((name, now - before[0], window(totals, before[1])))
+                out.append((name, now - before[0], metrics.window(totals, before[1], GAUGES)))
         return out
 
     async def scrape_once(self) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from pdserve.controller.kube import Kube, KubeError
 from pdserve.controller.reconcile import Event
+from pdserve.kube.client import Kube, KubeError
 
 log = logging.getLogger("pdserve.events")
 REPORTER = "pdserve-operator"

@@ -12,10 +12,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_resource
-from pdserve.builders.names import INSTANCE_LABEL
-from pdserve.controller.kube import Credentials, Kube
+from pdserve.contract.names import INSTANCE_LABEL
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import Credentials
 
 log = logging.getLogger("pdserve.operator")
 MANAGED = {"app.kubernetes.io/managed-by": "pdserve"}

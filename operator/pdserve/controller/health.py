@@ -9,67 +9,16 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api import DisaggregatedModel
 from pdserve.controller.scraper import Key, PeriodicScraper
+from pdserve.vllm.metrics import TransferCounters, parse_transfer_counters
 
 log = logging.getLogger("pdserve.health")
 # Share of the TTFT SLO a KV handoff may take: prefill and decode's first step need the rest.
 TRANSFER_SHARE_OF_TTFT = 0.5
-
-
-@dataclass(frozen=True)
-class TransferCounters:
-    """Cumulative NIXL counters of one or more decode engines."""
-
-    transfers: float = 0.0
-    seconds: float = 0.0
-    failed: float = 0.0
-    expired: float = 0.0
-    queued: float = 0.0  # requests that left decode's queue (vllm:request_queue_time_seconds)
-    queue_seconds: float = 0.0
-
-    def __add__(self, other: TransferCounters) -> TransferCounters:
-        pairs = zip(astuple(self), astuple(other), strict=True)
-        return TransferCounters(*(a + b for a, b in pairs))
-
-    def since(self, before: TransferCounters | None) -> TransferCounters:
-        """What happened since `before`; a counter that went down (engine restarted) counts
-        from zero."""
-        if before is None:
-            return self
-
-        def delta(now: float, then: float) -> float:
-            return now - then if now >= then else now
-
-        return TransferCounters(
-            *(delta(a, b) for a, b in zip(astuple(self), astuple(before), strict=True))
-        )
-
-
-def parse_counters(text: str) -> TransferCounters:
-    totals = dict.fromkeys(("transfers", "seconds", "failed", "expired", "queued",
-                            "queue_seconds"), 0.0)  # fmt: skip
-    wanted = {
-        "vllm:nixl_xfer_time_seconds_count": "transfers",
-        "vllm:nixl_xfer_time_seconds_sum": "seconds",
-        "vllm:nixl_num_failed_transfers_total": "failed",
-        "vllm:nixl_num_failed_transfers": "failed",
-        "vllm:nixl_num_kv_expired_reqs_total": "expired",
-        "vllm:nixl_num_kv_expired_reqs": "expired",
-        "vllm:request_queue_time_seconds_count": "queued",
-        "vllm:request_queue_time_seconds_sum": "queue_seconds",
-    }
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            field = wanted.get(sample.name)
-            if field is not None:
-                totals[field] += sample.value
-    return TransferCounters(**totals)
 
 
 @dataclass(frozen=True)
@@ -212,7 +161,7 @@ class TransportMonitor(PeriodicScraper):
     async def _fetch(self, url: str) -> TransferCounters | None:
         text = await self.fetch_text(url)
         try:
-            return None if text is None else parse_counters(text)
+            return None if text is None else parse_transfer_counters(text)
         except ValueError as error:
             log.debug("%s: unreadable metrics: %s", url, error)
             return None

@@ -9,8 +9,8 @@ import signal
 import kopf
 
 from pdserve.controller.handlers import build_registry
-from pdserve.controller.kube import load_credentials
 from pdserve.controller.settings import OperatorSettings
+from pdserve.kube.credentials import load_credentials
 from pdserve.logsetup import configure_logging
 
 

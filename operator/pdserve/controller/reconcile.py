@@ -32,7 +32,9 @@ from pdserve.builders import (
     content_digest,
     object_key,
 )
-from pdserve.builders.names import (
+from pdserve.builders.parity import parity_hash
+from pdserve.builders.preflight import preflight
+from pdserve.contract.names import (
     COMPONENT_LABEL,
     ENGINE_PORT,
     FIELD_MANAGER,
@@ -41,12 +43,9 @@ from pdserve.builders.names import (
     KV_TRANSPORT_ANNOTATION,
     PARITY_HASH_ANNOTATION,
 )
-from pdserve.builders.parity import parity_hash
-from pdserve.builders.preflight import preflight
 from pdserve.controller.autoscale import Autoscaler, live_plan
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
-from pdserve.controller.kube import KINDS, Kind, Kube, KubeError, kind_of
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -54,6 +53,7 @@ from pdserve.controller.status import (
     engine_pods,
 )
 from pdserve.controller.transport import node_pairs, pod_annotation_patches, slice_verdicts
+from pdserve.kube.client import KINDS, Kind, Kube, KubeError, kind_of
 
 log = logging.getLogger("pdserve.reconcile")
 

@@ -12,9 +12,9 @@ import httpx
 from pdserve.controller.autoscale import Autoscaler, TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
-from pdserve.controller.kube import Kube, KubeError
 from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
 from pdserve.controller.settings import OperatorSettings
+from pdserve.kube.client import Kube, KubeError
 
 log = logging.getLogger("pdserve.runner")
 

@@ -16,7 +16,7 @@ from pdserve.api.status import (
     SliceTransport,
 )
 from pdserve.builders import Component, endpoint
-from pdserve.builders.names import COMPONENT_LABEL, SLICE_LABEL
+from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
 from pdserve.controller.health import HealthVerdict, kv_policy
 from pdserve.controller.transport import verified_condition
 

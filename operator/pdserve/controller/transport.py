@@ -10,13 +10,8 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.api.spec import HOSTNAME_KEY
 from pdserve.api.status import SliceTransport
-from pdserve.builders.names import (
-    COMPONENT_LABEL,
-    KV_TRANSPORT_ANNOTATION,
-    SLICE_LABEL,
-    Component,
-)
 from pdserve.builders.preflight import NodePair, job_name, wants_preflight
+from pdserve.contract.names import COMPONENT_LABEL, KV_TRANSPORT_ANNOTATION, SLICE_LABEL, Component
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"

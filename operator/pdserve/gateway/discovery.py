@@ -11,11 +11,11 @@ from typing import Any
 
 import httpx
 
-from pdserve.builders.names import KV_TRANSPORT_ANNOTATION, PARITY_HASH_ANNOTATION, SLICE_LABEL
-from pdserve.controller.kube import KINDS, Kube, KubeError
-from pdserve.gateway.config import GatewayConfig, PoolRef
+from pdserve.contract.names import KV_TRANSPORT_ANNOTATION, PARITY_HASH_ANNOTATION, SLICE_LABEL
+from pdserve.contract.routing import GatewayConfig, PoolRef
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.peers import PeerAdmission
+from pdserve.kube.client import KINDS, Kube, KubeError
 
 log = logging.getLogger("pdserve.gateway.discovery")
 POD = KINDS[("v1", "Pod")]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pdserve.gateway.config import GatewayConfig
+from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.policy import ewma
 
 # One unit of load per this many queued prompt tokens (about two engine steps of prefill at

@@ -11,16 +11,17 @@ from collections.abc import Callable
 
 import aiohttp
 
-from pdserve.controller.health import TransferCounters
 from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.vllm import metrics
+from pdserve.vllm.metrics import TransferCounters
 
 log = logging.getLogger("pdserve.gateway.load")
 FIELDS = {
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:nixl_xfer_time_seconds_count": "transfers",
-    "vllm:nixl_xfer_time_seconds_sum": "transfer_seconds",
+    metrics.NUM_REQUESTS_WAITING: "waiting",
+    metrics.NUM_REQUESTS_RUNNING: "running",
+    metrics.KV_CACHE_USAGE: "kv_usage",
+    metrics.count(metrics.NIXL_XFER_TIME): "transfers",
+    metrics.total(metrics.NIXL_XFER_TIME): "transfer_seconds",
 }
 # A regex, not a Prometheus parser: an engine's full exposition is tens of KB every scrape.
 SAMPLE = re.compile(

@@ -11,10 +11,11 @@ from pathlib import Path
 from aiohttp import web
 from kubernetes.config import ConfigException
 
-from pdserve.builders.names import GATEWAY_SHUTDOWN_SECONDS
-from pdserve.controller.kube import Kube, load_credentials
-from pdserve.gateway.config import ConfigError, load_config
+from pdserve.contract.names import GATEWAY_SHUTDOWN_SECONDS
+from pdserve.contract.routing import ConfigError, load_config
 from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import load_credentials
 from pdserve.logsetup import configure_logging
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.contract.metrics import GATEWAY_RENDER_CALL_SECONDS, RENDER_POD_LABEL
+
 LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -48,13 +50,13 @@ class GatewayMetrics:
         self.render_inflight = Gauge(
             "pdserve_gateway_render_inflight",
             "Render and derender calls in flight per render replica",
-            ["render_pod"],
+            [RENDER_POD_LABEL],
             registry=r,
         )
         self.render_call = Histogram(
-            "pdserve_gateway_render_call_seconds",
+            GATEWAY_RENDER_CALL_SECONDS,
             "Render and derender call latency per render replica",
-            ["render_pod", "stage"],
+            [RENDER_POD_LABEL, "stage"],
             buckets=LATENCY,
             registry=r,
         )

@@ -28,9 +28,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from pdserve.controller.kube import Kube
+from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex, block_hashes
-from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.fairqueue import LONG, FairQueueSettings, PrefillAdmission
@@ -39,7 +38,8 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.peers import GRANTED, PeerAdmission
 from pdserve.gateway.policy import AutoPolicy, Decision, PolicySettings, QueueState
 from pdserve.gateway.request_log import RequestLog, p95
-from pdserve.vllm_protocol import prefill_handoff_params
+from pdserve.kube.client import Kube
+from pdserve.vllm.protocol import prefill_handoff_params
 
 log = logging.getLogger("pdserve.gateway")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

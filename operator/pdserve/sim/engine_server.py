@@ -31,7 +31,8 @@ from pdserve.sim.render_server import (
     read_json,
 )
 from pdserve.sim.tokenizer import SimTokenizer
-from pdserve.vllm_protocol import usage
+from pdserve.vllm import metrics
+from pdserve.vllm.protocol import usage
 
 LATENCY_BUCKETS = (
     0.001,
@@ -129,39 +130,39 @@ class EngineMetrics:
         ) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0-1")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.running = gauge(metrics.NUM_REQUESTS_RUNNING, "Requests in the running batch")
+        self.waiting = gauge(metrics.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled")
+        self.kv_usage = gauge(metrics.KV_CACHE_USAGE, "KV cache usage, 0-1")
+        self.prefix_queries = counter(metrics.PREFIX_CACHE_QUERIES, "Prompt tokens looked up")
+        self.prefix_hits = counter(metrics.PREFIX_CACHE_HITS, "Prompt tokens found cached")
+        self.preemptions = counter(metrics.NUM_PREEMPTIONS, "Preemptions")
+        self.prompt_tokens = counter(metrics.PROMPT_TOKENS, "Prompt tokens processed")
         self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed", TOKEN_BUCKETS
+            metrics.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed", TOKEN_BUCKETS
         )
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.generation_tokens = counter(metrics.GENERATION_TOKENS, "Tokens generated")
         self.success = Counter(
-            "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
+            metrics.REQUEST_SUCCESS, "Finished requests", [*labels, "finished_reason"], registry=r
         )
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency")
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Time per output token")
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency")
-        self.queue = histogram("vllm:request_queue_time_seconds", "Time waiting in queue")
-        self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill time")
-        self.decode = histogram("vllm:request_decode_time_seconds", "Decode time")
-        self.xfer_time = histogram("vllm:nixl_xfer_time_seconds", "KV transfer time")
-        self.post_time = histogram("vllm:nixl_post_time_seconds", "KV transfer post time")
+        self.ttft = histogram(metrics.TIME_TO_FIRST_TOKEN, "Time to first token")
+        self.itl = histogram(metrics.INTER_TOKEN_LATENCY, "Inter-token latency")
+        self.tpot = histogram(metrics.TIME_PER_OUTPUT_TOKEN, "Time per output token")
+        self.e2e = histogram(metrics.E2E_REQUEST_LATENCY, "End-to-end latency")
+        self.queue = histogram(metrics.REQUEST_QUEUE_TIME, "Time waiting in queue")
+        self.prefill = histogram(metrics.REQUEST_PREFILL_TIME, "Prefill time")
+        self.decode = histogram(metrics.REQUEST_DECODE_TIME, "Decode time")
+        self.xfer_time = histogram(metrics.NIXL_XFER_TIME, "KV transfer time")
+        self.post_time = histogram(metrics.NIXL_POST_TIME, "KV transfer post time")
         self.xfer_bytes = histogram(
-            "vllm:nixl_bytes_transferred",
+            metrics.NIXL_BYTES_TRANSFERRED,
             "KV bytes per transfer",
             tuple(float(2**i) for i in range(10, 36, 2)),
         )
-        self.failed_transfers = counter("vllm:nixl_num_failed_transfers", "Failed KV transfers")
+        self.failed_transfers = counter(metrics.NIXL_FAILED_TRANSFERS, "Failed KV transfers")
         self.failed_notifications = counter(
-            "vllm:nixl_num_failed_notifications", "Failed transfer notifications"
+            metrics.NIXL_FAILED_NOTIFICATIONS, "Failed transfer notifications"
         )
-        self.expired = counter("vllm:nixl_num_kv_expired_reqs", "Requests whose KV lease expired")
+        self.expired = counter(metrics.NIXL_KV_EXPIRED_REQUESTS, "Requests whose KV lease expired")
         self.reused = counter(
             "pdserve_sim_bidirectional_reused_tokens",
             "Prompt tokens whose KV came back from decode (bidirectional)",

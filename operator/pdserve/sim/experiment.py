@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.bench.procs import Processes
-from pdserve.bench.stats import percentile
+from pdserve.sim.procs import Processes
 from pdserve.sim.tokenizer import SimTokenizer
-from pdserve.vllm_protocol import prefill_handoff_params
+from pdserve.stats import percentile
+from pdserve.vllm.protocol import prefill_handoff_params
 
 # The article's figures (2x L40S, Qwen2.5-7B, ~8k in / 256 out): (rate, metric) -> (DP=2, 1P1D)
 ARTICLE = {

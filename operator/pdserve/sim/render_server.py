@@ -32,7 +32,7 @@ from pdserve.sim.chat import (
     ToolParser,
 )
 from pdserve.sim.tokenizer import SimTokenizer
-from pdserve.vllm_protocol import usage
+from pdserve.vllm.protocol import usage
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1,

@@ -10,12 +10,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from pdserve.api.resource import format_validation_error
+from pdserve.validation import format_validation_error
+
+ROUTING_KEY = "routing.json"  # the ConfigMap's key, mounted as ROUTING_DIR/ROUTING_KEY
+ROUTING_DIR = "/etc/pdserve/routing"
 
 
 class _Model(BaseModel):
+    # Unknown keys are errors: the operator and the gateway ship in one image, so a key the
+    # gateway does not know is a renamed or misspelt one, never a newer feature.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
     )
 
 
@@ -34,9 +39,10 @@ class Pools(_Model):
 
 
 class Slo(_Model):
-    # Milliseconds; fractions allowed (a time-scaled benchmark's budgets are).
-    ttft_ms: float | None = None
-    itl_ms: float | None = None
+    # Milliseconds; fractions allowed (a time-scaled benchmark's budgets are). An int stays an
+    # int, so the ConfigMap text (and its hash, which rolls the gateways) reads as the spec does.
+    ttft_ms: int | float | None = None
+    itl_ms: int | float | None = None
 
 
 class Routing(_Model):
@@ -85,6 +91,19 @@ class GatewayConfig(_Model):
     endpoints: StaticEndpoints | None = None
 
 
+def config_text_of(config: GatewayConfig) -> str:
+    """The ConfigMap's text: indented and sorted, so a GitOps diff shows which setting changed;
+    fields left unset are left out (a static `endpoints` list is for runs outside a cluster)."""
+    body = config.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+
+UNKNOWN_KEY = (
+    "unknown key; the operator writes this file, so run the gateway image of the operator's "
+    "pdserve version (a hand-written file: check the key's spelling)"
+)
+
+
 class ConfigError(ValueError):
     pass
 
@@ -98,4 +117,5 @@ def load_config(path: Path) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(f"{path}: " + "; ".join(format_validation_error(error))) from None
+        problems = format_validation_error(error, unknown_field=UNKNOWN_KEY)
+        raise ConfigError(f"{path}: " + "; ".join(problems)) from None

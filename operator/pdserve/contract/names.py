@@ -1,0 +1,32 @@
+"""Labels, annotations, ports and timings of the objects the operator creates, as the
+processes inside them (the gateway's discovery, the engines) read them back (design.md "Names")."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+FIELD_MANAGER = "pdserve"
+PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
+CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
+MODEL_LABEL = "pdserve.io/model"
+SLICE_LABEL = "pdserve.io/slice"
+# On engine pods, set by the operator from the slice's preflight; the gateway reads it.
+KV_TRANSPORT_ANNOTATION = "pdserve.io/kv-transport"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+ENGINE_PORT = 8000
+RENDER_PORT = 8000
+GATEWAY_CONTAINER_PORT = 8000
+# A stopping gateway keeps serving this long before SIGTERM, while kube-proxy and load balancers
+# stop sending it new connections; then it finishes in-flight requests (the gateway's own
+# shutdown timeout) within the rest of the grace period.
+GATEWAY_DRAIN_SECONDS = 5
+GATEWAY_SHUTDOWN_SECONDS = 30
+
+
+class Component(StrEnum):
+    prefill = "prefill"
+    decode = "decode"
+    render = "render"
+    gateway = "gateway"
+    preflight = "preflight"

@@ -1,0 +1,120 @@
+"""The vLLM metrics pdserve reads (each name written once: the simulators expose them, the
+operator and the gateway read them) and one way to read an exposition: samples summed over
+label sets, counters turned into windows where a counter that went down means the engine
+restarted and counts from zero."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import astuple, dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Gauges.
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+# Counters (exposed with a _total suffix by prometheus_client, without one by some versions).
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+NUM_PREEMPTIONS = "vllm:num_preemptions"
+REQUEST_SUCCESS = "vllm:request_success"
+NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"
+NIXL_FAILED_NOTIFICATIONS = "vllm:nixl_num_failed_notifications"
+NIXL_KV_EXPIRED_REQUESTS = "vllm:nixl_num_kv_expired_reqs"
+# Histograms (read through their _count and _sum).
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"
+NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"
+NIXL_POST_TIME = "vllm:nixl_post_time_seconds"
+NIXL_BYTES_TRANSFERRED = "vllm:nixl_bytes_transferred"
+
+
+def counter_samples(name: str) -> tuple[str, str]:
+    """The sample names a counter can appear under."""
+    return (f"{name}_total", name)
+
+
+def count(histogram: str) -> str:
+    return f"{histogram}_count"
+
+
+def total(histogram: str) -> str:
+    return f"{histogram}_sum"
+
+
+Totals = dict[str, float]
+Selector = Callable[[str, Mapping[str, str]], str | None]
+
+
+def sum_samples(text: str, select: Selector) -> Totals:
+    """Sum every sample `select(name, labels)` maps to a key (label sets: data-parallel ranks,
+    finish reasons)."""
+    totals: Totals = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = select(sample.name, sample.labels)
+            if key is not None:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def counter_delta(now: float, then: float) -> float:
+    """A counter's increase since `then`; one that went down (the engine restarted) counts from
+    zero."""
+    return now - then if now >= then else now
+
+
+def window(now: Totals, before: Totals, gauges: frozenset[str] = frozenset()) -> Totals:
+    """Counter deltas since `before`; `gauges` as they are now."""
+    return {
+        key: value if key in gauges else counter_delta(value, before.get(key, 0.0))
+        for key, value in now.items()
+    }
+
+
+@dataclass(frozen=True)
+class TransferCounters:
+    """Cumulative NIXL counters of one or more decode engines."""
+
+    transfers: float = 0.0
+    seconds: float = 0.0
+    failed: float = 0.0
+    expired: float = 0.0
+    queued: float = 0.0  # requests that left decode's queue (REQUEST_QUEUE_TIME)
+    queue_seconds: float = 0.0
+
+    def __add__(self, other: TransferCounters) -> TransferCounters:
+        pairs = zip(astuple(self), astuple(other), strict=True)
+        return TransferCounters(*(a + b for a, b in pairs))
+
+    def since(self, before: TransferCounters | None) -> TransferCounters:
+        """What happened since `before` (counter_delta per field)."""
+        if before is None:
+            return self
+        pairs = zip(astuple(self), astuple(before), strict=True)
+        return TransferCounters(*(counter_delta(a, b) for a, b in pairs))
+
+
+TRANSFER_SAMPLES = {
+    count(NIXL_XFER_TIME): "transfers",
+    total(NIXL_XFER_TIME): "seconds",
+    **dict.fromkeys(counter_samples(NIXL_FAILED_TRANSFERS), "failed"),
+    **dict.fromkeys(counter_samples(NIXL_KV_EXPIRED_REQUESTS), "expired"),
+    count(REQUEST_QUEUE_TIME): "queued",
+    total(REQUEST_QUEUE_TIME): "queue_seconds",
+}
+
+
+def parse_transfer_counters(text: str) -> TransferCounters:
+    """A decode engine's KV transfer counters from its exposition."""
+    totals = sum_samples(text, lambda name, _: TRANSFER_SAMPLES.get(name))
+    return TransferCounters(**totals)
