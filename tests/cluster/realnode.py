@@ -151,6 +151,12 @@ class RealNode:
     def logs(self) -> Path:
         return self.workdir / "logs"
 
+    @property
+    def pod_logs(self) -> Path:
+        """The kubelet's podLogsDir: <namespace>_<pod>_<uid>/<container>/<restart>.log, in the
+        CRI format (`<time> <stream> <P|F> <text>`)."""
+        return self._path("pod-logs")
+
     def _path(self, *parts: str) -> Path:
         return self.workdir.joinpath(*parts)
 
@@ -363,7 +369,7 @@ class RealNode:
             "fileCheckFrequency": "5s",
             "maxPods": 60,
             "localStorageCapacityIsolation": False,
-            "podLogsDir": str(self._path("pod-logs")),
+            "podLogsDir": str(self.pod_logs),
         }  # fmt: skip
         (root / "config.yaml").write_text(yaml.safe_dump(config))
         labels = ",".join(f"{k}={v}" for k, v in sorted(self.labels.items()))

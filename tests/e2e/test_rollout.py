@@ -4,21 +4,20 @@ request is served by render, prefill and decode pods of one parity hash."""
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
-from tests.cluster.clitools import ensure_cli_tools
-from tests.cluster.localplane import ADMIN_USER, wait_until
+from tests.cluster.localplane import ControlPlaneError, wait_until
 from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready
 
 GATEWAY = "app.kubernetes.io/component=gateway"
@@ -57,43 +56,53 @@ class PodHistory:
 
 @dataclass
 class GatewayLogs:
-    """`kubectl logs -f` of every gateway pod that appears, so no replaced pod's request log
-    is lost."""
+    """Every gateway container's log, read from the node's log files through descriptors opened
+    while the pod lives, so a replaced pod's last lines are read even after the kubelet deletes
+    its files. (`kubectl logs -f` is not enough: it stops at the end of the file as soon as the
+    runtime reports the container exited, and the runtime may still be writing its last lines.)"""
 
+    directory: Path
+    namespace: str
+    files: dict[Path, IO[str]] = field(default_factory=dict)
+    unfinished: dict[Path, str] = field(default_factory=dict)  # a record being written
+    joined: dict[Path, str] = field(default_factory=dict)  # P(artial) records of a long line
     lines: list[str] = field(default_factory=list)
-    followed: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def follow(self, cluster: Cluster) -> None:
-        kubectl = str(ensure_cli_tools().kubectl)
-        kubeconfig = f"--kubeconfig={cluster.plane.kubeconfig(ADMIN_USER)}"
+    def follow(self) -> None:
         while not self.stop.is_set():
-            for pod in pods(cluster, MODEL_NAMESPACE, GATEWAY):
-                name = pod["metadata"]["name"]
-                running = pod["status"].get("containerStatuses", [{}])[0].get("state", {})
-                if name in self.followed or "running" not in running:
-                    continue
-                process = subprocess.Popen(
-                    [kubectl, kubeconfig, "logs", "-f", "-n", MODEL_NAMESPACE, name],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                )  # fmt: skip
-                self.followed[name] = process
-                threading.Thread(target=self._read, args=(process,), daemon=True).start()
-            self.stop.wait(0.25)
-        for process in self.followed.values():
-            process.terminate()
+            self.read()
+            self.stop.wait(0.2)
 
-    def _read(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            self.lines.append(line)
+    def read(self) -> None:
+        with self.lock:
+            for path in self.directory.glob(f"{self.namespace}_*/gateway/*.log"):
+                if path not in self.files:
+                    self.files[path] = path.open(encoding="utf-8")
+            for path, handle in self.files.items():
+                text = self.unfinished.pop(path, "") + handle.read()
+                for record in text.splitlines(keepends=True):
+                    if not record.endswith("\n"):
+                        self.unfinished[path] = record
+                        continue
+                    # CRI format: <time> <stream> <P|F> <text>
+                    _, _, tag, content = record.split(" ", 3)
+                    content = self.joined.pop(path, "") + content.removesuffix("\n")
+                    if tag == "P":
+                        self.joined[path] = content
+                    else:
+                        self.lines.append(content)
 
-    def requests(self) -> list[dict[str, Any]]:
-        entries = []
-        for line in self.lines:
-            if line.startswith('{"request_id"'):
-                entries.append(json.loads(line))
-        return entries
+    def requests(self) -> dict[str, dict[str, Any]]:
+        """The request log's entries by request id."""
+        self.read()
+        entries = (json.loads(line) for line in self.lines if line.startswith('{"request_id"'))
+        return {entry["request_id"]: entry for entry in entries}
+
+    def close(self) -> None:
+        for handle in self.files.values():
+            handle.close()
 
 
 @dataclass
@@ -102,7 +111,7 @@ class Load:
 
     url: str
     clients: int = 3
-    sent: int = 0
+    sent: list[str] = field(default_factory=list)  # request ids
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -114,23 +123,26 @@ class Load:
             question: list[ChatCompletionMessageParam] = [
                 {"role": "user", "content": f"client {index}, question {turn}"}
             ]
+            request_id = f"rollout-{index}-{turn}"
+            headers = {"X-Request-Id": request_id}
             finish: str | None
             try:
                 if turn % 2:
                     chat = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16
+                        model="sim-qwen3", messages=question, max_tokens=16, extra_headers=headers
                     )
                     finish = chat.choices[0].finish_reason
                 else:
                     stream = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16, stream=True
-                    )
+                        model="sim-qwen3", messages=question, max_tokens=16, stream=True,
+                        extra_headers=headers,
+                    )  # fmt: skip
                     finish = [c.choices[0].finish_reason for c in stream if c.choices][-1]
                 if finish not in ("stop", "length"):
                     self.failures.append(f"finish_reason {finish}")
             except openai.OpenAIError as error:
-                self.failures.append(repr(error))
-            self.sent += 1
+                self.failures.append(f"{request_id}: {error!r}")
+            self.sent.append(request_id)
 
 
 @contextmanager
@@ -158,12 +170,12 @@ def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
     ), timeout=120, interval=1)  # fmt: skip
     old = model_status(cluster)["parityHash"]
 
-    history, logs, load = PodHistory(), GatewayLogs(), Load(model)
+    history, load = PodHistory(), Load(model)
+    logs = GatewayLogs(cluster.node.pod_logs, MODEL_NAMESPACE)
     workers = [(partial(load.run_one, i), load.stop) for i in range(load.clients)]
-    with running((lambda: history.watch(cluster), history.stop),
-                 (lambda: logs.follow(cluster), logs.stop)):  # fmt: skip
+    with running((lambda: history.watch(cluster), history.stop), (logs.follow, logs.stop)):
         with running(*workers):
-            wait_until("steady load", lambda: load.sent >= 10, timeout=60)
+            wait_until("steady load", lambda: len(load.sent) >= 10, timeout=60)
             started = time.monotonic()
             # A parity change: the default chat-template kwargs every pool renders with.
             patch_dm(cluster, {"spec": {"serving": {
@@ -178,15 +190,29 @@ def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
                 interval=1,
             )
             rollout_seconds = time.monotonic() - started
-            during = load.sent
-            wait_until("requests after the rollout", lambda: load.sent >= during + 10, timeout=60)
-        # Every request the clients sent reaches a gateway's log (written in the background).
-        wait_until("the request log", lambda: len(logs.requests()) >= load.sent, timeout=30)
+            during = len(load.sent)
+            wait_until("requests after the rollout", lambda: len(load.sent) >= during + 10,
+                       timeout=60)  # fmt: skip
 
-    entries = logs.requests()
-    print(f"rollout {rollout_seconds:.1f}s, {load.sent} requests, {len(load.failures)} failed, "
-          f"{len(entries)} logged")  # fmt: skip
-    assert load.failures == [], f"{len(load.failures)} of {load.sent} failed: {load.failures[:5]}"
+        # Nothing is lost: every request the clients sent reaches a gateway's log (written in
+        # the background, so polled for).
+        def missing() -> list[str]:
+            return sorted(set(load.sent) - set(logs.requests()))
+
+        try:
+            wait_until("every request in the request log", lambda: not missing(), timeout=30)
+        except ControlPlaneError as error:
+            lost = missing()
+            raise AssertionError(
+                f"{error}: {len(lost)} of {len(load.sent)} never logged ({lost[:10]}); "
+                f"failed: {load.failures[:5]}"
+            ) from None
+        logged = logs.requests()
+    logs.close()
+
+    entries = [logged[request_id] for request_id in load.sent]
+    print(f"rollout {rollout_seconds:.1f}s, {len(load.sent)} requests, {len(load.failures)} failed")
+    assert load.failures == [], f"{len(load.failures)} failed: {load.failures[:5]}"
     assert {e["parity_hash"] for e in entries} == {old, new}, describe(cluster, MODEL_NAMESPACE)
     for entry in entries:
         for stage in ("render_engine", "prefill_engine", "decode_engine"):
@@ -195,5 +221,3 @@ def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
                 continue
             # The pod it names existed with the request's parity hash.
             assert entry["parity_hash"] in history.by_name.get(pod, set()), (stage, entry)
-    # Nothing is lost: the gateways logged every request the clients sent.
-    assert len(entries) >= load.sent
