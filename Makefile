@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-LOCALPLANE := $(PY) -m tests.cluster.localplane
+LOCALPLANE := $(PY) -m devtools.localplane
 
 .PHONY: help install node-deps node-images lint typecheck test test-unit test-cluster test-e2e cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
-	@# NIXL for the KV-transport probe test; --no-deps: its wheel asks for torch, the probe needs
-	@# only numpy (a real NIXL/UCX transfer on loopback, no GPU).
-	$(PY) -m pip install --quiet --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
+	@# The `nixl` extra for the KV-transport probe test, without its dependencies: its wheel asks
+	@# for torch, the probe needs only numpy (a real NIXL/UCX transfer on loopback, no GPU).
+	$(PY) -m pip install --quiet --no-deps $$($(PY) devtools/extra_requirements.py nixl)
 	@touch $@
 
 install: $(STAMP) ## create .venv and install pdserve with its dev tools
@@ -37,8 +37,8 @@ node-deps: ## Debian packages for the real node and the image builds (root)
 	fi
 
 lint: install ## ruff, and the package graph's import contracts (pyproject.toml)
-	$(VENV)/bin/ruff check operator tests
-	$(VENV)/bin/ruff format --check operator tests
+	$(VENV)/bin/ruff check operator tests devtools
+	$(VENV)/bin/ruff format --check operator tests devtools
 	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install ## mypy --strict
@@ -48,7 +48,7 @@ cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (
 	$(LOCALPLANE) build
 
 node-images: install node-deps ## build the pause, pdserve and pdserve-sim images with buildah (cached)
-	$(PY) -m tests.cluster.images
+	$(PY) -m devtools.images
 
 test: install cluster-build node-images ## every test: unit, the real local control plane, the real node
 	$(VENV)/bin/pytest
@@ -69,10 +69,10 @@ cluster-down: install ## stop the local control plane and the demo's real node, 
 	$(LOCALPLANE) down
 
 demo: install cluster-build node-images ## local plane + real node, helm install, the simulator example Ready, a chat completion through its gateway (root)
-	$(PY) -m tests.cluster.demo
+	$(PY) -m devtools.demo
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once
-	$(PY) -m tests.cluster.measure_ready --count 1 --count 50
+	$(PY) -m devtools.measure_ready --count 1 --count 50
 
 sim-experiment: install ## the seed article's DP=2 vs 1P1D experiment on simulated engines (~3 min)
 	$(VENV)/bin/pdserve sim experiment article

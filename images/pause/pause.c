@@ -1,6 +1,6 @@
 /* The pod sandbox process for the local real node: it holds the pod's namespaces open, reaps
  * zombies (it is PID 1 there) and exits on SIGTERM/SIGINT. Built statically by
- * tests/cluster/images.py, since no registry can serve registry.k8s.io/pause here. */
+ * devtools/images.py, since no registry can serve registry.k8s.io/pause here. */
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>

@@ -13,10 +13,10 @@ import yaml
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from devtools.clitools import Kubectl, ensure_cli_tools
+from devtools.localplane import ControlPlane, running_control_plane, wait_until
+from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
 from pdserve.api.crd import build_crd
-from tests.cluster.clitools import Kubectl, ensure_cli_tools
-from tests.cluster.localplane import ControlPlane, running_control_plane, wait_until
-from tests.cluster.nodes import create_nodes, demo_nodes, wait_nodes_ready
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import ControlPlane, free_port, issue_serving_cert, wait_until
-from tests.cluster.operator_proc import RunningOperator, running_operator
-from tests.cluster.resources import apply_dm, dm_url, get
+from devtools.clitools import Kubectl
+from devtools.localplane import ControlPlane, free_port, issue_serving_cert, wait_until
+from devtools.operator_proc import RunningOperator, running_operator
+from devtools.resources import apply_dm, dm_url, get
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import OPERATOR_USER, ControlPlane
+from devtools.resources import KEDA_CRD, SMALL_PD_SPEC, apply_dm, events_for
 from pdserve.api import parse_resource
 from pdserve.builders import build_all
 from pdserve.contract.names import COMPONENT_LABEL, FIELD_MANAGER
@@ -29,9 +31,7 @@ from pdserve.kube.credentials import load_credentials
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
-from tests.cluster.localplane import OPERATOR_USER, ControlPlane
-from tests.cluster.resources import KEDA_CRD, SMALL_PD_SPEC, apply_dm, events_for
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from devtools.clitools import Kubectl, ensure_cli_tools
+from devtools.localplane import wait_until
+from devtools.resources import KEDA_CRD
 from pdserve.builders.scaling import (
     GATEWAY_BUSY_METRIC,
     GATEWAY_DURATION_SERIES,
@@ -21,9 +24,6 @@ from pdserve.builders.scaling import (
     SERVER_DURATION_SERIES,
 )
 from pdserve.controller.reconcile import MANAGED_KINDS
-from tests.cluster.clitools import Kubectl, ensure_cli_tools
-from tests.cluster.localplane import wait_until
-from tests.cluster.resources import KEDA_CRD
 
 pytestmark = pytest.mark.cluster
 

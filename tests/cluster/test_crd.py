@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.clitools import Kubectl
 from pdserve.api import parse_resource
-from tests.cluster.clitools import Kubectl
 
 pytestmark = pytest.mark.cluster
 

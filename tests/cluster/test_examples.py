@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devtools.clitools import Kubectl
+from devtools.localplane import ControlPlane
 from pdserve.api import parse_resource
 from pdserve.builders import NetworkPolicyOptions, build_all
 from pdserve.contract.names import FIELD_MANAGER
@@ -16,8 +18,6 @@ from pdserve.controller.diff import contains
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
 from pdserve.manifests import load_resources
-from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import ControlPlane
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import ControlPlane
 from pdserve.api import parse_resource
 from pdserve.builders import routing_config
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
@@ -18,7 +19,6 @@ from pdserve.gateway.fairqueue import PrefillAdmission
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
-from tests.cluster.localplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
 

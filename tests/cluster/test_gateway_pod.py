@@ -24,9 +24,9 @@ import httpx
 import pytest
 import yaml
 
+from devtools.clitools import Kubectl
+from devtools.localplane import ComponentExited, ControlPlane, wait_until
 from pdserve.contract.names import GATEWAY_CONTAINER_PORT
-from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import ComponentExited, ControlPlane, wait_until
 
 pytestmark = pytest.mark.cluster
 

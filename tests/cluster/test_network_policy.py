@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.localplane import ControlPlane, wait_until
-from tests.cluster.operator_proc import running_operator
-from tests.cluster.resources import SMALL_PD_SPEC, apply_dm, dm_url, get
+from devtools.localplane import ControlPlane, wait_until
+from devtools.operator_proc import running_operator
+from devtools.resources import SMALL_PD_SPEC, apply_dm, dm_url, get
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import OPERATOR_USER, ControlPlane, ControlPlaneError, wait_until
-from tests.cluster.operator_proc import RunningOperator, running_operator
-from tests.cluster.resources import (
+from devtools.clitools import Kubectl
+from devtools.localplane import OPERATOR_USER, ControlPlane, ControlPlaneError, wait_until
+from devtools.operator_proc import RunningOperator, running_operator
+from devtools.resources import (
     SMALL_PD_SPEC,
     apply_dm,
     conditions,

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster.localplane import ControlPlane, wait_until
-from tests.cluster.nodes import NVLINK_CLIQUE_LABEL, RDMA_RESOURCE
-from tests.cluster.operator_proc import RunningOperator, running_operator
-from tests.cluster.resources import SMALL_PD_SPEC, apply_dm, conditions, dm_url, get, wait_ready
+from devtools.localplane import ControlPlane, wait_until
+from devtools.nodes import NVLINK_CLIQUE_LABEL, RDMA_RESOURCE
+from devtools.operator_proc import RunningOperator, running_operator
+from devtools.resources import SMALL_PD_SPEC, apply_dm, conditions, dm_url, get, wait_ready
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 

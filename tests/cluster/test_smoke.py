@@ -12,9 +12,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.cluster.clitools import Kubectl
-from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
-from tests.cluster.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE, RDMA_RESOURCE
+from devtools.clitools import Kubectl
+from devtools.localplane import OPERATOR_USER, ControlPlane, wait_until
+from devtools.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE, RDMA_RESOURCE
 
 pytestmark = pytest.mark.cluster
 

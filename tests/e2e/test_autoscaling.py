@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import openai
 
-from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, operator_logs, pods, ready
+from devtools.localplane import wait_until
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, describe, operator_logs, pods, ready
 
 RENDER = "app.kubernetes.io/component=render"
 

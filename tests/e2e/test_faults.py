@@ -7,8 +7,8 @@ from typing import Any
 
 import openai
 
-from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, pods, ready
+from devtools.localplane import wait_until
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, pods, ready
 
 DECODE = "app.kubernetes.io/component=decode"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e.conftest import GPU_TAINT, Cluster, describe, pods, ready
+from tests.support.realcluster import GPU_TAINT, Cluster, describe, pods, ready
 
 NAMESPACE = "gpu"
 MODEL = {

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import (
+from devtools.localplane import wait_until
+from tests.support.realcluster import (
     MODEL_NAMESPACE,
     OPERATOR_ACCOUNT,
     RELEASE_NAMESPACE,

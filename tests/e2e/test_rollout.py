@@ -16,9 +16,9 @@ from typing import IO, Any
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from devtools.localplane import ControlPlaneError, wait_until
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
-from tests.cluster.localplane import ControlPlaneError, wait_until
-from tests.e2e.conftest import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready
 
 GATEWAY = "app.kubernetes.io/component=gateway"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.cluster.localplane import wait_until
-from tests.e2e.conftest import (
+from devtools.localplane import wait_until
+from tests.support.realcluster import (
     MODEL_NAMESPACE,
     Cluster,
     describe,

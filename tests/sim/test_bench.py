@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.service import Gateway
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.cluster.localplane import free_port
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 MODEL = "qwen"
 SCALE = 0.05

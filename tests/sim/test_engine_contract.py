@@ -12,14 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import free_port
 from pdserve.sim.engine_core import EngineCore, SchedulerConfig, Sequence
 from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig
 from pdserve.sim.tokenizer import SimTokenizer
 from pdserve.vllm.protocol import prefill_handoff_params
-from tests.cluster.localplane import free_port
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 TOKENIZER = SimTokenizer()
 PROMPT = TOKENIZER.encode(

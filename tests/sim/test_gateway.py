@@ -15,6 +15,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.gateway.endpoints import Endpoint
@@ -24,8 +25,7 @@ from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.cluster.localplane import free_port
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 MODEL = "qwen"
 TOOLS = [

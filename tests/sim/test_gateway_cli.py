@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import free_port, wait_until
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.cluster.localplane import free_port, wait_until
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 MODEL = "qwen"
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.localplane import free_port, wait_until
 from pdserve.builders import build_all
 from pdserve.manifests import load_resources
 from pdserve.vllm.protocol import prefill_handoff_params
-from tests.cluster.localplane import free_port, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-7b-pd.yaml"
 

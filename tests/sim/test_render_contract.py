@@ -13,7 +13,7 @@ import pytest
 from pdserve.sim.chat import BUILTIN_TEMPLATES
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
-from tests.sim.conftest import serving
+from tests.support.serving import serving
 
 TOKENIZER = SimTokenizer()
 TOOLS = [{"type": "function", "function": {

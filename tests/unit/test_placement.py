@@ -9,17 +9,8 @@ import pytest
 
 from pdserve.api import DisaggregatedModel, SpecError, parse_resource
 from pdserve.builders import build_all
+from tests.support.specs import GPU_POOLS as BASE
 
-BASE: dict[str, Any] = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "DisaggregatedModel",
-    "metadata": {"name": "m", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "org/model"},
-        "prefill": {"replicas": 1, "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}},
-        "decode": {"replicas": 2, "resources": {"requests": {"cpu": "4", "memory": "32Gi"}}},
-    },
-}
 DOMAIN = {"topologyKey": "nvidia.com/gpu.clique"}
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.clitools import ToolsError, _layer_binaries
-from tests.cluster.localplane import ControlPlaneError, wait_until
-from tests.cluster.nodes import (
+from devtools.clitools import ToolsError, _layer_binaries
+from devtools.localplane import ControlPlaneError, wait_until
+from devtools.nodes import (
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     NVLINK_CLIQUE_LABEL,

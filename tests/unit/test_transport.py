@@ -17,7 +17,7 @@ from pdserve.controller.transport import (
     slice_verdicts,
     verified_condition,
 )
-from tests.unit.test_placement import BASE as GPU_POOLS
+from tests.support.specs import GPU_POOLS
 
 # Two slices of 1 prefill + 1 decode over RDMA, verified before use.
 BODY: dict[str, Any] = copy.deepcopy(GPU_POOLS)

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.clitools import cache_root
+from devtools.clitools import cache_root
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "images" / "Dockerfile"
 PAUSE_DIR = ROOT / "images" / "pause"
 BASE_IMAGE = "docker.io/library/python:3.11.2-slim-bookworm"
@@ -38,7 +38,7 @@ DEBIAN_MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/d
 BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates")
 BASE_ENV = ("PIP_BREAK_SYSTEM_PACKAGES=1", "LANG=C.UTF-8")
 # What the Dockerfile's build context COPYs: a change to any of these rebuilds the images.
-CONTEXT = ("pyproject.toml", "README.md", "operator")
+CONTEXT = ("pyproject.toml", "README.md", "operator", "devtools/extra_requirements.py")
 BUILD_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 
@@ -119,7 +119,7 @@ class Builder:
             if not BASE_IMAGE.endswith(f":{shipped}-slim-{DEBIAN_SUITE}"):
                 raise ImageBuildError(
                     f"Debian {DEBIAN_SUITE} now ships Python {shipped}, but the base is named "
-                    f"{BASE_IMAGE}: rename it in images/Dockerfile and tests/cluster/images.py"
+                    f"{BASE_IMAGE}: rename it in images/Dockerfile and devtools/images.py"
                 )
             for trim in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc",
                          "usr/share/man"):  # fmt: skip

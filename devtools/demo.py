@@ -3,8 +3,8 @@ plane with a real node (pods really run, from images built here), `helm install`
 (the operator runs as a pod), `kubectl apply -f examples/sim-qwen3.yaml`, `kubectl wait` for
 Ready, and one chat completion through the model's gateway Service with the OpenAI SDK.
 
-    python -m tests.cluster.demo              # or: make demo (root: the node runs containers)
-    python -m tests.cluster.localplane down   # or: make cluster-down (stops and removes it all)
+    python -m devtools.demo              # or: make demo (root: the node runs containers)
+    python -m devtools.localplane down   # or: make cluster-down (stops and removes it all)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.clitools import ToolsError, ensure_cli_tools
-from tests.cluster.images import ImageBuildError, build_images
-from tests.cluster.localplane import (
+from devtools.clitools import ToolsError, ensure_cli_tools
+from devtools.images import ImageBuildError, build_images
+from devtools.localplane import (
     ADMIN_USER,
     DEFAULT_STATE_DIR,
     OPERATOR_USER,
@@ -31,7 +31,7 @@ from tests.cluster.localplane import (
     build_binaries,
     load_state,
 )
-from tests.cluster.realnode import (
+from devtools.realnode import (
     BRIDGE_ADDRESS,
     KUBELET_USER,
     NODE_WORKDIR,
@@ -41,7 +41,7 @@ from tests.cluster.realnode import (
     ensure_no_other_node,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "sim-qwen3.yaml"
 CHART = REPO / "charts" / "pdserve"
 

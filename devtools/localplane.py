@@ -5,7 +5,7 @@ built from the Go module proxy by ``bin-src/build.sh``; kwok simulates nodes and
 Running/Ready, so the real controllers create pods and the real scheduler binds them.
 
 Everything listens on free loopback ports and lives in one work directory: certificates, the
-etcd data, logs, the audit log and one kubeconfig per user. ``python -m tests.cluster.localplane
+etcd data, logs, the audit log and one kubeconfig per user. ``python -m devtools.localplane
 up`` keeps a plane running for interactive use; ``down`` stops it.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.cluster.clitools import ToolsError, cache_root, ensure_cli_tools
+from devtools.clitools import ToolsError, cache_root, ensure_cli_tools
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
@@ -570,7 +570,7 @@ def bring_up(state_dir: Path) -> dict[str, Any]:
     started = time.monotonic()
     plane = ControlPlane(workdir=state_dir, binaries=build_binaries())
     plane.start()
-    from tests.cluster.nodes import create_nodes, demo_nodes, wait_nodes_ready
+    from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
 
     with plane.http() as http:
         names = create_nodes(http, demo_nodes())
@@ -607,7 +607,7 @@ def _cmd_down(state_dir: Path) -> int:
 def _stop_real_node(state_dir: Path) -> None:
     """The real node `make demo` started (its containers first, while containerd still runs),
     then its bridge, so nothing of it is left."""
-    from tests.cluster.realnode import NODE_WORKDIR, RealNode, delete_bridge
+    from devtools.realnode import NODE_WORKDIR, RealNode, delete_bridge
 
     plane = ControlPlane(workdir=state_dir, binaries=build_binaries(quiet=True))
     node = RealNode.saved(plane, state_dir / NODE_WORKDIR)

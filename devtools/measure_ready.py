@@ -1,6 +1,6 @@
 """Measure the time from DisaggregatedModel creation to Ready on the local control plane.
 
-    python -m tests.cluster.measure_ready --count 1 --count 50
+    python -m devtools.measure_ready --count 1 --count 50
 
 For each count: a fresh plane (its own fake GPU nodes, enough for every pool), the CRD, the
 operator as its own process; N resources created at once; each one's Ready time is taken from a
@@ -18,11 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+from devtools.localplane import running_control_plane, wait_until
+from devtools.nodes import cpu_node, create_nodes, gpu_node, wait_nodes_ready
+from devtools.operator_proc import running_operator
+from devtools.resources import APPLY, SMALL_PD_SPEC, dm_url
 from pdserve.api.crd import build_crd
-from tests.cluster.localplane import running_control_plane, wait_until
-from tests.cluster.nodes import cpu_node, create_nodes, gpu_node, wait_nodes_ready
-from tests.cluster.operator_proc import running_operator
-from tests.cluster.resources import APPLY, SMALL_PD_SPEC, dm_url
 
 NAMESPACE = "bench"
 

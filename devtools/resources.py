@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from tests.cluster.localplane import wait_until
+from devtools.localplane import wait_until
 
 APPLY = {"Content-Type": "application/apply-patch+yaml"}
 # 1 prefill + 1 decode + render (HPA) + 1 gateway: the smallest complete P/D deployment.

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.cluster.localplane import KWOK_NODE_ANNOTATION, ControlPlaneError, wait_until
+from devtools.localplane import KWOK_NODE_ANNOTATION, ControlPlaneError, wait_until
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

@@ -1,4 +1,4 @@
-"""Simulated vLLM servers on real loopback ports."""
+"""Simulated vLLM servers (or any aiohttp app) on real loopback ports."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from tests.cluster.localplane import free_port
+from devtools.localplane import free_port
 
 
 @asynccontextmanager

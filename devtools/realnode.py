@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.cluster.localplane import (
+from devtools.localplane import (
     ADMIN_USER,
     SERVICE_CLUSTER_IP_RANGE,
     ComponentExited,

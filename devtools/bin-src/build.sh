@@ -45,7 +45,7 @@ build etcd ./etcd
 build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver
 build kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager
 build kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler
-# The real node (tests/cluster/realnode.py): the same release's kubelet and kube-proxy.
+# The real node (devtools/realnode.py): the same release's kubelet and kube-proxy.
 build kubelet k8s.io/kubernetes/cmd/kubelet
 build kube-proxy k8s.io/kubernetes/cmd/kube-proxy
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.localplane import OPERATOR_USER, ControlPlane, wait_until
+from devtools.localplane import OPERATOR_USER, ControlPlane, wait_until
 
 
 @dataclass

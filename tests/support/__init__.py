@@ -1,0 +1,1 @@
+"""Helpers the test packages share (the conftest files hold only fixtures)."""
