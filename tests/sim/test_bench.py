@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.contract.routing import GatewayConfig
-from pdserve.gateway.service import Gateway
+from pdserve.gateway.app import Gateway
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer

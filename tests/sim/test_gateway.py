@@ -17,9 +17,10 @@ from aiohttp import web
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.controller.health import HealthVerdict, TransportMonitor
+from pdserve.gateway.app import Gateway
 from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
-from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.gateway.settings import GatewaySettings
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
 from pdserve.sim.generation import ModelBehaviour
@@ -486,48 +487,36 @@ async def test_n_choices_stream_and_not(stack: Stack) -> None:
 async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() -> None:
     """Regression: tokens merged with the end-of-stream marker used to leave the pipeline
     waiting forever (the client then hung until its own timeout)."""
-    from pdserve.gateway.service import DerenderPipeline
+    from pdserve.gateway.streaming import DerenderPipeline, StreamDerender
 
-    calls: list[dict[str, Any]] = []
+    calls: list[Any] = []
 
-    class FakeGateway:
-        config = type("Config", (), {"model": MODEL})()
+    class metrics:
+        tokens_per_derender = derender_calls = type(
+            "H", (), {"observe": staticmethod(lambda _: None)}
+        )
 
-        class metrics:
-            tokens_per_derender = derender_calls = type(
-                "H", (), {"observe": staticmethod(lambda _: None)}
-            )
-
-        async def post_json(
-            self, stage: str, pool: Any, path: str, body: dict[str, Any], *_: Any
-        ) -> tuple[None, dict[str, Any]]:
-            calls.append(body)
-            return None, {
-                "stream_state": {},
-                "chunk": {
-                    "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]
-                },
-            }
+    async def post(body: Any) -> dict[str, Any]:
+        calls.append(body)
+        return {
+            "stream_state": {},
+            "chunk": {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]},
+        }
 
     class FakeWriter:
         def note_token(self) -> None: ...
 
         async def send(self, chunk: Any) -> None: ...
 
-    context = type(
-        "C",
-        (),
-        {
-            "gw": FakeGateway(),
-            "chat": True,
-            "request_id": "r",
-            "body": {},
-            "headers": {},
-            "selection": type("S", (), {"pools": {"render": []}})(),
-            "settings": GatewaySettings(),
-        },
-    )()
-    pipeline = DerenderPipeline(context, {"token_ids": [1]}, 0, FakeWriter())  # type: ignore[arg-type]
+    derender = StreamDerender(
+        post=post,
+        model=MODEL,
+        request_id="r",
+        prompt_ids=[1],
+        chat_request={},
+        pipelining=GatewaySettings().derender_pipelining,
+    )
+    pipeline = DerenderPipeline(derender, 0, FakeWriter(), metrics)  # type: ignore[arg-type]
     pipeline.push([5, 6], None)
     pipeline.push([7], None)
     pipeline.queue.put_nowait(([], "__abandoned__"))  # queued before the pipeline runs
