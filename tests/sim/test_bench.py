@@ -19,7 +19,7 @@ import pytest
 
 from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
-from pdserve.gateway.service import Gateway
+from pdserve.gateway.app import Gateway
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineConfig, EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer

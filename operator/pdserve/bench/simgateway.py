@@ -19,9 +19,10 @@ from pathlib import Path
 from aiohttp import web
 
 from pdserve.contract.routing import ConfigError, load_config
+from pdserve.gateway.app import Gateway
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.policy import PolicySettings
-from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.gateway.settings import GatewaySettings
 
 NO_LIMIT = 1_000_000
 

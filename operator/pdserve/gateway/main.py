@@ -13,7 +13,8 @@ from kubernetes.config import ConfigException
 
 from pdserve.contract.names import GATEWAY_SHUTDOWN_SECONDS
 from pdserve.contract.routing import ConfigError, load_config
-from pdserve.gateway.service import Gateway, GatewaySettings
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.settings import GatewaySettings
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
 from pdserve.logsetup import configure_logging

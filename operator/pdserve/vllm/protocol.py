@@ -1,8 +1,15 @@
-"""Small pieces of vLLM's wire contract shared by the simulators, the gateway and the tests."""
+"""Small pieces of vLLM's wire contract shared by the simulators, the gateway and the tests.
+
+The bodies the gateway sends are built here, and only here: the prefill and decode requests
+of both engine APIs, the derender calls and the aborts."""
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+GENERATE_PATH = "/inference/v1/generate"
 
 
 def prefill_handoff_params() -> dict[str, Any]:
@@ -18,9 +25,153 @@ def prefill_handoff_params() -> dict[str, Any]:
     }
 
 
+def reuse_decode_kv_params(held: Mapping[str, Any]) -> dict[str, Any]:
+    """kv_transfer_params pointing prefill at the KV a decode engine still holds from the
+    conversation's last turn (bidirectional KV), still asking prefill to hand off to decode."""
+    return {**held, "do_remote_decode": True, "do_remote_prefill": False}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+# ---- OpenAI-level engines ------------------------------------------------------------------------
+def openai_path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def openai_prefill_body(request: Mapping[str, Any], handoff: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's request cut to prefill only: one token, one choice, not streamed."""
+    body = {**request, "stream": False, "max_tokens": 1, "n": 1}
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    for field in ("stream_options", "min_tokens"):
+        body.pop(field, None)
+    body["kv_transfer_params"] = handoff
+    return body
+
+
+def openai_decode_body(request: Mapping[str, Any], kv: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The client's request, with prefill's kv_transfer_params when there are any."""
+    return {**request, **({"kv_transfer_params": kv} if kv else {})}
+
+
+# ---- tokens engines (render servers in front) ----------------------------------------------------
+def render_path(chat: bool) -> str:
+    return "/v1/chat/completions/render" if chat else "/v1/completions/render"
+
+
+def derender_path(chat: bool) -> str:
+    return "/v1/chat/completions/derender" if chat else "/v1/completions/derender"
+
+
+def tokens_prefill_body(generate: Mapping[str, Any], handoff: Mapping[str, Any]) -> dict[str, Any]:
+    """The rendered generate request cut to prefill only (one token, one choice, not
+    streamed), with the handoff's kv_transfer_params."""
+    body = copy.deepcopy(dict(generate))
+    body["stream"] = False
+    body["stream_options"] = None
+    params = body["sampling_params"]
+    params.update({"max_tokens": 1, "min_tokens": 0, "n": 1})
+    body["kv_transfer_params"] = handoff
+    # Older engines read it only from extra_args.
+    params["extra_args"] = {**(params.get("extra_args") or {}), "kv_transfer_params": handoff}
+    return body
+
+
+def tokens_decode_body(generate: Mapping[str, Any], kv: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The rendered generate request, pulling prefill's KV when `kv` is given (else decode
+    prefills itself)."""
+    body = copy.deepcopy(dict(generate))
+    if kv is not None:
+        body["kv_transfer_params"] = dict(kv)
+        params = body["sampling_params"]
+        # Older engines read it only from extra_args.
+        params["extra_args"] = {
+            **(params.get("extra_args") or {}),
+            "kv_transfer_params": dict(kv),
+        }
+    return body
+
+
+class DerenderRequest(TypedDict):
+    """A whole generate answer turned back into an OpenAI response."""
+
+    stream: bool
+    model: str
+    generate_response: Mapping[str, Any]
+    prompt_tokens: int
+    prompt_token_ids: list[int]
+    chat_request: Mapping[str, Any] | None
+
+
+class ChunkChoice(TypedDict):
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: None
+
+
+class GenerateChunk(TypedDict):
+    request_id: str
+    choices: list[ChunkChoice]
+
+
+class DerenderStreamRequest(TypedDict):
+    """Tokens of one streamed choice turned into an OpenAI chunk; `stream_state` carries the
+    detokenizer's state from the previous call of the same choice."""
+
+    stream: bool
+    model: str
+    stream_state: Any
+    generate_chunk: GenerateChunk
+    prompt_tokens: int
+    prompt_token_ids: list[int]
+    chat_request: Mapping[str, Any] | None
+
+
+def derender_body(
+    model: str,
+    answer: Mapping[str, Any],
+    prompt_ids: list[int],
+    chat_request: Mapping[str, Any] | None,
+) -> DerenderRequest:
+    return {
+        "stream": False,
+        "model": model,
+        "generate_response": answer,
+        "prompt_tokens": len(prompt_ids),
+        "prompt_token_ids": prompt_ids,
+        "chat_request": chat_request,
+    }
+
+
+def derender_chunk_body(
+    model: str,
+    request_id: str,
+    state: Any,
+    choice: ChunkChoice,
+    prompt_ids: list[int],
+    chat_request: Mapping[str, Any] | None,
+) -> DerenderStreamRequest:
+    return {
+        "stream": True,
+        "model": model,
+        "stream_state": state,
+        "generate_chunk": {"request_id": request_id, "choices": [choice]},
+        "prompt_tokens": len(prompt_ids),
+        "prompt_token_ids": prompt_ids,
+        "chat_request": chat_request,
+    }
+
+
+class AbortRequest(TypedDict):
+    request_ids: list[str]
+
+
+def abort_body(request_ids: list[str]) -> AbortRequest:
+    return {"request_ids": request_ids}

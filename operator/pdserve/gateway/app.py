@@ -1,0 +1,270 @@
+"""The OpenAI-compatible gateway: render -> prefill -> decode -> derender, streaming, failures.
+
+Routes (chosen by the model's config):
+1. render + P/D: render, prefill (max_tokens=1, do_remote_decode), decode with prefill's
+   kv_transfer_params, derender.
+2. P/D without render: the OpenAI-level handoff against engines that speak OpenAI.
+3. render + one engine pool: render, generate, derender.
+4. aggregated: straight to the decode pool; also the fallback when P/D cannot serve a request.
+Every request ends in a correct answer or a clear OpenAI-style error, never a hang.
+
+This module wires the parts (intake.py, planner.py, tokens_route.py, openai_route.py,
+admission.py, upstream.py) into the web application, runs its background tasks, and serves
+the operational endpoints (health, ready, models, metrics, status)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.admission import AdmissionHandlers
+from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
+from pdserve.gateway.discovery import PodDiscovery
+from pdserve.gateway.endpoints import Endpoints, NoEndpoints
+from pdserve.gateway.errors import GatewayError, error_response
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.hops import Hops
+from pdserve.gateway.intake import Intake
+from pdserve.gateway.load import LoadScraper
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_route import OpenAIRoute
+from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.placement import Placement
+from pdserve.gateway.planner import RoutePlanner
+from pdserve.gateway.policy import AutoPolicy
+from pdserve.gateway.request_log import RequestLog
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.gateway.tokens_route import TokensRoute
+from pdserve.gateway.upstream import UpstreamClient
+from pdserve.kube.client import Kube
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, settings: GatewaySettings | None = None) -> None:
+        self.config = config
+        self.settings = s = settings or GatewaySettings()
+        self.endpoints = Endpoints(config)
+        self.metrics = GatewayMetrics()
+        self._slots = asyncio.Semaphore(s.max_inflight)
+        self._discovery: PodDiscovery | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._peers_task: asyncio.Task[None] | None = None
+        self.upstream = UpstreamClient(self.endpoints, self.metrics, s)
+        self.intake = Intake(config.model, s)
+        self.admission = PrefillAdmission(s.fair_queue)
+        keys = s.api_keys
+        self.peers = PeerAdmission(
+            self.admission, lambda: self.upstream.session, api_key=keys[0] if keys else None
+        )
+        if config.endpoints is not None:
+            own = config.endpoints.self_url
+            self.peers.set_peers(
+                [u.rstrip("/") for u in config.endpoints.peers],
+                self_url=None if own is None else own.rstrip("/"),
+            )
+        self.planner = RoutePlanner(
+            config,
+            self.endpoints,
+            AutoPolicy(settings.policy if settings else None),
+            self.admission,
+            self.peers,
+            self.metrics,
+            endpoint_wait_seconds=s.endpoint_wait_seconds,
+            engine_seconds_scale=s.engine_seconds_scale,
+            step_window_seconds=s.step_window_seconds,
+        )
+        self.prefixes = PrefixIndex()
+        self.conversations = Conversations()
+        self.decode_kv = DecodeKv()
+        placement = Placement(config.block_size, self.prefixes, self.conversations)
+        hops = Hops(self.upstream, self.planner, placement, self.admission, self.peers, s)
+        self.completion_route: TokensRoute | OpenAIRoute
+        if config.engine_api == "tokens":
+            self.completion_route = TokensRoute(
+                config, s, self.upstream, hops, self.planner, placement, self.decode_kv,
+                self.metrics,
+            )  # fmt: skip
+        else:
+            self.completion_route = OpenAIRoute(
+                self.upstream, hops, self.planner, placement, self.metrics
+            )
+        self.admission_handlers = AdmissionHandlers(
+            self.admission, self.peers, self.intake, hold_seconds=s.prefill_timeout
+        )
+        self.request_log = RequestLog(s.request_log) if s.request_log else None
+
+    @property
+    def policy(self) -> AutoPolicy:
+        return self.planner.policy
+
+    @policy.setter
+    def policy(self, policy: AutoPolicy) -> None:
+        self.planner.policy = policy
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        return self.upstream.session
+
+    # ---- app -----------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/status", self.status)
+        self.admission_handlers.add_routes(app)
+        app.on_startup.append(self._start_background)
+        app.on_cleanup.append(self._close)
+        return app
+
+    def discover_pods(self, kube: Kube, own_pod: str | None = None) -> None:
+        """Find endpoints (and peer gateways) by watching the model's pods (in a cluster)
+        instead of a static list."""
+        self._discovery = PodDiscovery(kube, self.config, self.endpoints, self.peers, own_pod)
+
+    async def _start_background(self, _: web.Application) -> None:
+        if self.request_log is not None:
+            self.request_log.start()
+        if self.settings.load_scrape_seconds is not None:
+            scraper = LoadScraper(
+                self.endpoints,
+                self.upstream.session,
+                self.settings.load_scrape_seconds,
+                on_transfers=self.planner.note_transfers,
+            )
+            self._scrape_task = asyncio.create_task(scraper.run(), name="load-scraper")
+        if self._discovery is not None:
+            self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
+        if self._discovery is not None or self.peers.urls:
+            self._peers_task = asyncio.create_task(self.peers.run(), name="peer-admission")
+
+    async def _close(self, _: web.Application) -> None:
+        for task in (self._scrape_task, self._peers_task):
+            if task is not None:
+                task.cancel()
+        if self.request_log is not None:
+            await self.request_log.stop()
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+        if self._discovery is not None:
+            await self._discovery.kube.close()
+        await self.upstream.close()
+
+    # ---- operational endpoints -----------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def ready(self, _: web.Request) -> web.Response:
+        try:
+            self.endpoints.select(self.planner.needed_pools())
+        except NoEndpoints as error:
+            return web.json_response({"ready": False, "reason": str(error)}, status=503)
+        return web.json_response({"ready": True})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.intake.authorize(request)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                    }
+                ],
+            }
+        )
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        self.metrics.prefill_queue.set(len(self.admission.queue))
+        self.metrics.prefill_oldest_wait.set(self.admission.oldest_wait())
+        self.metrics.prefill_aged.set(self.admission.aged)
+        self.metrics.admission_leader_errors.set(self.peers.leader_errors)
+        return web.Response(
+            body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    async def status(self, _: web.Request) -> web.Response:
+        health = self.policy.health
+        return web.json_response(
+            {
+                "mode": self.config.routing.mode,
+                "pdDegraded": health.degraded,
+                "handoffSecondsPerToken": health.seconds_per_token,
+                "handoffSecondsPerTokenByPrefill": {
+                    url: estimate for url, (estimate, _) in health.by_prefill.items()
+                },
+                "recentFailures": len(health.failures),
+                "admission": {
+                    "leader": self.peers.leader() or "self",
+                    "peers": sorted(self.peers.live),
+                },
+            }
+        )
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, chat=False)
+
+    async def handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        route = "unknown"
+        if self._slots.locked():
+            self.metrics.requests.labels(route, "rejected").inc()
+            return error_response(
+                GatewayError(
+                    429,
+                    f"the gateway is at its limit of {self.settings.max_inflight} requests in "
+                    "flight; retry shortly",
+                )
+            )
+        async with self._slots:
+            self.metrics.inflight.inc()
+            try:
+                self.intake.authorize(request)
+                body = await self.intake.read_body(request)
+                request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
+                plan = await self.planner.plan()
+                exchange = Exchange(
+                    request=request,
+                    body=body,
+                    chat=chat,
+                    request_id=request_id,
+                    selection=plan.selection,
+                    pd=plan.pd,
+                    started=started,
+                    tokens_api=self.config.engine_api == "tokens",
+                    headers=self.intake.upstream_headers(request, request_id),
+                )
+                route = exchange.route
+                response = await self.completion_route.serve(exchange)
+                route = exchange.route  # Auto mode decides P/D or local inside serve()
+                self.metrics.requests.labels(route, "ok").inc()
+                self.metrics.e2e.labels(route).observe(time.monotonic() - started)
+                if self.request_log is not None:
+                    self.request_log.record(exchange.log_entry())
+                return response
+            except GatewayError as error:
+                self.metrics.requests.labels(route, f"error_{error.status}").inc()
+                return error_response(error)
+            except NoEndpoints as error:
+                self.metrics.requests.labels(route, "no_endpoints").inc()
+                return error_response(GatewayError(503, str(error)))
+            finally:
+                self.metrics.inflight.dec()

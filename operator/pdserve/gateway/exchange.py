@@ -1,0 +1,91 @@
+"""One client request on its way through the pools: what it asked, where it ran, its timings.
+Routes fill it in; the app logs it when it finishes."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.gateway.endpoints import Endpoint, Selection
+from pdserve.gateway.request_log import p95
+
+
+@dataclass
+class Exchange:
+    request: web.Request
+    body: dict[str, Any]
+    chat: bool
+    request_id: str
+    selection: Selection
+    pd: bool  # the request goes through a prefill replica (Auto mode may still change it)
+    started: float
+    tokens_api: bool
+    headers: dict[str, str]
+    """What every upstream call carries (the request id, maybe the client's credentials)."""
+    first_token_at: float | None = None
+    last_chunk_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    prefill_done_at: float | None = None
+    prefilled_on: Endpoint | None = None
+    local_anywhere: bool = False  # Auto found the P/D path unusable (see policy.Decision)
+    auto_reason: str | None = None
+    served_by: dict[str, str] = field(default_factory=dict)
+    """Stage (prefill, decode) -> the engine that ran it (pod name or URL), for the log."""
+    sent_at_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def conversation(self) -> str | None:
+        conversation = self.body.get("conversation_id") or self.request.headers.get(
+            "X-Conversation-Id"
+        )
+        return str(conversation) if conversation else None
+
+    @property
+    def route(self) -> str:
+        if self.tokens_api:
+            return "render_pd" if self.pd else "render"
+        return "openai_pd" if self.pd else "aggregated"
+
+    def estimated_prompt_tokens(self) -> int:
+        """Without a render pool there are no token ids: ~4 characters a token."""
+        return len(json.dumps(self.body.get("messages") or self.body.get("prompt") or "")) // 4
+
+    def log_entry(self) -> dict[str, Any]:
+        """The request log's JSON Lines entry (the chunked-prefill article's fields)."""
+        now = time.monotonic()
+
+        def wall_ms(moment: float | None) -> int | None:
+            return None if moment is None else self.sent_at_ms + int((moment - self.started) * 1000)
+
+        gap_p95 = p95(self.gaps)
+        return {
+            "request_id": self.request_id,
+            "class": self.request.headers.get(
+                "X-PDServe-Class", "chat" if self.chat else "completion"
+            ),
+            "route": self.route,
+            "prompt_tokens": self.prompt_tokens,
+            "requested_output_tokens": self.body.get(
+                "max_completion_tokens", self.body.get("max_tokens")
+            ),
+            "sent_at_ms": self.sent_at_ms,
+            "first_token_at_ms": wall_ms(self.first_token_at or now),
+            "finished_at_ms": wall_ms(now),
+            "output_tokens": self.output_tokens,
+            "inter_token_ms_p95": None if gap_p95 is None else round(gap_p95 * 1000, 2),
+            "render_engine": self.served_by.get("render"),
+            "prefill_engine": self.served_by.get("prefill"),
+            "decode_engine": self.served_by.get("decode"),
+            "parity_hash": self.selection.parity_hash,
+            "auto_reason": self.auto_reason,
+        }

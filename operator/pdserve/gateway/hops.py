@@ -1,0 +1,168 @@
+"""The P/D hops both route families share: prefill (with the long-prompt admission slot and
+the KV lease check), and a non-streamed decode that falls back to local prefill when it
+cannot load prefill's KV."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.errors import GatewayError, UpstreamFailed
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.fairqueue import LONG, PrefillAdmission
+from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.placement import Placement
+from pdserve.gateway.planner import RoutePlanner
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.gateway.upstream import UpstreamClient
+
+log = logging.getLogger("pdserve.gateway")
+
+
+class Hops:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        planner: RoutePlanner,
+        placement: Placement,
+        admission: PrefillAdmission,
+        peers: PeerAdmission,
+        settings: GatewaySettings,
+    ) -> None:
+        self.upstream, self.planner, self.placement = upstream, planner, placement
+        self.admission, self.peers, self.settings = admission, peers, settings
+
+    def decode_candidates(self, exchange: Exchange, *, with_kv: bool) -> list[Endpoint]:
+        local_on_prefill_pool = self.planner.policy.settings.local_on_prefill_pool
+        return self.placement.decode_candidates(
+            exchange, with_kv=with_kv, local_on_prefill_pool=local_on_prefill_pool
+        )
+
+    async def prefill(
+        self,
+        exchange: Exchange,
+        path: str,
+        body: dict[str, Any],
+        token_ids: list[int] | None = None,
+    ) -> tuple[Endpoint, dict[str, Any]] | None:
+        """Run prefill; None when no prefill replica could (the caller prefills on decode)."""
+        prompt_tokens = len(token_ids) if token_ids else exchange.estimated_prompt_tokens()
+        request_class = self.admission.request_class(
+            prompt_tokens, exchange.request.headers.get("X-PDServe-Class")
+        )
+        pool = exchange.selection.pools["prefill"]
+        affinity = self.placement.affinity(exchange, "prefill", token_ids)
+        try:
+            endpoint, answer = await self.call_prefill(
+                exchange, path, body, pool, affinity, request_class, prompt_tokens
+            )
+            self.placement.remember(exchange, "prefill", endpoint, token_ids)
+        except UpstreamFailed as error:
+            log.warning(
+                "%s: prefill failed (%s); prefilling on decode",
+                exchange.request_id,
+                error,
+                extra={"request_id": exchange.request_id},
+            )
+            self.planner.fallback("prefill_failed")
+            return None
+        assert isinstance(answer, dict)
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            self.planner.fallback("no_kv_params")
+            return None
+        expiry = params.get("remote_blocks_expiry_time")
+        if (
+            isinstance(expiry, int | float)
+            and expiry - time.time() < self.settings.lease_margin_seconds
+        ):
+            # The lease would run out before decode starts pulling: recompute instead.
+            self.planner.fallback("lease_expiring")
+            await self.upstream.abort(endpoint, [exchange.request_id])
+            return None
+        exchange.prefill_done_at = time.monotonic()
+        exchange.prefilled_on = endpoint
+        self.planner.policy.health.note_pd_prompt(prompt_tokens)
+        return endpoint, params
+
+    async def call_prefill(
+        self,
+        exchange: Exchange,
+        path: str,
+        body: dict[str, Any],
+        pool: list[Endpoint],
+        affinity: Mapping[str, int],
+        request_class: str,
+        prompt_tokens: int,
+    ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
+        """POST to a prefill replica. A long prompt holds a slot on the best replica with room
+        (affinity and load rank them); if that replica fails, the slot goes back and the next
+        one with room is tried. UpstreamFailed when none could."""
+        # Short prompts need no slot: post_json itself moves on to the next replica.
+        ranked = [e.url for e in Endpoints.rank(pool, affinity)] if request_class == LONG else []
+        while True:
+            granted: str | None = None
+            try:
+                async with self.peers.slot(request_class, ranked) as granted:
+                    begun = time.monotonic()
+                    answer = await self.upstream.post_json(
+                        "prefill",
+                        pool if granted is None else [e for e in pool if e.url == granted],
+                        path,
+                        body,
+                        exchange.headers,
+                        self.settings.prefill_timeout,
+                        affinity=affinity,
+                        prefill_tokens=prompt_tokens,
+                    )
+                    elapsed = time.monotonic() - begun
+                    self.planner.policy.health.observe_prefill(elapsed, prompt_tokens)
+                    return answer
+            except UpstreamFailed:
+                ranked = [url for url in ranked if url != granted]
+                if granted is None or not ranked:
+                    raise  # no other replica to try: the caller prefills on decode
+
+    async def decode_once(
+        self,
+        exchange: Exchange,
+        path: str,
+        body: dict[str, Any],
+        local_body: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """One non-streamed decode call. If it fails loading prefill's KV (local_body is the
+        same request without kv_transfer_params), retry once with local prefill on decode."""
+        # Decode prefills itself unless KV arrives: then its own prefix cache matters.
+        local = local_body is None
+        try:
+            endpoint, answer = await self.upstream.post_json(
+                "decode",
+                self.decode_candidates(exchange, with_kv=not local),
+                path,
+                body,
+                exchange.headers,
+                self.settings.decode_timeout,
+                affinity=self.placement.affinity(exchange, "decode", token_ids if local else None),
+            )
+            self.placement.remember(exchange, "decode", endpoint, token_ids if local else None)
+        except UpstreamFailed as error:
+            if local_body is None:
+                raise GatewayError(502, str(error), kind="UpstreamError") from None
+            self.planner.fallback("kv_load_failed")
+            await self.upstream.abort(prefill_endpoint, [exchange.request_id])
+            endpoint, answer = await self.upstream.post_json(
+                "decode",
+                exchange.selection.pools["decode"],
+                path,
+                local_body,
+                exchange.headers,
+                self.settings.decode_timeout,
+            )
+            exchange.served_by["decode"] = endpoint.label
+        assert isinstance(answer, dict)
+        return answer

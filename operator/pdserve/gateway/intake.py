@@ -1,0 +1,71 @@
+"""Request intake: the API key, the body's size and shape, the headers passed upstream."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.settings import GatewaySettings
+
+
+class Intake:
+    def __init__(self, model: str, settings: GatewaySettings) -> None:
+        self.model, self.settings = model, settings
+
+    def authorize(self, request: web.Request) -> None:
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        header = request.headers.get("Authorization", "")
+        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        # Compare against every key so the time taken says nothing about which one is close.
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(token.encode(), key.encode())
+        if not matched:
+            raise GatewayError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+
+    async def read_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as error:
+            raise GatewayError(400, f"request body is not valid JSON: {error}") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise GatewayError(
+                413,
+                f"request body exceeds {self.settings.max_body_bytes} bytes",
+                kind="RequestTooLarge",
+            ) from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+        body["model"] = self.model
+        for field in ("max_tokens", "max_completion_tokens", "n"):
+            value = body.get(field)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise GatewayError(400, f"{field} must be a positive integer", param=field)
+        cap = self.settings.max_tokens_cap
+        if cap is not None:
+            for field in ("max_tokens", "max_completion_tokens"):
+                if (body.get(field) or 0) > cap:
+                    raise GatewayError(400, f"{field} may be at most {cap}", param=field)
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                body["max_tokens"] = cap
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise GatewayError(400, "stream must be true or false", param="stream")
+        return body
+
+    def upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        """The request id, and the client's own credentials when the gateway checks none."""
+        headers = {"X-Request-Id": request_id}
+        if "Authorization" in request.headers and not self.settings.api_keys:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers

@@ -1,0 +1,143 @@
+"""Routes 2 and 4, engines that speak OpenAI: the OpenAI-level P/D handoff (prefill, then
+decode with its kv_transfer_params), or straight to decode (aggregated, and P/D's fallback).
+Streams are passed through event by event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.gateway.endpoints import Endpoint
+from pdserve.gateway.errors import GatewayError, upstream_message
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.hops import Hops
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.placement import Placement
+from pdserve.gateway.planner import RoutePlanner
+from pdserve.gateway.streaming import DONE, SSE_HEADERS, ClientWriter, sse_data
+from pdserve.gateway.upstream import UpstreamClient, counted
+from pdserve.vllm.protocol import (
+    openai_decode_body,
+    openai_path,
+    openai_prefill_body,
+    prefill_handoff_params,
+)
+
+
+class OpenAIRoute:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        hops: Hops,
+        planner: RoutePlanner,
+        placement: Placement,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.upstream, self.hops, self.planner = upstream, hops, planner
+        self.placement, self.metrics = placement, metrics
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        path = openai_path(ex.chat)
+        kv: dict[str, Any] | None = None
+        prefill_endpoint: Endpoint | None = None
+        self.planner.decide_auto(ex, ex.estimated_prompt_tokens())
+        if ex.pd:
+            prefill_body = openai_prefill_body(ex.body, prefill_handoff_params())
+            prefilled = await self.hops.prefill(ex, path, prefill_body)
+            if prefilled is not None:
+                prefill_endpoint, kv = prefilled
+        body = openai_decode_body(ex.body, kv)
+        if not ex.stream:
+            answer = await self.hops.decode_once(
+                ex, path, body, ex.body if kv is not None else None, prefill_endpoint
+            )
+            answer.pop("kv_transfer_params", None)
+            usage = answer.get("usage") or {}
+            ex.prompt_tokens = usage.get("prompt_tokens")
+            ex.output_tokens = usage.get("completion_tokens")
+            return web.json_response(answer)
+        return await self.proxy_stream(ex, path, body)
+
+    async def proxy_stream(
+        self, ex: Exchange, path: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        with_kv = "kv_transfer_params" in body
+        endpoint = self.upstream.endpoints.pick(
+            self.hops.decode_candidates(ex, with_kv=with_kv),
+            affinity=self.placement.affinity(ex, "decode", None),
+        )
+        if endpoint is None:
+            raise GatewayError(503, "no healthy decode endpoint")
+        self.placement.remember(ex, "decode", endpoint, None)
+        # Count the stream on its engine at once: the next pick must not wait for a scrape.
+        backlog = 0 if with_kv else ex.estimated_prompt_tokens()
+        async with counted(endpoint, backlog) as prefilled:
+            return await self._proxy_stream(ex, endpoint, path, body, prefilled)
+
+    async def _proxy_stream(
+        self,
+        ex: Exchange,
+        endpoint: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        prefilled: Callable[[], None],
+    ) -> web.StreamResponse:
+        try:
+            upstream = await self.upstream.post_stream(endpoint, path, body, ex.headers)
+        except (TimeoutError, aiohttp.ClientError) as error:
+            raise GatewayError(
+                502,
+                f"decode at {endpoint.url}: {type(error).__name__}: {error}",
+                kind="UpstreamError",
+            ) from None
+        try:
+            if upstream.status != 200:
+                raise GatewayError(
+                    upstream.status if upstream.status < 500 else 502,
+                    upstream_message(await upstream.read()),
+                    kind="UpstreamError",
+                )
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(ex.request)
+            writer = ClientWriter(response, ex, self.metrics)
+            done = False
+            broke = ""
+            events = 0
+            last_event: float | None = None
+            try:
+                try:
+                    async with aclosing(sse_data(upstream.content)) as lines:
+                        async for data in lines:
+                            if data == DONE:
+                                done = True
+                                self.planner.policy.observe_output(events)
+                                break
+                            now = time.monotonic()
+                            if last_event is not None:
+                                self.planner.note_step(endpoint, now - last_event, now)
+                            last_event = now
+                            events += 1
+                            if "kv_transfer_params" in body:
+                                self.planner.note_handoff(ex, now, ex.estimated_prompt_tokens())
+                            prefilled()
+                            writer.note_token()
+                            await writer.write_line(data)
+                except (TimeoutError, aiohttp.ClientError) as error:
+                    broke = f": decode stream broke ({type(error).__name__})"
+                if not done:
+                    await writer.error(
+                        502, f"decode stream ended before the answer was complete{broke}"
+                    )
+                await writer.done()
+            except (ConnectionResetError, asyncio.CancelledError):
+                await asyncio.shield(self.upstream.abort(endpoint, [ex.request_id]))
+                raise
+            return response
+        finally:
+            upstream.release()

@@ -1,0 +1,54 @@
+"""Which replicas a request's hops prefer: where its prefix is probably cached, where its
+conversation ran, and for decode the replicas that can pull prefill's KV."""
+
+from __future__ import annotations
+
+from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
+from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.exchange import Exchange
+
+
+class Placement:
+    def __init__(
+        self, block_size: int, prefixes: PrefixIndex, conversations: Conversations
+    ) -> None:
+        self.block_size, self.prefixes, self.conversations = block_size, prefixes, conversations
+
+    def affinity(
+        self, exchange: Exchange, stage: str, token_ids: list[int] | None
+    ) -> dict[str, int]:
+        """Where this request's prefix is probably cached, and where its conversation ran."""
+        scores: dict[str, int] = {}
+        if token_ids:
+            hashes = block_hashes(token_ids, self.block_size)
+            for endpoint in exchange.selection.pools.get(stage, []):
+                if blocks := self.prefixes.cached_blocks(endpoint.url, hashes):
+                    scores[endpoint.url] = blocks
+        conversation = exchange.conversation
+        if conversation and (url := self.conversations.endpoint(conversation, stage)):
+            scores[url] = scores.get(url, 0) + 1_000_000  # stay on the conversation's engine
+        return scores
+
+    def remember(
+        self, exchange: Exchange, stage: str, endpoint: Endpoint, token_ids: list[int] | None
+    ) -> None:
+        exchange.served_by[stage] = endpoint.label
+        if token_ids:
+            self.prefixes.record(endpoint.url, block_hashes(token_ids, self.block_size))
+        if conversation := exchange.conversation:
+            self.conversations.remember(conversation, stage, endpoint.url)
+
+    @staticmethod
+    def decode_candidates(
+        exchange: Exchange, *, with_kv: bool, local_on_prefill_pool: bool
+    ) -> list[Endpoint]:
+        """Decode replicas for this request: with prefill's KV to pull, those in the prefill
+        replica's slice first (same topology domain, the verified path). A request Auto mode
+        prefills locally may also run whole on a prefill replica (engines serve a request
+        without kv_transfer_params end to end)."""
+        pool = exchange.selection.pools["decode"]
+        if with_kv:
+            return Endpoints.same_slice(pool, exchange.prefilled_on)
+        if exchange.local_anywhere and local_on_prefill_pool:
+            return pool + exchange.selection.pools.get("prefill", [])
+        return pool

@@ -1,0 +1,176 @@
+"""Which path a request takes: the pools it needs, P/D or not (the routing mode, verified KV
+transports, Auto's decision), and what Auto mode learns from the requests that ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.policy import AutoPolicy, Decision, QueueState
+
+
+@dataclass
+class Plan:
+    selection: Selection
+    pd: bool
+
+
+class RoutePlanner:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        endpoints: Endpoints,
+        policy: AutoPolicy,
+        admission: PrefillAdmission,
+        peers: PeerAdmission,
+        metrics: GatewayMetrics,
+        *,
+        endpoint_wait_seconds: float,
+        engine_seconds_scale: float,
+        step_window_seconds: float,
+    ) -> None:
+        self.config, self.endpoints, self.policy = config, endpoints, policy
+        self.admission, self.peers, self.metrics = admission, peers, metrics
+        self.endpoint_wait_seconds = endpoint_wait_seconds
+        self.engine_seconds_scale = engine_seconds_scale
+        self.step_window_seconds = step_window_seconds
+
+    # ---- the plan ------------------------------------------------------------------------------
+    def needed_pools(self) -> list[str]:
+        pools = ["decode"]
+        if self.config.engine_api == "tokens":
+            pools.insert(0, "render")
+        return pools
+
+    async def plan(self) -> Plan:
+        """Wait for a usable set of endpoints, then P/D or not; NoEndpoints when the routing
+        mode demands P/D and no prefill replica can serve."""
+        selection = await self.endpoints.wait_select(
+            self.needed_pools(), ["prefill"], wait_seconds=self.endpoint_wait_seconds
+        )
+        unverified = self.keep_verified_prefill(selection)
+        pd = self.wants_pd(selection)
+        if (
+            self.config.routing.mode == "Disaggregated"
+            and not pd
+            and self.config.pools.prefill
+            and not unverified
+        ):
+            raise NoEndpoints("routing mode Disaggregated but no healthy prefill endpoint")
+        return Plan(selection, pd)
+
+    def keep_verified_prefill(self, selection: Selection) -> bool:
+        """kvTransfer.verify Required: only prefill replicas whose slice passed the transport
+        preflight take P/D traffic; with none, requests prefill locally on decode. True when
+        that left no prefill endpoint."""
+        prefill = selection.pools.get("prefill")
+        if self.config.kv_transfer.verify != "Required" or not prefill:
+            return False
+        selection.pools["prefill"] = [e for e in prefill if e.kv_transport == "Verified"]
+        if selection.pools["prefill"]:
+            return False
+        self.metrics.fallbacks.labels("transport_unverified").inc()
+        return True
+
+    def wants_pd(self, selection: Selection) -> bool:
+        mode = self.config.routing.mode
+        if mode == "Aggregated" or self.config.pools.prefill is None:
+            return False
+        return bool(selection.pools.get("prefill"))
+
+    # ---- Auto mode -----------------------------------------------------------------------------
+    def ttft_budget(self) -> float | None:
+        ttft_ms = self.config.routing.slo.ttft_ms
+        return None if ttft_ms is None else ttft_ms / 1000
+
+    def itl_budget(self) -> float | None:
+        itl_ms = self.config.routing.slo.itl_ms
+        return None if itl_ms is None else itl_ms / 1000
+
+    def queue_state(self, selection: Selection) -> QueueState:
+        """The least busy replica of each engine pool: queued plus running requests (the
+        gateway's own in-flight count when it is ahead of the last scrape), and for prefill the
+        long prompts held in the gateway's admission queue, shared among the replicas."""
+
+        def active(endpoint: Endpoint) -> float:
+            return endpoint.waiting + max(endpoint.running, endpoint.inflight)
+
+        pools = selection.pools
+        prefill = pools.get("prefill", [])
+        queued = (len(self.admission.queue) + self.peers.queued()) / max(1, len(prefill))
+        ahead_by = {e.url: active(e) + queued for e in prefill}
+        calmest = min(pools.get("decode", []), key=active, default=None)
+        return QueueState(
+            decode_active=None if calmest is None else active(calmest),
+            decode_step_seconds=None if calmest is None else calmest.steps.seconds,
+            prefill_ahead=min(ahead_by.values(), default=None),
+            prefill_ahead_by=ahead_by,
+            prefill_backlog_by={e.url: float(e.prefill_backlog) for e in prefill},
+        )
+
+    def auto_decision(
+        self, prompt_tokens: int | None, prefill_available: bool, selection: Selection
+    ) -> Decision:
+        """Routing mode Auto: P/D or local prefill for this request (see policy.py); P/D keeps
+        only the prefill replicas whose KV path fits the TTFT budget."""
+        prefill = selection.pools.get("prefill", [])
+        self.policy.health.forget([e.url for e in self.endpoints.pools.get("prefill", [])])
+        decision = self.policy.decide(
+            prompt_tokens=prompt_tokens,
+            prefill_available=prefill_available,
+            ttft_budget=self.ttft_budget(),
+            queues=self.queue_state(selection),
+            prefill_replicas=[e.url for e in prefill],
+            itl_budget=self.itl_budget(),
+        )
+        if decision.disaggregated and decision.prefill:
+            selection.pools["prefill"] = [e for e in prefill if e.url in decision.prefill]
+        self.metrics.auto_decisions.labels(decision.reason).inc()
+        return decision
+
+    def decide_auto(self, exchange: Exchange, prompt_tokens: int) -> None:
+        """In routing mode Auto (else nothing changes): settle P/D or local for the request."""
+        if self.config.routing.mode != "Auto":
+            return
+        decision = self.auto_decision(prompt_tokens, exchange.pd, exchange.selection)
+        exchange.pd = decision.disaggregated
+        exchange.local_anywhere = decision.anywhere
+        exchange.auto_reason = decision.reason
+
+    # ---- what Auto mode learns -----------------------------------------------------------------
+    def fallback(self, reason: str) -> None:
+        """P/D could not serve a request: count it, and let Auto mode learn from it."""
+        self.metrics.fallbacks.labels(reason).inc()
+        self.policy.health.failure()
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))
+
+    def note_transfers(self, decode: Endpoint, transfers: float, seconds: float) -> None:
+        """KV transfers a decode engine finished since the last scrape: Auto mode learns the
+        path from them for the prefill replicas of the engine's slice."""
+        per_transfer = seconds / transfers * self.engine_seconds_scale
+        prefills = Endpoints.same_slice(self.endpoints.pools["prefill"], decode)
+        self.policy.health.observe_transfers(
+            per_transfer, self.ttft_budget(), [e.url for e in prefills]
+        )
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))
+
+    def note_step(self, endpoint: Endpoint, gap: float, now: float) -> None:
+        """A stream's time between two tokens from this engine."""
+        endpoint.steps.observe(gap, now, self.step_window_seconds)
+
+    def note_handoff(self, exchange: Exchange, first_token_at: float, prompt_tokens: int) -> None:
+        """Prefill answered -> decode's first streamed token: the KV pull plus one decode step,
+        what Auto mode predicts the next handoffs from."""
+        if exchange.prefill_done_at is None:
+            return
+        handoff = first_token_at - exchange.prefill_done_at
+        exchange.prefill_done_at = None  # once per request
+        self.metrics.stage.labels("kv_handoff").observe(handoff)
+        prefill = None if exchange.prefilled_on is None else exchange.prefilled_on.url
+        self.policy.health.observe(handoff, prompt_tokens, self.ttft_budget(), prefill)
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))

@@ -1,0 +1,154 @@
+"""Streaming to the client: the one SSE reader for engine streams, the client writer (which
+measures TTFT/ITL as the client sees them), and the derender pipeline of a tokens stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.gateway.errors import error_body
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.vllm.protocol import ChunkChoice, DerenderStreamRequest, derender_chunk_body
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = "[DONE]"
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def sse_data(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
+    """What each `data:` line of an engine's SSE stream carries, DONE included; other lines
+    (comments, blank separators) are skipped. Read errors propagate to the caller."""
+    async for raw in content:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
+
+
+class ClientWriter:
+    """Serializes writes to the client and records TTFT/ITL as the client sees them."""
+
+    def __init__(
+        self, response: web.StreamResponse, exchange: Exchange, metrics: GatewayMetrics
+    ) -> None:
+        self.response, self.exchange, self.metrics = response, exchange, metrics
+        self.lock = asyncio.Lock()
+        self.object_name = "chat.completion.chunk" if exchange.chat else "text_completion"
+
+    def note_token(self) -> None:
+        ex, now = self.exchange, time.monotonic()
+        if ex.first_token_at is None:
+            ex.first_token_at = now
+            self.metrics.ttft.labels(ex.route).observe(now - ex.started)
+        elif ex.last_chunk_at is not None:
+            self.metrics.itl.labels(ex.route).observe(now - ex.last_chunk_at)
+            ex.gaps.append(now - ex.last_chunk_at)
+        ex.last_chunk_at = now
+
+    async def send(self, chunk: Any) -> None:
+        async with self.lock:
+            await self.response.write(sse(chunk))
+
+    async def write_line(self, data: str) -> None:
+        """Pass one engine event through as it came."""
+        await self.response.write(f"data: {data}\n\n".encode())
+
+    async def error(self, status: int, message: str) -> None:
+        await self.send(error_body(status, message, "UpstreamError"))
+
+    async def done(self) -> None:
+        async with self.lock:
+            await self.response.write(b"data: [DONE]\n\n")
+
+
+@dataclass(frozen=True)
+class StreamDerender:
+    """How the chunks of one streamed tokens request are derendered."""
+
+    post: Callable[[DerenderStreamRequest], Awaitable[dict[str, Any]]]
+    model: str
+    request_id: str
+    prompt_ids: list[int]
+    chat_request: Mapping[str, Any] | None
+    pipelining: bool
+    """Merge tokens that arrive during a derender call into the next one (GatewaySettings)."""
+
+
+class DerenderPipeline:
+    """At most one derender call in flight per choice: tokens that arrive meanwhile are merged
+    into the next call, so light load is per-token (TTFT untouched) and heavy load batches
+    itself, cutting render CPU."""
+
+    def __init__(
+        self, derender: StreamDerender, index: int, writer: ClientWriter, metrics: GatewayMetrics
+    ) -> None:
+        self.derender, self.index, self.writer, self.metrics = derender, index, writer, metrics
+        self.queue: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
+        self.task = asyncio.create_task(self.run())
+        self.calls = 0
+
+    def push(self, token_ids: list[int], finish: str | None) -> None:
+        self.queue.put_nowait((token_ids, finish))
+
+    async def close(self, *, complete: bool) -> None:
+        if not complete:
+            self.queue.put_nowait(([], "__abandoned__"))
+        await self.task
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+    async def run(self) -> None:
+        d = self.derender
+        state: Any = None
+        while True:
+            token_ids, finish = await self.queue.get()
+            while d.pipelining and finish is None and not self.queue.empty():
+                more, finish = self.queue.get_nowait()
+                token_ids = token_ids + more
+            # The stream ended early: derender what arrived, then stop (no finish reason).
+            abandoned = finish == "__abandoned__"
+            if abandoned:
+                finish = None
+                if not token_ids:
+                    break
+            self.calls += 1
+            self.metrics.tokens_per_derender.observe(len(token_ids))
+            choice = ChunkChoice(
+                index=self.index, token_ids=token_ids, finish_reason=finish, logprobs=None
+            )
+            body = derender_chunk_body(
+                d.model, d.request_id, state, choice, d.prompt_ids, d.chat_request
+            )
+            result = await d.post(body)
+            state = result.get("stream_state")
+            chunk = result["chunk"]
+            chunk["id"] = d.request_id
+            chunk["model"] = d.model
+            choices = chunk.get("choices") or []
+            if any(_has_content(c) or c.get("finish_reason") for c in choices):
+                self.writer.note_token()
+                await self.writer.send(chunk)
+            if finish is not None or abandoned:
+                break
+        self.metrics.derender_calls.observe(self.calls)
+
+
+def _has_content(choice: Mapping[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, Mapping):
+        return any(
+            delta.get(k)
+            for k in ("role", "content", "reasoning", "reasoning_content", "tool_calls")
+        )
+    return bool(choice.get("text"))

@@ -1,0 +1,335 @@
+"""Routes 1 and 3, engines behind render servers: render -> (prefill ->) decode -> derender,
+streamed or not; with bidirectional KV, a conversation's next prefill reuses what its last
+decode turn left on decode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.affinity import DecodeKv
+from pdserve.gateway.endpoints import Endpoint
+from pdserve.gateway.errors import GatewayError, upstream_message
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.hops import Hops
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.placement import Placement
+from pdserve.gateway.planner import RoutePlanner
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.gateway.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientWriter,
+    DerenderPipeline,
+    StreamDerender,
+    sse_data,
+)
+from pdserve.gateway.upstream import UpstreamClient, counted
+from pdserve.vllm.protocol import (
+    GENERATE_PATH,
+    DerenderStreamRequest,
+    derender_body,
+    derender_path,
+    prefill_handoff_params,
+    render_path,
+    reuse_decode_kv_params,
+    tokens_decode_body,
+    tokens_prefill_body,
+)
+
+
+class TokensRoute:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        settings: GatewaySettings,
+        upstream: UpstreamClient,
+        hops: Hops,
+        planner: RoutePlanner,
+        placement: Placement,
+        decode_kv: DecodeKv,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config, self.settings, self.upstream, self.hops = config, settings, upstream, hops
+        self.planner, self.placement, self.decode_kv = planner, placement, decode_kv
+        self.metrics = metrics
+
+    async def serve(self, ex: Exchange) -> web.StreamResponse:
+        render_endpoint, rendered = await self.upstream.post_json(
+            "render",
+            ex.selection.pools["render"],
+            render_path(ex.chat),
+            ex.body,
+            ex.headers,
+            self.settings.render_timeout,
+        )
+        ex.served_by["render"] = render_endpoint.label
+        generates = rendered if isinstance(rendered, list) else [rendered]
+        if len(generates) != 1:
+            raise GatewayError(400, "send one prompt per request", param="prompt")
+        generate = generates[0]
+        generate["request_id"] = ex.request_id
+        self.planner.decide_auto(ex, len(generate["token_ids"]))
+        prefill_endpoint: Endpoint | None = None
+        kv: dict[str, Any] | None = None
+        if ex.pd:
+            handoff = self.bidirectional_handoff(ex, generate["token_ids"])
+            prefill_body = tokens_prefill_body(generate, handoff)
+            prefilled = await self.hops.prefill(
+                ex, GENERATE_PATH, prefill_body, generate["token_ids"]
+            )
+            if prefilled is not None:
+                prefill_endpoint, kv = prefilled
+        if ex.stream:
+            return await self.stream_generate(ex, generate, kv, prefill_endpoint)
+        return await self.generate_once(ex, generate, kv, prefill_endpoint)
+
+    def bidirectional_handoff(self, ex: Exchange, prompt_ids: list[int]) -> dict[str, Any]:
+        """The prefill's kv_transfer_params: with bidirectional KV and a conversation whose last
+        decode turn left its KV on decode, point prefill at it, if the token ids still match
+        for at least a block."""
+        handoff = prefill_handoff_params()
+        conversation = ex.conversation
+        if not (self.config.kv_transfer.bidirectional and conversation):
+            return handoff
+        held, outcome, matched = self.decode_kv.reuse(
+            conversation, prompt_ids, self.config.block_size
+        )
+        if outcome != "none":
+            self.metrics.bidirectional.labels(outcome).inc()
+        if held is None:
+            return handoff
+        self.metrics.bidirectional_tokens.inc(matched)
+        return reuse_decode_kv_params(held)
+
+    def keep_decode_kv(
+        self, ex: Exchange, prompt_ids: list[int], answer: Mapping[str, Any]
+    ) -> None:
+        """What decode holds after a non-streamed turn (streamed turns return no
+        kv_transfer_params, so they leave nothing to reuse)."""
+        params = answer.get("kv_transfer_params")
+        choices = answer.get("choices") or []
+        conversation = ex.conversation
+        if not (self.config.kv_transfer.bidirectional and conversation):
+            return
+        if isinstance(params, dict) and params.get("remote_request_id") and len(choices) == 1:
+            output = list(choices[0].get("token_ids") or [])
+            self.decode_kv.keep(conversation, params, [*prompt_ids, *output])
+
+    async def generate_once(
+        self,
+        ex: Exchange,
+        generate: dict[str, Any],
+        kv: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+    ) -> web.Response:
+        prompt_ids = generate["token_ids"]
+        answer = await self.hops.decode_once(
+            ex,
+            GENERATE_PATH,
+            tokens_decode_body(generate, kv),
+            tokens_decode_body(generate, None) if kv is not None else None,
+            prefill_endpoint,
+            prompt_ids,
+        )
+        self.keep_decode_kv(ex, prompt_ids, answer)
+        model = self.config.model
+        _, result = await self.upstream.post_json(
+            "derender",
+            ex.selection.pools["render"],
+            derender_path(ex.chat),
+            derender_body(model, answer, prompt_ids, ex.body if ex.chat else None),
+            ex.headers,
+            self.settings.render_timeout,
+        )
+        assert isinstance(result, dict)
+        result["model"] = model
+        result["id"] = ex.request_id
+        usage = result.get("usage") or {}
+        ex.prompt_tokens, ex.output_tokens = (
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+        )
+        self.metrics.ttft.labels(ex.route).observe(time.monotonic() - ex.started)
+        return web.json_response(result)
+
+    @asynccontextmanager
+    async def open_decode_stream(
+        self,
+        ex: Exchange,
+        generate: dict[str, Any],
+        kv: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+    ) -> AsyncIterator[tuple[Endpoint, aiohttp.ClientResponse]]:
+        """Open the decode SSE stream; a KV load failure before any token is retried once with
+        local prefill on decode."""
+        attempts: list[dict[str, Any] | None] = [kv, None] if kv is not None else [None]
+        tried: list[Endpoint] = []
+        failure = "no decode endpoint"
+        for attempt_kv in attempts:
+            local_ids = generate["token_ids"] if attempt_kv is None else None
+            affinity = self.placement.affinity(ex, "decode", local_ids)
+            while (
+                endpoint := self.upstream.endpoints.pick(
+                    self.hops.decode_candidates(ex, with_kv=attempt_kv is not None),
+                    tried,
+                    affinity,
+                )
+            ) is not None:
+                body = tokens_decode_body(generate, attempt_kv)
+                async with counted(endpoint):
+                    try:
+                        response = await self.upstream.post_stream(
+                            endpoint, GENERATE_PATH, body, ex.headers
+                        )
+                    except (TimeoutError, aiohttp.ClientError) as error:
+                        tried.append(endpoint)
+                        self.metrics.retries.labels("decode", "connect").inc()
+                        failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                        continue
+                    if response.status == 200:
+                        self.placement.remember(ex, "decode", endpoint, local_ids)
+                        try:
+                            yield endpoint, response
+                        finally:
+                            response.release()
+                        return
+                    message = upstream_message(await response.read())
+                    response.release()
+                if 400 <= response.status < 500:
+                    raise GatewayError(response.status, message, kind="UpstreamError")
+                failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
+                if attempt_kv is not None and "KV transfer" in message:
+                    self.planner.fallback("kv_load_failed")
+                    await self.upstream.abort(prefill_endpoint, [ex.request_id])
+                    tried = []
+                    break  # next attempt: local prefill
+                tried.append(endpoint)
+                self.metrics.retries.labels("decode", "upstream_error").inc()
+        raise GatewayError(502, failure, kind="UpstreamError")
+
+    def stream_derender(self, ex: Exchange, prompt_ids: list[int]) -> StreamDerender:
+        async def post(body: DerenderStreamRequest) -> dict[str, Any]:
+            _, result = await self.upstream.post_json(
+                "derender",
+                ex.selection.pools["render"],
+                derender_path(ex.chat),
+                body,
+                ex.headers,
+                self.settings.render_timeout,
+            )
+            assert isinstance(result, dict)
+            return result
+
+        return StreamDerender(
+            post=post,
+            model=self.config.model,
+            request_id=ex.request_id,
+            prompt_ids=prompt_ids,
+            chat_request=ex.body if ex.chat else None,
+            pipelining=self.settings.derender_pipelining,
+        )
+
+    async def stream_generate(
+        self,
+        ex: Exchange,
+        generate: dict[str, Any],
+        kv: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+    ) -> web.StreamResponse:
+        prompt_ids = generate["token_ids"]
+        ex.prompt_tokens = len(prompt_ids)
+        derender = self.stream_derender(ex, prompt_ids)
+        async with self.open_decode_stream(ex, generate, kv, prefill_endpoint) as (
+            decode,
+            upstream,
+        ):
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            await response.prepare(ex.request)
+            writer = ClientWriter(response, ex, self.metrics)
+            pipelines: dict[int, DerenderPipeline] = {}
+            usage: dict[str, Any] | None = None
+            finished = False
+            broke = ""
+            opened = time.monotonic()
+            first_event = True
+            last_event: float | None = None
+            try:
+                try:
+                    async with aclosing(sse_data(upstream.content)) as events:
+                        async for data in events:
+                            if data == DONE:
+                                finished = True
+                                break
+                            event = json.loads(data)
+                            if "error" in event:
+                                broke = f"decode reported: {event['error']}"
+                                break
+                            if event.get("choices"):
+                                now = time.monotonic()
+                                if last_event is not None:
+                                    self.planner.note_step(decode, now - last_event, now)
+                                last_event = now
+                            if first_event and event.get("choices"):
+                                first_event = False
+                                self.metrics.stage.labels("decode_first_token").observe(
+                                    now - opened
+                                )
+                                self.planner.note_handoff(ex, now, len(prompt_ids))
+                            if event.get("usage") is not None:
+                                usage = event["usage"]
+                            for choice in event.get("choices") or []:
+                                tokens = list(choice.get("token_ids") or [])
+                                ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
+                                index = int(choice.get("index", 0))
+                                if index not in pipelines:
+                                    pipelines[index] = DerenderPipeline(
+                                        derender, index, writer, self.metrics
+                                    )
+                                pipelines[index].push(tokens, choice.get("finish_reason"))
+                except (TimeoutError, aiohttp.ClientError) as error:
+                    broke = f"decode stream broke ({type(error).__name__})"
+                # Flush what was generated before reporting anything, so chunks stay in order.
+                results = await asyncio.gather(
+                    *(p.close(complete=finished) for p in pipelines.values()),
+                    return_exceptions=True,
+                )
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if finished:
+                    self.planner.policy.observe_output(ex.output_tokens or 0)
+                if failed:
+                    await writer.error(502, f"derender failed: {failed[0]}")
+                elif not finished:
+                    # The engine went away mid-stream: say so instead of truncating silently.
+                    reason = f": {broke}" if broke else ""
+                    await writer.error(
+                        502, f"decode stream ended before the answer was complete{reason}"
+                    )
+                options = ex.body.get("stream_options") or {}
+                if finished and not failed and usage is not None and options.get("include_usage"):
+                    await writer.send(
+                        {
+                            "id": ex.request_id,
+                            "object": writer.object_name,
+                            "created": int(time.time()),
+                            "model": self.config.model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+                await writer.done()
+            except (ConnectionResetError, asyncio.CancelledError):
+                # The client went away: stop the engines working for it.
+                for pipeline in pipelines.values():
+                    pipeline.cancel()
+                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
+                raise
+            return response

@@ -1,0 +1,169 @@
+"""A route with everything real but the network: a fake upstream client answers each stage
+from a script, so routes run without sockets."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import aiohttp
+from aiohttp.test_utils import make_mocked_request
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
+from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.hops import Hops
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_route import OpenAIRoute
+from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.placement import Placement
+from pdserve.gateway.planner import RoutePlanner
+from pdserve.gateway.policy import AutoPolicy
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.gateway.tokens_route import TokensRoute
+from pdserve.gateway.upstream import UpstreamClient
+
+MODEL = "qwen"
+
+
+def config(engine_api: str = "tokens", mode: str = "Disaggregated") -> GatewayConfig:
+    pool = {"service": "x", "port": 8000}
+    urls = {"render": "http://render", "prefill": "http://prefill", "decode": "http://decode"}
+    return GatewayConfig.model_validate(
+        {
+            "model": MODEL,
+            "engineApi": engine_api,
+            "parityHash": "p1",
+            "routing": {"mode": mode, "slo": {}},
+            "pools": {"render": pool if engine_api == "tokens" else None, "prefill": pool,
+                      "decode": pool},
+            "endpoints": {
+                pool_name: [{"url": url, "parityHash": "p1"}]
+                for pool_name, url in urls.items()
+                if engine_api == "tokens" or pool_name != "render"
+            },
+        }
+    )  # fmt: skip
+
+
+@dataclass
+class Call:
+    stage: str
+    path: str
+    body: dict[str, Any]
+
+
+class FakeStream:
+    """The part of aiohttp's response a decode stream reads."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.status = 200
+        self.lines = lines
+
+    @property
+    def content(self) -> AsyncIterator[bytes]:
+        async def lines() -> AsyncIterator[bytes]:
+            for line in self.lines:
+                yield line
+
+        return lines()
+
+    def release(self) -> None: ...
+
+
+class FakeUpstream(UpstreamClient):
+    """Answers each stage with the next scripted outcome: a JSON answer, or an exception to
+    raise. Streams answer with `stream_lines`."""
+
+    def __init__(self, endpoints: Endpoints, metrics: GatewayMetrics) -> None:
+        super().__init__(endpoints, metrics, GatewaySettings())
+        self.script: dict[str, list[Any]] = {}
+        self.stream_lines: list[bytes] = []
+        self.calls: list[Call] = []
+        self.aborted: list[tuple[str, list[str]]] = []
+
+    def stages(self) -> list[str]:
+        return [c.stage for c in self.calls]
+
+    def sent(self, stage: str) -> list[dict[str, Any]]:
+        return [c.body for c in self.calls if c.stage == stage]
+
+    async def post_json(
+        self,
+        stage: str,
+        candidates: list[Endpoint],
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout: float,  # noqa: ASYNC109 - the real client's signature
+        *,
+        retry: bool = True,
+        affinity: Mapping[str, int] | None = None,
+        prefill_tokens: int = 0,
+    ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
+        self.calls.append(Call(stage, path, copy.deepcopy(dict(body))))
+        outcome = self.script[stage].pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return candidates[0], copy.deepcopy(outcome)
+
+    async def post_stream(
+        self, endpoint: Endpoint, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        self.calls.append(Call("decode_stream", path, copy.deepcopy(dict(body))))
+        return cast(aiohttp.ClientResponse, FakeStream(self.stream_lines))
+
+    async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
+        if endpoint is not None:
+            self.aborted.append((endpoint.url, request_ids))
+
+
+@dataclass
+class Rig:
+    route: TokensRoute | OpenAIRoute
+    upstream: FakeUpstream
+    planner: RoutePlanner
+    metrics: GatewayMetrics
+
+    def exchange(self, body: dict[str, Any], *, chat: bool = True) -> Exchange:
+        selection = self.planner.endpoints.select(self.planner.needed_pools(), ["prefill"])
+        request = make_mocked_request("POST", "/v1/chat/completions")
+        return Exchange(
+            request=request,
+            body={"model": MODEL, **body},
+            chat=chat,
+            request_id="req-1",
+            selection=selection,
+            pd=self.planner.wants_pd(selection),
+            started=0.0,
+            tokens_api=isinstance(self.route, TokensRoute),
+            headers={"X-Request-Id": "req-1"},
+        )
+
+    def fallbacks(self, reason: str) -> float:
+        return float(self.metrics.fallbacks.labels(reason)._value.get())
+
+
+def rig(engine_api: str = "tokens", mode: str = "Disaggregated") -> Rig:
+    """A route wired as app.py wires it, on the fake upstream."""
+    cfg, settings = config(engine_api, mode), GatewaySettings()
+    endpoints, metrics = Endpoints(cfg), GatewayMetrics()
+    upstream = FakeUpstream(endpoints, metrics)
+    admission = PrefillAdmission(settings.fair_queue)
+    peers = PeerAdmission(admission, lambda: upstream.session)
+    planner = RoutePlanner(
+        cfg, endpoints, AutoPolicy(settings.policy), admission, peers, metrics,
+        endpoint_wait_seconds=0, engine_seconds_scale=1, step_window_seconds=2,
+    )  # fmt: skip
+    placement = Placement(cfg.block_size, PrefixIndex(), Conversations())
+    hops = Hops(upstream, planner, placement, admission, peers, settings)
+    route: TokensRoute | OpenAIRoute
+    if engine_api == "tokens":
+        route = TokensRoute(cfg, settings, upstream, hops, planner, placement, DecodeKv(), metrics)
+    else:
+        route = OpenAIRoute(upstream, hops, planner, placement, metrics)
+    return Rig(route, upstream, planner, metrics)
