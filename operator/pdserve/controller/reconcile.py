@@ -43,7 +43,8 @@ from pdserve.contract.names import (
     KV_TRANSPORT_ANNOTATION,
     PARITY_HASH_ANNOTATION,
 )
-from pdserve.controller.autoscale import Autoscaler, live_plan
+from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.plans import live_plan
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.status import (

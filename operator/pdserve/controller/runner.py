@@ -9,7 +9,8 @@ import logging
 
 import httpx
 
-from pdserve.controller.autoscale import Autoscaler, TargetResolver, pod_metrics_url
+from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
