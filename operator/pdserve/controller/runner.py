@@ -13,7 +13,7 @@ from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
-from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
+from pdserve.controller.reconcile import DM_KIND, PassFailed, reconcile
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 
@@ -34,6 +34,8 @@ class Reconciler:
         self._dirty: set[Key] = set()
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self._failures: dict[Key, int] = {}
+        # Kinds the operator may not list that it warned about: once per kind while it runs.
+        self.warned_forbidden: set[str] = set()
         self.health: TransportMonitor | None = None
         if settings.engine_metrics_seconds > 0:
             self.health = TransportMonitor(
@@ -82,17 +84,20 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
-        outcome = Outcome()
+        error: BaseException | None = None
         try:
-            await reconcile(
+            outcome = await reconcile(
                 self.kube, body, network=self.settings.network_policies, health=self.health,
-                autoscaler=self.autoscaler, outcome=outcome,
+                autoscaler=self.autoscaler, warned=self.warned_forbidden,
             )  # fmt: skip
-        finally:
-            # What a pass found before it failed (drift it repaired, scaling it did) is told
-            # now: the retry finds nothing left to repair and would never tell it.
-            for event in outcome.events:
-                await post_event(self.kube, body, event)
+        except PassFailed as failed:
+            outcome, error = failed.outcome, failed.error
+        # What a pass found before it failed (drift it repaired, scaling it did) is told too:
+        # the retry finds nothing left to repair and would never tell it.
+        for event in outcome.events:
+            await post_event(self.kube, body, event)
+        if error is not None:
+            raise error
 
     async def resync_forever(self) -> None:
         while True:
