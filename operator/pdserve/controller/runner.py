@@ -34,6 +34,7 @@ class Reconciler:
         self._dirty: set[Key] = set()
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self._failures: dict[Key, int] = {}
+        self._loops: list[asyncio.Task[None]] = []
         # Kinds the operator may not list that it warned about: once per kind while it runs.
         self.warned_forbidden: set[str] = set()
         self.health: TransportMonitor | None = None
@@ -104,6 +105,30 @@ class Reconciler:
             await asyncio.sleep(self.settings.resync_seconds)
             for namespace, name in sorted(self.known):
                 self.trigger(namespace, name)
+
+    def start_loops(self) -> None:
+        """The resync loop and the background scrapers (transport health, Builtin autoscaling)
+        as tasks this Reconciler holds until `stop_loops`."""
+        self._loops.append(asyncio.create_task(self.resync_forever(), name="resync"))
+        if self.health is not None:
+            self._loops.append(
+                asyncio.create_task(self.health.run_forever(), name="transport health")
+            )
+        if self.autoscaler is not None:
+            self._loops.append(asyncio.create_task(self.autoscaler.run_forever(), name="autoscale"))
+
+    def stop_loops(self) -> None:
+        for task in self._loops:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Shutdown, after `stop_loops`: in-flight reconciles end, then the clients close."""
+        await self.drain()
+        await self.kube.close()
+        if self.health is not None:
+            await self.health.close()
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
 
     async def drain(self) -> None:
         """Wait for in-flight reconciles (shutdown and tests)."""

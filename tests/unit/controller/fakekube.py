@@ -46,12 +46,16 @@ class FakeKube:
         self.fail_on: str | None = None  # a write verb (apply, delete, ...) that fails with 500
         self.forbidden: set[str] = set()  # kinds whose list answers 403
         self.created: list[dict[str, Any]] = []  # Events
+        self.closed = False
 
     def _fail(self, verb: str, path: str, status: int = 500) -> None:
         """Raise as the API server would when `verb` is the one to fail (always for 403)."""
         if verb == self.fail_on or status == 403:
             request = httpx.Request("GET", f"https://api.test{path}")
             raise KubeError(httpx.Response(status, json={"message": verb}, request=request))
+
+    async def close(self) -> None:
+        self.closed = True
 
     def put(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         stored = copy.deepcopy(dict(obj))
