@@ -3,6 +3,7 @@ write status only when it changed. Running it twice on an unchanged world writes
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -345,7 +346,7 @@ async def reconcile(
             kube, body, outcome, now=now, network=network, health=health,
             autoscaler=autoscaler, warned=warned,
         )  # fmt: skip
-    except BaseException as error:  # cancellation too: what the pass did is still told
+    except (Exception, asyncio.CancelledError) as error:  # cancelled too: still told
         raise PassFailed(outcome, error) from error
     return outcome
 

@@ -4,8 +4,9 @@ operator may not list are warned about once per Reconciler (no module state)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -90,3 +91,47 @@ async def test_each_reconciler_keeps_its_own_warnings(caplog: pytest.LogCaptureF
             await reconciler._reconcile_once((NS, NAME))
     assert sum("may not list NetworkPolicy" in r.getMessage() for r in caplog.records) == 2
     assert first.warned_forbidden == second.warned_forbidden == {"NetworkPolicy"}
+
+
+def stall_applies(kube: FakeKube) -> asyncio.Event:
+    """Applies wait forever (to cancel a pass in the middle); set once the first one waits."""
+    started = asyncio.Event()
+
+    async def stalled(*_: Any, **__: Any) -> Any:
+        started.set()
+        await asyncio.Event().wait()
+
+    kube.apply = stalled  # type: ignore[method-assign]
+    return started
+
+
+async def test_a_cancelled_pass_still_hands_over_what_it_found() -> None:
+    kube = FakeKube()
+    model_in(kube)
+    await settled(kube)
+    drift_block_size(kube)
+    started = stall_applies(kube)
+    task = asyncio.create_task(one_pass(kube))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(PassFailed) as raised:
+        await task
+    assert isinstance(raised.value.error, asyncio.CancelledError)
+    assert [e.reason for e in raised.value.outcome.events] == ["ParityDrift"]
+
+
+async def test_the_runner_tells_what_a_cancelled_pass_found_and_stays_cancelled() -> None:
+    kube = FakeKube()
+    model_in(kube)
+    await settled(kube)
+    drift_block_size(kube)
+    started = stall_applies(kube)
+    settings = OperatorSettings(engine_metrics_seconds=0, autoscale_seconds=0)
+    reconciler = runner.Reconciler(cast(Kube, kube), settings)
+    task = asyncio.create_task(reconciler._reconcile_once((NS, NAME)))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    assert [e["reason"] for e in kube.created] == ["ParityDrift"]
