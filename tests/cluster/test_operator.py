@@ -207,7 +207,7 @@ def test_resync_of_a_settled_resource_writes_nothing_and_leaves_hpa_replicas_alo
     def passes() -> int:
         return operator.in_sync_count(namespace, "qwen")
 
-    wait_until("status to settle", lambda: _settled(http_api, namespace), timeout=30)
+    wait_until("status to settle", lambda: _settled(http_api, namespace), timeout=60)
     # The pass that wrote the settled status posts its events after that write: count writes
     # from the next pass on, when the settling pass has ended (one worker per model).
     settling = passes()
@@ -224,12 +224,16 @@ def test_resync_of_a_settled_resource_writes_nothing_and_leaves_hpa_replicas_alo
 
 
 def _settled(http: httpx.Client, namespace: str) -> bool:
-    """Render counted at 3/3 and the model Ready again (it dips while the new pods start)."""
+    """Render counted at 3/3, the model Ready again (it dips while the new pods start), and the
+    transport health scraper's first verdict written: it scrapes the decode pods every 15 s on
+    its own clock (nothing answers on kwok's pod IPs: MetricsUnreachable), and that first
+    verdict is a status write of its own, not a resync's, whenever it comes."""
     dm = get(http, dm_url(namespace, "qwen"))
     return bool(
         dm
         and dm["status"]["pools"].get("render", {}).get("summary") == "3/3"
         and conditions(dm).get("Ready", {}).get("status") == "True"
+        and conditions(dm).get("TransportHealthy", {}).get("reason") not in (None, "NotMeasured")
     )
 
 

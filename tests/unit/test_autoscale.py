@@ -12,12 +12,10 @@ import pytest
 
 from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.builders import ReplicaPlan
-from pdserve.controller.autoscale import (
-    Autoscaler,
-    Behaviour,
-    ScalerState,
-    decide,
-    live_plan,
+from pdserve.controller.autoscale.behaviour import Behaviour, ScalerState, decide
+from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.plans import live_plan
+from pdserve.controller.autoscale.rules import (
     recommend_decode,
     recommend_prefill,
     recommend_render,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.controller import runner
-from pdserve.controller.reconcile import Outcome, annotate_pod
+from pdserve.controller.reconcile import Outcome, PassFailed, annotate_pod
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 
@@ -54,9 +54,11 @@ class FakeKube:
 async def test_a_pass_that_fails_after_repairing_still_posts_what_it_found(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def repairs_then_fails(*_: Any, outcome: Outcome, **__: Any) -> Outcome:
+    async def repairs_then_fails(*_: Any, **__: Any) -> Outcome:
+        outcome = Outcome()
         outcome.event("Warning", "ParityDrift", "repairing: prefill --block-size is '32'")
-        raise kube_error(500)
+        error = kube_error(500)
+        raise PassFailed(outcome, error) from error
 
     monkeypatch.setattr(runner, "reconcile", repairs_then_fails)
     kube = FakeKube()

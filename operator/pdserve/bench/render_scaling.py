@@ -41,13 +41,8 @@ from typing import Any
 import httpx
 
 from pdserve.api.spec import RenderAutoscaler, RenderAutoscalingSpec
-from pdserve.controller.autoscale import (
-    Behaviour,
-    ScalerState,
-    decide,
-    proportional,
-    recommend_render,
-)
+from pdserve.controller.autoscale.behaviour import Behaviour, ScalerState, decide
+from pdserve.controller.autoscale.rules import proportional, recommend_render
 from pdserve.vllm.metrics import sum_samples
 
 DERENDER = "/v1/chat/completions/derender"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -37,12 +37,26 @@ async def serve_metrics(registry: CollectorRegistry, port: int) -> web.AppRunner
     return runner
 
 
+@dataclass
+class Running:
+    """What the handlers own while the operator runs: the Reconciler (it holds the loops and
+    all per-model state) and the /metrics server."""
+
+    reconciler: Reconciler | None = None
+    metrics: web.AppRunner | None = None
+
+    def started(self) -> Reconciler:
+        if self.reconciler is None:
+            raise RuntimeError("an event before the operator's startup handler ran")
+        return self.reconciler
+
+
 def build_registry(
     credentials: Credentials, operator_settings: OperatorSettings
-) -> tuple[kopf.OperatorRegistry, dict[str, Any]]:
-    """A registry with pdserve's handlers; the dict holds the live Reconciler once started."""
+) -> tuple[kopf.OperatorRegistry, Running]:
+    """A registry with pdserve's handlers, and what they hold once started."""
     registry = kopf.OperatorRegistry()
-    state: dict[str, Any] = {}
+    running = Running()
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -67,42 +81,25 @@ def build_registry(
             )  # fmt: skip
             if hook.manage:
                 settings.admission.managed = WEBHOOK_CONFIGURATION
-        reconciler = Reconciler(Kube(credentials), operator_settings)
-        state["reconciler"] = reconciler
-        state["resync"] = asyncio.create_task(reconciler.resync_forever(), name="resync")
-        if reconciler.health is not None:
-            state["health"] = asyncio.create_task(
-                reconciler.health.run_forever(), name="transport health"
+        reconciler = running.reconciler = Reconciler(Kube(credentials), operator_settings)
+        reconciler.start_loops()
+        if reconciler.autoscaler is not None and operator_settings.metrics_port is not None:
+            running.metrics = await serve_metrics(
+                reconciler.autoscaler.metrics.registry, operator_settings.metrics_port
             )
-        if reconciler.autoscaler is not None:
-            state["autoscale"] = asyncio.create_task(
-                reconciler.autoscaler.run_forever(), name="autoscale"
-            )
-            if operator_settings.metrics_port is not None:
-                state["metrics"] = await serve_metrics(
-                    reconciler.autoscaler.metrics.registry, operator_settings.metrics_port
-                )
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        for task_name in ("resync", "health", "autoscale"):
-            task = state.get(task_name)
-            if task is not None:
-                task.cancel()
-        if "metrics" in state:
-            await state["metrics"].cleanup()
-        reconciler: Reconciler | None = state.get("reconciler")
-        if reconciler is not None:
-            await reconciler.drain()
-            await reconciler.kube.close()
-            if reconciler.health is not None:
-                await reconciler.health.close()
-            if reconciler.autoscaler is not None:
-                await reconciler.autoscaler.close()
+        if running.reconciler is not None:
+            running.reconciler.stop_loops()
+        if running.metrics is not None:
+            await running.metrics.cleanup()
+        if running.reconciler is not None:
+            await running.reconciler.close()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def on_model(type: str, namespace: str | None, name: str, **_: Any) -> None:
-        reconciler: Reconciler = state["reconciler"]
+        reconciler = running.started()
         if namespace is None:
             return
         if type == "DELETED":
@@ -113,7 +110,7 @@ def build_registry(
     async def on_child(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         owner = labels.get(INSTANCE_LABEL)
         if owner and namespace:
-            state["reconciler"].trigger(namespace, owner)
+            running.started().trigger(namespace, owner)
 
     if operator_settings.webhook is not None:
         # kopf refuses to start with admission handlers but no webhook server.
@@ -136,4 +133,4 @@ def build_registry(
     for group_version, plural in watched:
         kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)
 
-    return registry, state
+    return registry, running

@@ -3,6 +3,7 @@ write status only when it changed. Running it twice on an unchanged world writes
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -43,7 +44,8 @@ from pdserve.contract.names import (
     KV_TRANSPORT_ANNOTATION,
     PARITY_HASH_ANNOTATION,
 )
-from pdserve.controller.autoscale import Autoscaler, live_plan
+from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.plans import live_plan
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.status import (
@@ -194,15 +196,20 @@ async def chat_template_digest(kube: Kube, dm: DisaggregatedModel) -> tuple[str 
     return content_digest(text), []
 
 
-_warned_forbidden: set[str] = set()
-
-
 async def list_children(
-    kube: Kube, namespace: str, name: str, *, optional: frozenset[Kind] = frozenset()
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    optional: frozenset[Kind] = frozenset(),
+    warned: set[str] | None = None,
 ) -> dict[ChildKey, dict[str, Any]]:
     """Every child pdserve labelled for this model, of every kind it may have made, including
     kinds the spec or settings dropped (so they are pruned). A kind in `optional` that the
-    operator may not list (403) is skipped: none of it is wanted, and none can be pruned."""
+    operator may not list (403) is skipped: none of it is wanted, and none can be pruned.
+    `warned`: the kinds already warned about, kept by the caller so that each is warned about
+    once (the operator's Reconciler keeps one set for its lifetime); None: warn every time."""
+    warned = set() if warned is None else warned
     selector = f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by=pdserve"
     children: dict[ChildKey, dict[str, Any]] = {}
     for kind in MANAGED_KINDS:
@@ -211,8 +218,8 @@ async def list_children(
         except KubeError as error:
             if error.status != 403 or kind not in optional:
                 raise
-            if kind.kind not in _warned_forbidden:
-                _warned_forbidden.add(kind.kind)
+            if kind.kind not in warned:
+                warned.add(kind.kind)
                 log.warning("may not list %s (%s): any made earlier are not pruned", kind.kind,
                             error)  # fmt: skip
             continue
@@ -306,6 +313,17 @@ async def annotate_pod(
     return True
 
 
+class PassFailed(Exception):
+    """A pass that failed part-way: what it found and did until then (`outcome`: the events to
+    post, since a retry finds nothing left to repair and would never tell them) and the error
+    that ended it (`error`, also the cause), which the caller re-raises once it has told them."""
+
+    def __init__(self, outcome: Outcome, error: BaseException) -> None:
+        super().__init__(f"reconcile failed: {error!r}")
+        self.outcome = outcome
+        self.error = error
+
+
 async def reconcile(
     kube: Kube,
     body: Mapping[str, Any],
@@ -314,18 +332,40 @@ async def reconcile(
     network: NetworkPolicyOptions | None = None,
     health: TransportMonitor | None = None,
     autoscaler: Autoscaler | None = None,
-    outcome: Outcome | None = None,
+    warned: set[str] | None = None,
 ) -> Outcome:
-    """Converge the children of `body`; events to post are returned in the outcome. `network`:
-    the operator's NetworkPolicy settings (None: the model gets none, and loses those it has).
-    `health`: the background scraper of decode engines' NIXL metrics (None: not measured).
-    `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live replicas).
-    `outcome`: filled as the pass goes, so a caller still has its events when a later step
-    raises."""
+    """Converge the children of `body` and return what the pass did, events to post included.
+    `network`: the operator's NetworkPolicy settings (None: the model gets none, and loses those
+    it has). `health`: the background scraper of decode engines' NIXL metrics (None: not
+    measured). `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live
+    replicas). `warned`: kinds the operator may not list that it already warned about (see
+    list_children). A pass that fails part-way raises PassFailed with what it did until then."""
+    outcome = Outcome()
+    try:
+        await _converge(
+            kube, body, outcome, now=now, network=network, health=health,
+            autoscaler=autoscaler, warned=warned,
+        )  # fmt: skip
+    except (Exception, asyncio.CancelledError) as error:  # cancelled too: still told
+        raise PassFailed(outcome, error) from error
+    return outcome
+
+
+async def _converge(
+    kube: Kube,
+    body: Mapping[str, Any],
+    outcome: Outcome,
+    *,
+    now: Callable[[], str],
+    network: NetworkPolicyOptions | None,
+    health: TransportMonitor | None,
+    autoscaler: Autoscaler | None,
+    warned: set[str] | None,
+) -> None:
+    """The pass itself; `outcome` (the pass's own, not a caller's) is filled as it goes."""
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
-    outcome = Outcome() if outcome is None else outcome
     try:
         dm = parse_resource(dict(body))
     except SpecError as error:
@@ -338,7 +378,7 @@ async def reconcile(
         outcome.status_written = await write_status(kube, body, status)
         if outcome.status_written:
             outcome.event("Warning", "InvalidSpec", "; ".join(error.problems))
-        return outcome
+        return
 
     digest, warnings = await chat_template_digest(kube, dm)
     selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
@@ -347,7 +387,9 @@ async def reconcile(
     scaling = dm.spec.render.autoscaling
     if not (dm.spec.render.enabled and scaling.enabled and scaling.engine is RenderAutoscaler.keda):
         optional.add(SCALED_OBJECT)  # none wanted: a cluster without KEDA RBAC is fine
-    live = await list_children(kube, dm.namespace, dm.name, optional=frozenset(optional))
+    live = await list_children(
+        kube, dm.namespace, dm.name, optional=frozenset(optional), warned=warned
+    )
     # Builtin-scaled pools: the live replicas, or a newer decision of the autoscaling loop.
     plan = live_plan(dm, [o for k, o in live.items() if k[1] in ("StatefulSet", "Deployment")])
     if autoscaler is not None:
@@ -404,4 +446,3 @@ async def reconcile(
     outcome.status_written = await write_status(kube, body, status)
     if outcome.status_written:
         transition_events(before, status, outcome)
-    return outcome

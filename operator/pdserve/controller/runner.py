@@ -9,10 +9,11 @@ import logging
 
 import httpx
 
-from pdserve.controller.autoscale import Autoscaler, TargetResolver, pod_metrics_url
+from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
-from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
+from pdserve.controller.reconcile import DM_KIND, PassFailed, reconcile
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 
@@ -33,6 +34,9 @@ class Reconciler:
         self._dirty: set[Key] = set()
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self._failures: dict[Key, int] = {}
+        self._loops: list[asyncio.Task[None]] = []
+        # Kinds the operator may not list that it warned about: once per kind while it runs.
+        self.warned_forbidden: set[str] = set()
         self.health: TransportMonitor | None = None
         if settings.engine_metrics_seconds > 0:
             self.health = TransportMonitor(
@@ -81,23 +85,50 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
-        outcome = Outcome()
+        error: BaseException | None = None
         try:
-            await reconcile(
+            outcome = await reconcile(
                 self.kube, body, network=self.settings.network_policies, health=self.health,
-                autoscaler=self.autoscaler, outcome=outcome,
+                autoscaler=self.autoscaler, warned=self.warned_forbidden,
             )  # fmt: skip
-        finally:
-            # What a pass found before it failed (drift it repaired, scaling it did) is told
-            # now: the retry finds nothing left to repair and would never tell it.
-            for event in outcome.events:
-                await post_event(self.kube, body, event)
+        except PassFailed as failed:
+            outcome, error = failed.outcome, failed.error
+        # What a pass found before it failed (drift it repaired, scaling it did) is told too:
+        # the retry finds nothing left to repair and would never tell it.
+        for event in outcome.events:
+            await post_event(self.kube, body, event)
+        if error is not None:
+            raise error
 
     async def resync_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.resync_seconds)
             for namespace, name in sorted(self.known):
                 self.trigger(namespace, name)
+
+    def start_loops(self) -> None:
+        """The resync loop and the background scrapers (transport health, Builtin autoscaling)
+        as tasks this Reconciler holds until `stop_loops`."""
+        self._loops.append(asyncio.create_task(self.resync_forever(), name="resync"))
+        if self.health is not None:
+            self._loops.append(
+                asyncio.create_task(self.health.run_forever(), name="transport health")
+            )
+        if self.autoscaler is not None:
+            self._loops.append(asyncio.create_task(self.autoscaler.run_forever(), name="autoscale"))
+
+    def stop_loops(self) -> None:
+        for task in self._loops:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Shutdown, after `stop_loops`: in-flight reconciles end, then the clients close."""
+        await self.drain()
+        await self.kube.close()
+        if self.health is not None:
+            await self.health.close()
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
 
     async def drain(self) -> None:
         """Wait for in-flight reconciles (shutdown and tests)."""

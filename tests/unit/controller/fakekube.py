@@ -1,0 +1,190 @@
+"""An in-memory API server for reconcile passes: what Kube calls, every write recorded, and a
+`settle` that plays the controllers and the kubelet (workloads rolled out, their pods bound,
+addressed and Ready)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, cast
+
+import httpx
+
+from pdserve.controller.reconcile import DM_KIND, Outcome, reconcile
+from pdserve.kube.client import Kind, Kube, KubeError
+
+ObjKey = tuple[str, str, str]  # kind, namespace, name
+
+
+def apply_merge(target: Any, patch: Any) -> Any:
+    """RFC 7386: the document `patch` turns `target` into."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = apply_merge(out.get(key), value)
+    return out
+
+
+def matches(obj: Mapping[str, Any], selector: str | None) -> bool:
+    labels = obj["metadata"].get("labels", {})
+    for term in (selector or "").split(","):
+        if term:
+            name, value = term.split("=", 1)
+            if labels.get(name) != value:
+                return False
+    return True
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.objects: dict[ObjKey, dict[str, Any]] = {}
+        self.writes: list[str] = []
+        self.fail_on: str | None = None  # a write verb (apply, delete, ...) that fails with 500
+        self.forbidden: set[str] = set()  # kinds whose list answers 403
+        self.created: list[dict[str, Any]] = []  # Events
+        self.closed = False
+
+    def _fail(self, verb: str, path: str, status: int = 500) -> None:
+        """Raise as the API server would when `verb` is the one to fail (always for 403)."""
+        if verb == self.fail_on or status == 403:
+            request = httpx.Request("GET", f"https://api.test{path}")
+            raise KubeError(httpx.Response(status, json={"message": verb}, request=request))
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def put(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(dict(obj))
+        meta = stored["metadata"]
+        self.objects[(stored["kind"], meta.get("namespace", ""), meta["name"])] = stored
+        return stored
+
+    async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        found = self.objects.get((kind.kind, namespace or "", name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def list(
+        self, kind: Kind, namespace: str | None, *, label_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        if kind.kind in self.forbidden:
+            self._fail("list", kind.collection(namespace), 403)
+        return [
+            copy.deepcopy(obj)
+            for (k, ns, _), obj in sorted(self.objects.items())
+            if k == kind.kind and ns == (namespace or "") and matches(obj, label_selector)
+        ]
+
+    async def apply(
+        self, obj: Mapping[str, Any], *, field_manager: str, force: bool = True
+    ) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self.writes.append(f"apply {obj['kind']}/{meta['name']}")
+        self._fail("apply", meta["name"])
+        before = self.objects.get((obj["kind"], meta.get("namespace", ""), meta["name"]))
+        stored = copy.deepcopy(dict(obj))
+        if before is not None:
+            # Fields others own (status, HPA-set replicas) survive an apply that omits them.
+            stored = apply_merge(before, obj)
+        stored["metadata"]["generation"] = (before or {}).get("metadata", {}).get(
+            "generation", 0
+        ) + 1
+        return copy.deepcopy(self.put(stored))
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        self.writes.append(f"create {obj['kind']} {obj.get('reason', '')}")
+        self.created.append(copy.deepcopy(dict(obj)))
+        return copy.deepcopy(dict(obj))
+
+    async def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
+        self.writes.append(f"delete {kind.kind}/{name}")
+        self._fail("delete", name)
+        self.objects.pop((kind.kind, namespace or "", name), None)
+
+    async def patch_merge(
+        self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any],
+        subresource: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
+        what = f"{kind.kind}/{name}" + (f"/{subresource}" if subresource else "")
+        self.writes.append(f"patch {what} {patch}")
+        self._fail("patch", name)
+        key = (kind.kind, namespace, name)
+        self.objects[key] = apply_merge(self.objects[key], patch)
+        return copy.deepcopy(self.objects[key])
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return await self.patch_merge(kind, namespace, name, {"status": dict(status)}, "status")
+
+    # ---- the cluster's other actors -----------------------------------------------------------
+    def settle(self, namespace: str) -> None:
+        """Every workload rolled out with its pods Running, Ready, bound and addressed."""
+        pods = 0
+        for (kind, ns, name), obj in sorted(self.objects.items()):
+            if ns != namespace or kind not in ("StatefulSet", "Deployment"):
+                continue
+            replicas = int(obj["spec"].get("replicas", 1))
+            obj["status"] = {
+                "observedGeneration": obj["metadata"].get("generation", 1),
+                "replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas,
+            }  # fmt: skip
+            template = obj["spec"]["template"]
+            for index in range(replicas):
+                pods += 1
+                pod_name = f"{name}-{index}"
+                existing = self.objects.get(("Pod", namespace, pod_name))
+                meta = copy.deepcopy(template["metadata"])
+                meta.update(name=pod_name, namespace=namespace)
+                if existing is not None:
+                    meta["annotations"] = existing["metadata"].get("annotations", {})
+                self.put({
+                    "apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                    "spec": {"nodeName": f"node-{pods % 2}"},
+                    "status": {
+                        "phase": "Running", "podIP": f"10.1.0.{pods}",
+                        "conditions": [{"type": "Ready", "status": "True"}],
+                    },
+                })  # fmt: skip
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """An autoscaler's write to /scale."""
+        self.objects[(kind, namespace, name)]["spec"]["replicas"] = replicas
+
+
+NS, NAME = "team", "qwen"
+SPEC: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "render": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}},  # an HPA owns replicas
+    "gateway": {"replicas": 1},
+}
+
+
+def model_in(kube: FakeKube) -> None:
+    kube.put({
+        "apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
+        "metadata": {"name": NAME, "namespace": NS, "uid": "uid-1", "generation": 1},
+        "spec": SPEC,
+    })  # fmt: skip
+
+
+async def one_pass(kube: FakeKube, **options: Any) -> Outcome:
+    body = await kube.get(DM_KIND, NS, NAME)
+    assert body is not None
+    return await reconcile(cast(Kube, kube), body, now=lambda: "2026-01-01T00:00:00Z", **options)
+
+
+async def settled(kube: FakeKube, **options: Any) -> None:
+    """Passes, with the cluster catching up after each, until one writes nothing."""
+    for _ in range(6):
+        kube.settle(NS)
+        before = len(kube.writes)
+        await one_pass(kube, **options)
+        if len(kube.writes) == before:
+            return
+    raise AssertionError(f"never settled: {kube.writes[-5:]}")
