@@ -3,20 +3,17 @@ validation, defaults, documentation and the generated CRD."""
 
 from __future__ import annotations
 
+from pdserve.api.flags import PARITY_ENV, PARITY_FLAGS
+from pdserve.api.gateway import RoutingMode
+from pdserve.api.kv_transfer import KvConnector
+from pdserve.api.pools import EnginePoolSpec
 from pdserve.api.resource import (
     DisaggregatedModel,
     SpecError,
     parse_resource,
     parse_spec,
 )
-from pdserve.api.spec import (
-    PARITY_ENV,
-    PARITY_FLAGS,
-    DisaggregatedModelSpec,
-    EnginePoolSpec,
-    KvConnector,
-    RoutingMode,
-)
+from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
 from pdserve.contract.resource import (
     API_VERSION,

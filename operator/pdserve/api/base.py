@@ -28,6 +28,8 @@ class ApiModel(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+# CEL rules guard every field with has(): the API server checks them against the schema
+# defaults ({}) before nested defaults are filled in.
 def rule(expression: str, message: str, field_path: str | None = None) -> JsonDict:
     """One CEL rule for `x-kubernetes-validations`."""
     out: JsonDict = {"rule": expression, "message": message}

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.api.spec import RenderAutoscaler, RenderAutoscalingSpec
+from pdserve.api.autoscaling import RenderAutoscaler, RenderAutoscalingSpec
 from pdserve.controller.autoscale import (
     Behaviour,
     ScalerState,

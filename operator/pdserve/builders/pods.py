@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import EnvVar, PlacementSpec, ResourceRequirements
+from pdserve.api.common import EnvVar
+from pdserve.api.placement import PlacementSpec
+from pdserve.api.requirements import ResourceRequirements
 from pdserve.builders.names import labels, meta, selector_labels
 from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
 from pdserve.contract.names import PARITY_HASH_ANNOTATION, Component

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
-from pdserve.api.spec import NIXL_CONNECTORS
+from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.builders.parity import canonical_json
 
 CHAT_TEMPLATE_DIR = "/etc/pdserve/chat-template"

@@ -30,12 +30,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import (
-    EngineAutoscaler,
-    RenderAutoscaler,
-    ScalingBehaviour,
-    cpu_cores,
-)
+from pdserve.api.autoscaling import EngineAutoscaler, RenderAutoscaler, ScalingBehaviour
+from pdserve.api.requirements import cpu_cores
 from pdserve.builders.scaling import (
     ReplicaPlan,
     active_slices,

@@ -1,0 +1,89 @@
+"""vLLM flags and environment variables a pool's extraArgs and env may not set: the parity set
+(set once, in spec.serving) and what the operator derives from other fields."""
+
+from __future__ import annotations
+
+from pdserve.api.common import EnvVar
+
+# Flags that change how text becomes tokens or how prefill and decode agree: set once, in spec.
+PARITY_FLAGS: dict[str, str] = {
+    "--chat-template": "spec.serving.chatTemplate",
+    "--tokenizer": "spec.serving.tokenizer",
+    "--tokenizer-revision": "spec.serving.tokenizerRevision",
+    "--revision": "spec.model.revision",
+    "--reasoning-parser": "spec.serving.reasoningParser",
+    "--tool-call-parser": "spec.serving.toolCallParser",
+    "--enable-auto-tool-choice": "spec.serving.enableAutoToolChoice",
+    "--default-chat-template-kwargs": "spec.serving.defaultChatTemplateKwargs",
+    "--block-size": "spec.serving.blockSize",
+    "--kv-cache-dtype": "spec.serving.kvCacheDtype",
+}
+PARITY_ENV: dict[str, str] = {"PYTHONHASHSEED": "spec.serving.pythonHashSeed"}
+
+# Flags and env the operator derives from other fields; setting them twice would silently fight.
+OWNED_FLAGS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--served-model-name": "spec.model.servedModelName",
+    "--max-model-len": "spec.model.maxModelLen",
+    "--port": "the operator (engines listen on 8000)",
+    "--host": "the operator",
+    "--tokens-only": "the operator (set when the render pool is enabled)",
+    "--kv-transfer-config": "spec.kvTransfer",
+    "--tensor-parallel-size": "spec.<pool>.tensorParallelSize",
+    "--data-parallel-size": "spec.<pool>.dataParallelSize",
+    "--gpu-memory-utilization": "spec.<pool>.gpuMemoryUtilization",
+    "--enable-chunked-prefill": "spec.<pool>.scheduler.enableChunkedPrefill",
+    "--max-num-batched-tokens": "spec.<pool>.scheduler.maxNumBatchedTokens",
+    "--max-num-seqs": "spec.<pool>.scheduler.maxNumSeqs",
+    "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
+    "--renderer-num-workers": "spec.render.workers",
+}
+OWNED_ENV: dict[str, str] = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.kvTransfer.sideChannelPort",
+    "UCX_NET_DEVICES": "spec.kvTransfer.ucxNetDevices",
+    "UCX_TLS": "spec.kvTransfer.ucxTransports",
+    "HF_TOKEN": "spec.model.source.hf.tokenSecretRef",
+}
+
+
+def normalize_flag(arg: str) -> str | None:
+    """`--Tool_Call_Parser=x` -> `--tool-call-parser`; `--no-enable-x` -> `--enable-x`;
+    None for values and short options."""
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0].lower().replace("_", "-")
+    if name.startswith("--no-"):
+        name = "--" + name[len("--no-") :]
+    return name
+
+
+def check_extra_args(pool: str, args: list[str]) -> None:
+    """Refuse extraArgs that set a parity flag or a flag the operator owns, naming both."""
+    for index, arg in enumerate(args):
+        flag = normalize_flag(arg)
+        if flag in PARITY_FLAGS:
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets parity flag {flag}: it must be identical "
+                f"in every pool, so set it once in {PARITY_FLAGS[flag]}"
+            )
+        if flag in OWNED_FLAGS:
+            owner = OWNED_FLAGS[flag].replace("<pool>", pool)
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets {flag}, which is derived from {owner}; "
+                "set it there instead"
+            )
+
+
+def check_env(pool: str, env: list[EnvVar]) -> None:
+    for index, var in enumerate(env):
+        if var.name in PARITY_ENV:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets parity variable {var.name}: it must be identical "
+                f"in every pool, so set it once in {PARITY_ENV[var.name]}"
+            )
+        if var.name in OWNED_ENV:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets {var.name}, which is derived from "
+                f"{OWNED_ENV[var.name]}; set it there instead"
+            )
