@@ -6,15 +6,25 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pdserve.api.base import ApiModel, rule, with_rules
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 
-# Subclasses that add CEL rules replace the parent's list: each repeats this one.
-MIN_MAX_REPLICAS = rule(
+
+def _bounds(scaling: ScalingBehaviour) -> str | None:
+    if scaling.max_replicas < scaling.min_replicas:
+        return (
+            f"maxReplicas ({scaling.max_replicas}) must be >= minReplicas ({scaling.min_replicas})"
+        )
+    return None
+
+
+# Subclasses that add rules replace the parent's list: each repeats this one.
+MIN_MAX_REPLICAS = CrossFieldRule(
     "!has(self.maxReplicas) || !has(self.minReplicas) || self.maxReplicas >= self.minReplicas",
     "maxReplicas must be >= minReplicas",
     ".maxReplicas",
+    _bounds,
 )
 
 
@@ -42,14 +52,6 @@ class ScalingBehaviour(ApiModel):
     cooldown_seconds: Annotated[int, Field(ge=0, le=1800)] = 30
     """After a step, no further step in the same direction for this long (the HPA policy's
     periodSeconds)."""
-
-    @model_validator(mode="after")
-    def _bounds(self) -> ScalingBehaviour:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"maxReplicas ({self.max_replicas}) must be >= minReplicas ({self.min_replicas})"
-            )
-        return self
 
 
 class EngineAutoscaler(StrEnum):
@@ -95,21 +97,30 @@ class RenderAutoscaler(StrEnum):
     builtin = "Builtin"
 
 
+def _keda_needs_prometheus(scaling: RenderAutoscalingSpec) -> str | None:
+    if scaling.engine is RenderAutoscaler.keda and scaling.prometheus_address is None:
+        return (
+            "render.autoscaling.engine KEDA needs render.autoscaling.prometheusAddress (the "
+            "Prometheus its trigger queries, e.g. http://prometheus-operated.monitoring.svc"
+            ":9090), or use engine HPA or Builtin"
+        )
+    return None
+
+
+KEDA_NEEDS_PROMETHEUS = CrossFieldRule(
+    "!has(self.engine) || self.engine != 'KEDA' || has(self.prometheusAddress)",
+    "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)",
+    ".prometheusAddress",
+    _keda_needs_prometheus,
+)
+
+
 class RenderAutoscalingSpec(ScalingBehaviour):
     """Autoscaling of the render pool on parser load: busy seconds per second of the render
     servers' render/derender handlers (their http_request_duration_seconds, and the gateway's
     own per-replica derender timing) per worker, with CPU utilization as the floor signal."""
 
-    model_config = with_rules(
-        [
-            MIN_MAX_REPLICAS,
-            rule(
-                "!has(self.engine) || self.engine != 'KEDA' || has(self.prometheusAddress)",
-                "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)",
-                ".prometheusAddress",
-            ),
-        ]
-    )
+    model_config = with_rules([MIN_MAX_REPLICAS, KEDA_NEEDS_PROMETHEUS])
 
     enabled: bool = True
     """Autoscale the render pool and leave the Deployment's replicas to the autoscaler."""
@@ -128,13 +139,3 @@ class RenderAutoscalingSpec(ScalingBehaviour):
     prometheus_address: Annotated[str, Field(pattern=r"^https?://.+")] | None = None
     """Prometheus URL the KEDA trigger queries, e.g.
     http://prometheus-operated.monitoring.svc:9090 (engine KEDA)."""
-
-    @model_validator(mode="after")
-    def _keda_needs_prometheus(self) -> RenderAutoscalingSpec:
-        if self.engine is RenderAutoscaler.keda and self.prometheus_address is None:
-            raise ValueError(
-                "render.autoscaling.engine KEDA needs render.autoscaling.prometheusAddress (the "
-                "Prometheus its trigger queries, e.g. http://prometheus-operated.monitoring.svc"
-                ":9090), or use engine HPA or Builtin"
-            )
-        return self

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pdserve.api.base import ApiModel, rule, with_rules
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import PreservedObject
 
 
@@ -33,28 +34,48 @@ class TransportVerification(StrEnum):
     off = "Off"
 
 
+def nixl_only(
+    field: str, unset_cel: str, message: str, is_set: Callable[[KvTransferSpec], bool]
+) -> CrossFieldRule[KvTransferSpec]:
+    """A kvTransfer field only the NIXL connectors have; `unset_cel` is CEL for "not set"."""
+
+    def check(kv: KvTransferSpec) -> str | None:
+        if kv.connector not in NIXL_CONNECTORS and is_set(kv):
+            return (
+                f"{field} needs a NIXL connector (NixlConnector, NixlPushConnector), "
+                f"not {kv.connector.value}"
+            )
+        return None
+
+    return CrossFieldRule(f"{unset_cel} || {_NIXL_CEL}", message, f".{field}", check)
+
+
+NIXL_ONLY = [
+    nixl_only(
+        "loadFailurePolicy",
+        "!has(self.loadFailurePolicy)",
+        "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)",
+        lambda kv: kv.load_failure_policy is not None,
+    ),
+    nixl_only(
+        "leaseDurationSeconds",
+        "!has(self.leaseDurationSeconds)",
+        "leaseDurationSeconds needs a NIXL connector",
+        lambda kv: kv.lease_duration_seconds is not None,
+    ),
+    nixl_only(
+        "bidirectional",
+        "!has(self.bidirectional) || !self.bidirectional",
+        "bidirectional needs a NIXL connector",
+        lambda kv: kv.bidirectional,
+    ),
+]
+
+
 class KvTransferSpec(ApiModel):
     """How prefill hands its KV cache to decode."""
 
-    model_config = with_rules(
-        [
-            rule(
-                f"!has(self.loadFailurePolicy) || {_NIXL_CEL}",
-                "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)",
-                ".loadFailurePolicy",
-            ),
-            rule(
-                f"!has(self.leaseDurationSeconds) || {_NIXL_CEL}",
-                "leaseDurationSeconds needs a NIXL connector",
-                ".leaseDurationSeconds",
-            ),
-            rule(
-                f"!has(self.bidirectional) || !self.bidirectional || {_NIXL_CEL}",
-                "bidirectional needs a NIXL connector",
-                ".bidirectional",
-            ),
-        ]
-    )
+    model_config = with_rules(NIXL_ONLY)
 
     connector: KvConnector = KvConnector.nixl
     """vLLM KV connector."""
@@ -83,18 +104,8 @@ class KvTransferSpec(ApiModel):
     """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
 
     @model_validator(mode="after")
-    def _nixl_only_fields(self) -> KvTransferSpec:
-        if self.connector not in NIXL_CONNECTORS:
-            for field, set_ in (
-                ("loadFailurePolicy", self.load_failure_policy is not None),
-                ("leaseDurationSeconds", self.lease_duration_seconds is not None),
-                ("bidirectional", self.bidirectional),
-            ):
-                if set_:
-                    raise ValueError(
-                        f"{field} needs a NIXL connector (NixlConnector, NixlPushConnector), "
-                        f"not {self.connector.value}"
-                    )
+    def _first_class_extra_config(self) -> KvTransferSpec:
+        # Python only: the CRD carries no CEL rule for extraConfig, whose keys are free-form.
         for key, field in FIRST_CLASS_EXTRA_CONFIG.items():
             if key in self.extra_config:
                 raise ValueError(f"extraConfig.{key} is set by {field}; set it there instead")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pdserve.api.base import ApiModel, rule, with_rules
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import SecretKeyRef
 
 
@@ -27,23 +27,25 @@ class PvcSource(ApiModel):
     """Directory of the model inside the claim, relative to its root."""
 
 
+def _one_source(source: ModelSource) -> str | None:
+    both = source.hf is not None and source.pvc is not None
+    return "set only one of hf and pvc" if both else None
+
+
+ONE_SOURCE = CrossFieldRule(
+    "!(has(self.hf) && has(self.pvc))", "set only one of hf and pvc", None, _one_source
+)
+
+
 class ModelSource(ApiModel):
     """Where weights, config and tokenizer come from: exactly one of hf or pvc."""
 
-    model_config = with_rules(
-        [rule("!(has(self.hf) && has(self.pvc))", "set only one of hf and pvc")]
-    )
+    model_config = with_rules([ONE_SOURCE])
 
     hf: HuggingFaceSource | None = None
     """The Hugging Face Hub (the default when nothing is set)."""
     pvc: PvcSource | None = None
     """A PersistentVolumeClaim."""
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSource:
-        if self.hf is not None and self.pvc is not None:
-            raise ValueError("set only one of hf and pvc")
-        return self
 
 
 class ModelSpec(ApiModel):

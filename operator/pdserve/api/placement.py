@@ -5,9 +5,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pdserve.api.base import ApiModel, rule, with_rules
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import LabelMap, PreservedObject
 from pdserve.api.requirements import GPU_RESOURCE
 
@@ -55,19 +55,28 @@ class RdmaSpec(ApiModel):
     ports on the node and allows one engine pod per node)."""
 
 
+def _slices_need_a_domain(placement: PlacementSpec) -> str | None:
+    if placement.slices > 1 and placement.domain is None:
+        return (
+            f"slices is {placement.slices} but domain is unset: set "
+            "placement.domain.topologyKey (e.g. nvidia.com/gpu.clique) to keep each slice in"
+        )
+    return None
+
+
+SLICES_NEED_A_DOMAIN = CrossFieldRule(
+    "!has(self.slices) || self.slices == 1 || has(self.domain)",
+    "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in",
+    ".slices",
+    _slices_need_a_domain,
+)
+
+
 class PlacementSpec(ApiModel):
     """Where the GPU engine pools (prefill and decode) run; render and gateway pods have their
     own nodeSelector/tolerations."""
 
-    model_config = with_rules(
-        [
-            rule(
-                "!has(self.slices) || self.slices == 1 || has(self.domain)",
-                "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in",
-                ".slices",
-            ),
-        ]
-    )
+    model_config = with_rules([SLICES_NEED_A_DOMAIN])
 
     node_selector: LabelMap = Field(default_factory=dict)
     """Node labels every engine pod requires (merged with <pool>.nodeSelector)."""
@@ -100,15 +109,6 @@ class PlacementSpec(ApiModel):
     """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
     kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
     is set. Needs cpu and memory in <pool>.resources."""
-
-    @model_validator(mode="after")
-    def _slices_need_a_domain(self) -> PlacementSpec:
-        if self.slices > 1 and self.domain is None:
-            raise ValueError(
-                f"slices is {self.slices} but domain is unset: set "
-                "placement.domain.topologyKey (e.g. nvidia.com/gpu.clique) to keep each slice in"
-            )
-        return self
 
     @property
     def wants_guaranteed_qos(self) -> bool:

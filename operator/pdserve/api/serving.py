@@ -5,9 +5,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pdserve.api.base import ApiModel, rule, with_rules
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import ConfigMapKeyRef, PreservedObject
 
 
@@ -18,20 +18,28 @@ class KvCacheDtype(StrEnum):
     fp8_e5m2 = "fp8_e5m2"
 
 
+def _auto_tool_choice_needs_parser(serving: ServingSpec) -> str | None:
+    if serving.enable_auto_tool_choice and serving.tool_call_parser is None:
+        return (
+            "enableAutoToolChoice needs toolCallParser: set spec.serving.toolCallParser "
+            "(e.g. hermes) or drop enableAutoToolChoice"
+        )
+    return None
+
+
+AUTO_TOOL_CHOICE_NEEDS_PARSER = CrossFieldRule(
+    "!has(self.enableAutoToolChoice) || !self.enableAutoToolChoice || has(self.toolCallParser)",
+    "enableAutoToolChoice needs toolCallParser",
+    ".enableAutoToolChoice",
+    _auto_tool_choice_needs_parser,
+)
+
+
 class ServingSpec(ApiModel):
     """Everything that changes how text becomes tokens and tokens become an answer, written once
     and rendered identically into the render, prefill and decode pools (the parity set)."""
 
-    model_config = with_rules(
-        [
-            rule(
-                "!has(self.enableAutoToolChoice) || !self.enableAutoToolChoice"
-                " || has(self.toolCallParser)",
-                "enableAutoToolChoice needs toolCallParser",
-                ".enableAutoToolChoice",
-            )
-        ]
-    )
+    model_config = with_rules([AUTO_TOOL_CHOICE_NEEDS_PARSER])
 
     tokenizer: Annotated[str, Field(min_length=1)] | None = None
     """Tokenizer (--tokenizer). Default: the model's own."""
@@ -58,12 +66,3 @@ class ServingSpec(ApiModel):
     """KV cache dtype (--kv-cache-dtype); must match between prefill and decode."""
     python_hash_seed: Annotated[int, Field(ge=0, le=4294967295)] = 0
     """PYTHONHASHSEED for every pool, so prefix-cache block hashes agree across pods."""
-
-    @model_validator(mode="after")
-    def _auto_tool_choice_needs_parser(self) -> ServingSpec:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError(
-                "enableAutoToolChoice needs toolCallParser: set spec.serving.toolCallParser "
-                "(e.g. hermes) or drop enableAutoToolChoice"
-            )
-        return self
