@@ -3,7 +3,6 @@ validation, defaults, documentation and the generated CRD."""
 
 from __future__ import annotations
 
-from pdserve.api.flags import PARITY_ENV, PARITY_FLAGS
 from pdserve.api.gateway import RoutingMode
 from pdserve.api.kv_transfer import KvConnector
 from pdserve.api.pools import EnginePoolSpec
@@ -13,7 +12,7 @@ from pdserve.api.resource import (
     parse_resource,
     parse_spec,
 )
-from pdserve.api.spec import DisaggregatedModelSpec
+from pdserve.api.spec import PARITY_ENV, PARITY_FLAGS, PARITY_KNOBS, DisaggregatedModelSpec
 from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
 from pdserve.contract.resource import (
     API_VERSION,
@@ -32,6 +31,7 @@ __all__ = [
     "KIND",
     "PARITY_ENV",
     "PARITY_FLAGS",
+    "PARITY_KNOBS",
     "PLURAL",
     "SHORT_NAMES",
     "SINGULAR",

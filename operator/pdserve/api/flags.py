@@ -1,24 +1,12 @@
-"""vLLM flags and environment variables a pool's extraArgs and env may not set: the parity set
-(set once, in spec.serving) and what the operator derives from other fields."""
+"""vLLM flags and environment variables a pool's extraArgs and env may not set: the parity knobs
+(set once, in spec.serving or spec.model; PARITY_FLAGS and PARITY_ENV in api/spec.py) and what
+the operator derives from other fields."""
 
 from __future__ import annotations
 
-from pdserve.api.common import EnvVar
+from collections.abc import Mapping
 
-# Flags that change how text becomes tokens or how prefill and decode agree: set once, in spec.
-PARITY_FLAGS: dict[str, str] = {
-    "--chat-template": "spec.serving.chatTemplate",
-    "--tokenizer": "spec.serving.tokenizer",
-    "--tokenizer-revision": "spec.serving.tokenizerRevision",
-    "--revision": "spec.model.revision",
-    "--reasoning-parser": "spec.serving.reasoningParser",
-    "--tool-call-parser": "spec.serving.toolCallParser",
-    "--enable-auto-tool-choice": "spec.serving.enableAutoToolChoice",
-    "--default-chat-template-kwargs": "spec.serving.defaultChatTemplateKwargs",
-    "--block-size": "spec.serving.blockSize",
-    "--kv-cache-dtype": "spec.serving.kvCacheDtype",
-}
-PARITY_ENV: dict[str, str] = {"PYTHONHASHSEED": "spec.serving.pythonHashSeed"}
+from pdserve.api.common import EnvVar
 
 # Flags and env the operator derives from other fields; setting them twice would silently fight.
 OWNED_FLAGS: dict[str, str] = {
@@ -58,14 +46,15 @@ def normalize_flag(arg: str) -> str | None:
     return name
 
 
-def check_extra_args(pool: str, args: list[str]) -> None:
-    """Refuse extraArgs that set a parity flag or a flag the operator owns, naming both."""
+def check_extra_args(pool: str, args: list[str], parity_flags: Mapping[str, str]) -> None:
+    """Refuse extraArgs that set a parity flag (flag -> the field to set instead) or a flag the
+    operator owns, naming both."""
     for index, arg in enumerate(args):
         flag = normalize_flag(arg)
-        if flag in PARITY_FLAGS:
+        if flag is not None and flag in parity_flags:
             raise ValueError(
                 f"spec.{pool}.extraArgs[{index}] sets parity flag {flag}: it must be identical "
-                f"in every pool, so set it once in {PARITY_FLAGS[flag]}"
+                f"in every pool, so set it once in {parity_flags[flag]}"
             )
         if flag in OWNED_FLAGS:
             owner = OWNED_FLAGS[flag].replace("<pool>", pool)
@@ -75,12 +64,14 @@ def check_extra_args(pool: str, args: list[str]) -> None:
             )
 
 
-def check_env(pool: str, env: list[EnvVar]) -> None:
+def check_env(pool: str, env: list[EnvVar], parity_env: Mapping[str, str]) -> None:
+    """Refuse env that sets a parity variable (name -> the field to set instead) or one the
+    operator derives."""
     for index, var in enumerate(env):
-        if var.name in PARITY_ENV:
+        if var.name in parity_env:
             raise ValueError(
                 f"spec.{pool}.env[{index}] sets parity variable {var.name}: it must be identical "
-                f"in every pool, so set it once in {PARITY_ENV[var.name]}"
+                f"in every pool, so set it once in {parity_env[var.name]}"
             )
         if var.name in OWNED_ENV:
             raise ValueError(

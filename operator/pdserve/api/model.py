@@ -8,6 +8,7 @@ from pydantic import Field
 
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import SecretKeyRef
+from pdserve.api.parity import Parity, Scope
 
 
 class HuggingFaceSource(ApiModel):
@@ -56,7 +57,10 @@ class ModelSpec(ApiModel):
     when servedModelName is not set."""
     served_model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """Model name in the OpenAI API. Default: the resource's metadata.name."""
-    revision: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    revision: Annotated[
+        Annotated[str, Field(min_length=1, max_length=256)] | None,
+        Parity("--revision", scope=Scope.every_pool),
+    ] = None
     """Model revision (branch, tag or commit). Pinned revisions keep pools identical."""
     source: ModelSource = Field(default_factory=ModelSource)
     """Where the model is loaded from."""

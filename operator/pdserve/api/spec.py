@@ -1,6 +1,6 @@
 """`DisaggregatedModel.spec`: the one schema source for validation, defaults and the CRD. Its
 parts live beside it (model, serving, pools, render, kv_transfer, gateway, placement,
-autoscaling); the extraArgs/env rules in flags."""
+autoscaling); the extraArgs/env rules in flags. The parity knobs are found on its fields."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pdserve.api.gateway import GatewaySpec
 from pdserve.api.images import ImageSpec
 from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSpec
+from pdserve.api.parity import ParityKnob, parity_knobs
 from pdserve.api.placement import PlacementSpec
 from pdserve.api.pools import EnginePoolSpec, VllmPoolFields
 from pdserve.api.render import RenderSpec
@@ -52,8 +53,8 @@ class DisaggregatedModelSpec(ApiModel):
             pools.insert(0, ("prefill", self.prefill))
         pools.append(("render", self.render))
         for name, pool in pools:
-            check_extra_args(name, pool.extra_args)
-            check_env(name, pool.env)
+            check_extra_args(name, pool.extra_args, PARITY_FLAGS)
+            check_env(name, pool.env, PARITY_ENV)
         derived: dict[str, str] = {}
         if self.placement.accelerator_resource:
             derived[self.placement.accelerator_resource] = "tensorParallelSize x dataParallelSize"
@@ -138,3 +139,11 @@ class DisaggregatedModelSpec(ApiModel):
     def disaggregated(self) -> bool:
         """True when a prefill pool with replicas exists (P/D); False: aggregated on decode."""
         return self.prefill is not None and self.prefill.replicas > 0
+
+
+# Every field declared with Parity (api/parity.py), in declaration order, and what is derived
+# from them here: the flags and variables no pool's extraArgs or env may set (and the drift
+# check compares on live workloads), each mapped to the field to set instead.
+PARITY_KNOBS: tuple[ParityKnob, ...] = parity_knobs(DisaggregatedModelSpec)
+PARITY_FLAGS: dict[str, str] = {k.flag: k.path for k in PARITY_KNOBS if k.flag is not None}
+PARITY_ENV: dict[str, str] = {k.env: k.path for k in PARITY_KNOBS if k.env is not None}
