@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from pdserve import __version__
-from pdserve.api.spec import DEFAULT_GATEWAY_IMAGE
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "images" / "Dockerfile"

@@ -3,20 +3,16 @@ validation, defaults, documentation and the generated CRD."""
 
 from __future__ import annotations
 
+from pdserve.api.gateway import RoutingMode
+from pdserve.api.kv_transfer import KvConnector
+from pdserve.api.pools import EnginePoolSpec
 from pdserve.api.resource import (
     DisaggregatedModel,
     SpecError,
     parse_resource,
     parse_spec,
 )
-from pdserve.api.spec import (
-    PARITY_ENV,
-    PARITY_FLAGS,
-    DisaggregatedModelSpec,
-    EnginePoolSpec,
-    KvConnector,
-    RoutingMode,
-)
+from pdserve.api.spec import PARITY_ENV, PARITY_FLAGS, PARITY_KNOBS, DisaggregatedModelSpec
 from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
 from pdserve.contract.resource import (
     API_VERSION,
@@ -35,6 +31,7 @@ __all__ = [
     "KIND",
     "PARITY_ENV",
     "PARITY_FLAGS",
+    "PARITY_KNOBS",
     "PLURAL",
     "SHORT_NAMES",
     "SINGULAR",

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.api.spec import RenderAutoscaler, RenderAutoscalingSpec
+from pdserve.api.autoscaling import RenderAutoscaler, RenderAutoscalingSpec
 from pdserve.controller.autoscale.behaviour import Behaviour, ScalerState, decide
 from pdserve.controller.autoscale.rules import proportional, recommend_render
 from pdserve.vllm.metrics import sum_samples

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
-from pdserve.api.spec import NIXL_CONNECTORS
+from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
 from pdserve.builders.placement import (
     engine_affinity,

@@ -2,7 +2,8 @@
 
 Two pods may be combined in one request only if their hashes are equal: same model revision,
 tokenizer, chat template (content included when known), template kwargs, parsers and
-engine-pair invariants (block size, KV cache dtype, PYTHONHASHSEED, KV connector)."""
+engine-pair invariants (block size, KV cache dtype, PYTHONHASHSEED, KV connector): every parity
+knob declared on the spec (api/parity.py), plus the model and the KV connector."""
 
 from __future__ import annotations
 
@@ -10,30 +11,13 @@ import hashlib
 import json
 from typing import Any
 
-from pdserve.api import DisaggregatedModel
+from pdserve.api import PARITY_KNOBS, DisaggregatedModel
 
 
 def parity_set(dm: DisaggregatedModel, chat_template_digest: str | None = None) -> dict[str, Any]:
     spec = dm.spec
-    serving = spec.serving
-    template = serving.chat_template
-    return {
-        "model": spec.model.name,
-        "revision": spec.model.revision,
-        "tokenizer": serving.tokenizer or spec.model.name,
-        "tokenizerRevision": serving.tokenizer_revision,
-        "chatTemplate": None
-        if template is None
-        else {"configMap": template.name, "key": template.key, "digest": chat_template_digest},
-        "defaultChatTemplateKwargs": serving.default_chat_template_kwargs,
-        "reasoningParser": serving.reasoning_parser,
-        "toolCallParser": serving.tool_call_parser,
-        "enableAutoToolChoice": serving.enable_auto_tool_choice,
-        "blockSize": serving.block_size,
-        "kvCacheDtype": serving.kv_cache_dtype.value,
-        "pythonHashSeed": serving.python_hash_seed,
-        "kvConnector": spec.kv_transfer.connector.value,
-    }
+    knobs = {knob.key: knob.hashed(spec, chat_template_digest) for knob in PARITY_KNOBS}
+    return {"model": spec.model.name, **knobs, "kvConnector": spec.kv_transfer.connector.value}
 
 
 def canonical_json(value: Any) -> str:

@@ -9,7 +9,8 @@ import copy
 from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
-from pdserve.api.spec import ResourceRequirements, Strength, guaranteed_resources
+from pdserve.api.placement import Strength
+from pdserve.api.requirements import ResourceRequirements, guaranteed_resources
 from pdserve.builders.names import slice_labels
 from pdserve.builders.pods import resources
 from pdserve.contract.names import MODEL_LABEL, SLICE_LABEL, Component

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import EnvVar, PlacementSpec, ResourceRequirements
+from pdserve.api import PARITY_KNOBS, DisaggregatedModel
+from pdserve.api.common import EnvVar
+from pdserve.api.placement import PlacementSpec
+from pdserve.api.requirements import ResourceRequirements
 from pdserve.builders.names import labels, meta, selector_labels
 from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
 from pdserve.contract.names import PARITY_HASH_ANNOTATION, Component
@@ -31,9 +33,12 @@ def env_list(variables: list[EnvVar]) -> list[dict[str, Any]]:
 
 
 def common_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
-    """What every vLLM process needs: the hash seed, and the HF token only from its Secret."""
+    """What every vLLM process needs: the parity variables (the hash seed), and the HF token
+    only from its Secret."""
     env: list[dict[str, Any]] = [
-        {"name": "PYTHONHASHSEED", "value": str(dm.spec.serving.python_hash_seed)}
+        {"name": knob.env, "value": str(knob.value(dm.spec))}
+        for knob in PARITY_KNOBS
+        if knob.env is not None
     ]
     source = dm.spec.model.source
     if source.pvc is not None:

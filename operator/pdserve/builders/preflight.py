@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import NIXL_CONNECTORS, TransportVerification
+from pdserve.api.kv_transfer import NIXL_CONNECTORS, TransportVerification
 from pdserve.builders.engines import nixl_env
 from pdserve.builders.names import labels, meta
 from pdserve.builders.placement import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import RenderAutoscaler
+from pdserve.api.autoscaling import RenderAutoscaler
 from pdserve.builders.names import child_name, meta, selector_labels
 from pdserve.builders.pods import (
     common_env,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
-from pdserve.api.spec import EngineAutoscaler, RenderAutoscaler, ScalingBehaviour
+from pdserve.api.autoscaling import EngineAutoscaler, RenderAutoscaler, ScalingBehaviour
 from pdserve.contract.metrics import GATEWAY_RENDER_CALL_SECONDS_SUM
 from pdserve.contract.names import Component
 

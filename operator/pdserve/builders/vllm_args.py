@@ -2,14 +2,17 @@
 
 Text-side parity flags (tokenizer, chat template, parsers) go wherever text is handled: the
 render pool, or the engines themselves when there is no render pool. Engine-pair invariants
-(block size, KV cache dtype) go on every engine. Both come from spec.serving only."""
+(block size, KV cache dtype) go on every engine. Both come from the parity knobs declared on the
+spec's fields (api/parity.py), in declaration order."""
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
-from pdserve.api import DisaggregatedModel, EnginePoolSpec
-from pdserve.api.spec import NIXL_CONNECTORS
+from pdserve.api import PARITY_KNOBS, DisaggregatedModel, EnginePoolSpec
+from pdserve.api.kv_transfer import NIXL_CONNECTORS
+from pdserve.api.parity import ParityKnob, Render, Scope
 from pdserve.builders.parity import canonical_json
 
 CHAT_TEMPLATE_DIR = "/etc/pdserve/chat-template"
@@ -24,47 +27,46 @@ def model_argument(dm: DisaggregatedModel) -> str:
     return MODEL_MOUNT if pvc.path in (".", "") else f"{MODEL_MOUNT}/{pvc.path.rstrip('/')}"
 
 
+def knob_args(knob: ParityKnob, value: Any) -> list[str]:
+    """A parity knob's flag with its value, as its declaration says to render it."""
+    flag = knob.flag
+    if flag is None:
+        return []
+    if knob.parity.render is Render.switch:
+        return [flag] if value else []
+    if value is None:
+        return []
+    if knob.parity.render is Render.json:
+        return [flag, canonical_json(value)]
+    if knob.parity.render is Render.chat_template_file:
+        return [flag, f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}"]
+    return [flag, str(value.value if isinstance(value, Enum) else value)]
+
+
+def parity_flags(dm: DisaggregatedModel, scope: Scope) -> list[str]:
+    """The flags of the parity knobs that go to `scope`."""
+    args: list[str] = []
+    for knob in PARITY_KNOBS:
+        if knob.flag is not None and knob.parity.scope is scope:
+            args += knob_args(knob, knob.value(dm.spec))
+    return args
+
+
 def model_flags(dm: DisaggregatedModel, port: int) -> list[str]:
     model = dm.spec.model
     args = [model_argument(dm), "--port", str(port), "--served-model-name", dm.served_model_name]
-    if model.revision:
-        args += ["--revision", model.revision]
+    args += parity_flags(dm, Scope.every_pool)
     if model.max_model_len:
         args += ["--max-model-len", str(model.max_model_len)]
     return args
 
 
 def text_parity_flags(dm: DisaggregatedModel) -> list[str]:
-    serving = dm.spec.serving
-    args: list[str] = []
-    if serving.tokenizer:
-        args += ["--tokenizer", serving.tokenizer]
-    if serving.tokenizer_revision:
-        args += ["--tokenizer-revision", serving.tokenizer_revision]
-    if serving.chat_template is not None:
-        args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}"]
-    if serving.default_chat_template_kwargs is not None:
-        args += [
-            "--default-chat-template-kwargs",
-            canonical_json(serving.default_chat_template_kwargs),
-        ]
-    if serving.reasoning_parser:
-        args += ["--reasoning-parser", serving.reasoning_parser]
-    if serving.tool_call_parser:
-        args += ["--tool-call-parser", serving.tool_call_parser]
-    if serving.enable_auto_tool_choice:
-        args.append("--enable-auto-tool-choice")
-    return args
+    return parity_flags(dm, Scope.text)
 
 
 def engine_pair_flags(dm: DisaggregatedModel) -> list[str]:
-    serving = dm.spec.serving
-    return [
-        "--block-size",
-        str(serving.block_size),
-        "--kv-cache-dtype",
-        serving.kv_cache_dtype.value,
-    ]
+    return parity_flags(dm, Scope.engines)
 
 
 def pool_flags(pool: EnginePoolSpec) -> list[str]:

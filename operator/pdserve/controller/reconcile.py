@@ -23,7 +23,8 @@ from pdserve.api import (
     SpecError,
     parse_resource,
 )
-from pdserve.api.spec import RenderAutoscaler, normalize_flag
+from pdserve.api.autoscaling import RenderAutoscaler
+from pdserve.api.flags import normalize_flag
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
     KIND_ORDER,

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import HOSTNAME_KEY
+from pdserve.api.placement import HOSTNAME_KEY
 from pdserve.api.status import SliceTransport
 from pdserve.builders.preflight import NodePair, job_name, wants_preflight
 from pdserve.contract.names import COMPONENT_LABEL, KV_TRANSPORT_ANNOTATION, SLICE_LABEL, Component

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import ScalingBehaviour
+from pdserve.api.autoscaling import ScalingBehaviour
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import EngineAutoscaler, cpu_cores
+from pdserve.api.autoscaling import EngineAutoscaler
+from pdserve.api.requirements import cpu_cores
 from pdserve.builders.scaling import ReplicaPlan
 from pdserve.controller.autoscale.behaviour import Decision, ScalerState, behaviour_of, decide
 from pdserve.controller.autoscale.metrics import AutoscaleMetrics

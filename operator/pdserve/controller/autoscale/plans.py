@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.spec import EngineAutoscaler, RenderAutoscaler
+from pdserve.api.autoscaling import EngineAutoscaler, RenderAutoscaler
 from pdserve.builders.scaling import (
     ReplicaPlan,
     active_slices,

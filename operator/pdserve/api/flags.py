@@ -1,0 +1,80 @@
+"""vLLM flags and environment variables a pool's extraArgs and env may not set: the parity knobs
+(set once, in spec.serving or spec.model; PARITY_FLAGS and PARITY_ENV in api/spec.py) and what
+the operator derives from other fields."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pdserve.api.common import EnvVar
+
+# Flags and env the operator derives from other fields; setting them twice would silently fight.
+OWNED_FLAGS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--served-model-name": "spec.model.servedModelName",
+    "--max-model-len": "spec.model.maxModelLen",
+    "--port": "the operator (engines listen on 8000)",
+    "--host": "the operator",
+    "--tokens-only": "the operator (set when the render pool is enabled)",
+    "--kv-transfer-config": "spec.kvTransfer",
+    "--tensor-parallel-size": "spec.<pool>.tensorParallelSize",
+    "--data-parallel-size": "spec.<pool>.dataParallelSize",
+    "--gpu-memory-utilization": "spec.<pool>.gpuMemoryUtilization",
+    "--enable-chunked-prefill": "spec.<pool>.scheduler.enableChunkedPrefill",
+    "--max-num-batched-tokens": "spec.<pool>.scheduler.maxNumBatchedTokens",
+    "--max-num-seqs": "spec.<pool>.scheduler.maxNumSeqs",
+    "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
+    "--renderer-num-workers": "spec.render.workers",
+}
+OWNED_ENV: dict[str, str] = {
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "spec.kvTransfer.sideChannelPort",
+    "UCX_NET_DEVICES": "spec.kvTransfer.ucxNetDevices",
+    "UCX_TLS": "spec.kvTransfer.ucxTransports",
+    "HF_TOKEN": "spec.model.source.hf.tokenSecretRef",
+}
+
+
+def normalize_flag(arg: str) -> str | None:
+    """`--Tool_Call_Parser=x` -> `--tool-call-parser`; `--no-enable-x` -> `--enable-x`;
+    None for values and short options."""
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0].lower().replace("_", "-")
+    if name.startswith("--no-"):
+        name = "--" + name[len("--no-") :]
+    return name
+
+
+def check_extra_args(pool: str, args: list[str], parity_flags: Mapping[str, str]) -> None:
+    """Refuse extraArgs that set a parity flag (flag -> the field to set instead) or a flag the
+    operator owns, naming both."""
+    for index, arg in enumerate(args):
+        flag = normalize_flag(arg)
+        if flag is not None and flag in parity_flags:
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets parity flag {flag}: it must be identical "
+                f"in every pool, so set it once in {parity_flags[flag]}"
+            )
+        if flag in OWNED_FLAGS:
+            owner = OWNED_FLAGS[flag].replace("<pool>", pool)
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets {flag}, which is derived from {owner}; "
+                "set it there instead"
+            )
+
+
+def check_env(pool: str, env: list[EnvVar], parity_env: Mapping[str, str]) -> None:
+    """Refuse env that sets a parity variable (name -> the field to set instead) or one the
+    operator derives."""
+    for index, var in enumerate(env):
+        if var.name in parity_env:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets parity variable {var.name}: it must be identical "
+                f"in every pool, so set it once in {parity_env[var.name]}"
+            )
+        if var.name in OWNED_ENV:
+            raise ValueError(
+                f"spec.{pool}.env[{index}] sets {var.name}, which is derived from "
+                f"{OWNED_ENV[var.name]}; set it there instead"
+            )

@@ -1,0 +1,66 @@
+"""`spec.gateway`: the OpenAI-compatible gateway in front of the pools."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pdserve.api.base import ApiModel
+from pdserve.api.common import LabelMap, PreservedObject, SecretKeyRef
+from pdserve.api.requirements import ResourceRequirements
+
+
+class RoutingMode(StrEnum):
+    auto = "Auto"
+    disaggregated = "Disaggregated"
+    aggregated = "Aggregated"
+
+
+class SloSpec(ApiModel):
+    """Latency objectives the gateway routes for (Auto mode) and reports against."""
+
+    ttft_ms: Annotated[int, Field(ge=1)] | None = None
+    """Time to first token, milliseconds."""
+    itl_ms: Annotated[int, Field(ge=1)] | None = None
+    """Inter-token latency, milliseconds."""
+
+
+class RoutingSpec(ApiModel):
+    """How the gateway sends requests."""
+
+    mode: RoutingMode = RoutingMode.auto
+    """Auto: per request, prefill on the prefill pool or locally on decode, by SLO and load.
+    Disaggregated: always prefill then decode. Aggregated: decode pool only."""
+
+
+class GatewaySpec(ApiModel):
+    """The OpenAI-compatible gateway in front of the pools."""
+
+    replicas: Annotated[int, Field(ge=1, le=100)] = 2
+    """Gateway replicas."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """Port of the gateway Service."""
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Type of the gateway Service."""
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    """Routing policy."""
+    slo: SloSpec = Field(default_factory=SloSpec)
+    """Latency objectives."""
+    api_key_secret_ref: SecretKeyRef | None = None
+    """Secret key holding the API key clients must send as a Bearer token."""
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(
+            requests={"cpu": "250m", "memory": "256Mi"}, limits={"memory": "1Gi"}
+        )
+    )
+    """CPU and memory of the gateway container."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the gateway pods require."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the gateway pods."""
+    request_log: bool = False
+    """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
+    render, prefill and decode pods that served it, their parity hash, timings and token
+    counts. Off by default: a line per request costs CPU at high rates."""

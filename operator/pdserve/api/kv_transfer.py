@@ -1,0 +1,112 @@
+"""`spec.kvTransfer`: how prefill hands its KV cache to decode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
+from pdserve.api.common import PreservedObject
+
+
+class KvConnector(StrEnum):
+    nixl = "NixlConnector"
+    nixl_push = "NixlPushConnector"
+    lmcache = "LMCacheConnectorV1"
+    mooncake = "MooncakeConnector"
+
+
+NIXL_CONNECTORS = (KvConnector.nixl, KvConnector.nixl_push)
+# An unset connector defaults to NixlConnector.
+_NIXL_CEL = "!has(self.connector) || self.connector.startsWith('Nixl')"
+FIRST_CLASS_EXTRA_CONFIG = {
+    "kv_lease_duration": "kvTransfer.leaseDurationSeconds",
+    "bidirectional_kv_xfer": "kvTransfer.bidirectional",
+}
+
+
+class TransportVerification(StrEnum):
+    required = "Required"
+    warn = "Warn"
+    off = "Off"
+
+
+def nixl_only(
+    field: str, unset_cel: str, message: str, is_set: Callable[[KvTransferSpec], bool]
+) -> CrossFieldRule[KvTransferSpec]:
+    """A kvTransfer field only the NIXL connectors have; `unset_cel` is CEL for "not set"."""
+
+    def check(kv: KvTransferSpec) -> str | None:
+        if kv.connector not in NIXL_CONNECTORS and is_set(kv):
+            return (
+                f"{field} needs a NIXL connector (NixlConnector, NixlPushConnector), "
+                f"not {kv.connector.value}"
+            )
+        return None
+
+    return CrossFieldRule(f"{unset_cel} || {_NIXL_CEL}", message, f".{field}", check)
+
+
+NIXL_ONLY = [
+    nixl_only(
+        "loadFailurePolicy",
+        "!has(self.loadFailurePolicy)",
+        "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)",
+        lambda kv: kv.load_failure_policy is not None,
+    ),
+    nixl_only(
+        "leaseDurationSeconds",
+        "!has(self.leaseDurationSeconds)",
+        "leaseDurationSeconds needs a NIXL connector",
+        lambda kv: kv.lease_duration_seconds is not None,
+    ),
+    nixl_only(
+        "bidirectional",
+        "!has(self.bidirectional) || !self.bidirectional",
+        "bidirectional needs a NIXL connector",
+        lambda kv: kv.bidirectional,
+    ),
+]
+
+
+class KvTransferSpec(ApiModel):
+    """How prefill hands its KV cache to decode."""
+
+    model_config = with_rules(NIXL_ONLY)
+
+    connector: KvConnector = KvConnector.nixl
+    """vLLM KV connector."""
+    lease_duration_seconds: Annotated[int, Field(ge=1, le=3600)] | None = None
+    """How long prefill holds KV blocks for decode to pull (kv_lease_duration). NIXL only;
+    vLLM's default is 30."""
+    load_failure_policy: Literal["fail", "recompute"] | None = None
+    """What decode does when a KV load fails: fail the request, or recompute the prefix
+    (kv_load_failure_policy). NIXL only; vLLM's default is fail."""
+    bidirectional: bool = False
+    """Let prefill reuse KV that decode generated in a conversation (bidirectional_kv_xfer, set
+    on both sides). NIXL only."""
+    side_channel_port: Annotated[int, Field(ge=1024, le=65535)] = 5600
+    """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT; data-parallel rank is added)."""
+    ucx_net_devices: Annotated[str, Field(min_length=1)] | None = None
+    """UCX_NET_DEVICES, e.g. mlx5_0:1 or all. Default: UCX's choice."""
+    ucx_transports: Annotated[str, Field(min_length=1)] | None = None
+    """UCX_TLS, the UCX transports NIXL may use, e.g. rc,cuda_copy,cuda_ipc (leaving out tcp
+    makes a broken RDMA path fail loudly instead of falling back). Default: UCX's choice."""
+    verify: TransportVerification = TransportVerification.warn
+    """Transport preflight per slice (status.transport, condition TransportVerified).
+    Required: the gateway keeps P/D routing off a slice until its KV path is verified (it
+    prefills locally there). Warn: report only. Off: no preflight (quote it in YAML: a bare Off
+    reads as false)."""
+    extra_config: PreservedObject = Field(default_factory=dict)
+    """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
+
+    @model_validator(mode="after")
+    def _first_class_extra_config(self) -> KvTransferSpec:
+        # Python only: the CRD carries no CEL rule for extraConfig, whose keys are free-form.
+        for key, field in FIRST_CLASS_EXTRA_CONFIG.items():
+            if key in self.extra_config:
+                raise ValueError(f"extraConfig.{key} is set by {field}; set it there instead")
+        return self

@@ -1,0 +1,68 @@
+"""`spec.model`: the model being served and where its weights come from."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
+from pdserve.api.common import SecretKeyRef
+from pdserve.api.parity import Parity, Scope
+
+
+class HuggingFaceSource(ApiModel):
+    """Download the model from the Hugging Face Hub when a pod starts."""
+
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret key holding an HF token (exported as HF_TOKEN), for gated or private models. The
+    token is only ever read from this Secret, never written into a manifest."""
+
+
+class PvcSource(ApiModel):
+    """Load the model from a PersistentVolumeClaim mounted read-only into every pod."""
+
+    claim_name: Annotated[str, Field(min_length=1, max_length=253)]
+    """Name of the PersistentVolumeClaim (ReadOnlyMany or ReadWriteMany for several pods)."""
+    path: Annotated[str, Field(pattern=r"^[^/].*$")] = "."
+    """Directory of the model inside the claim, relative to its root."""
+
+
+def _one_source(source: ModelSource) -> str | None:
+    both = source.hf is not None and source.pvc is not None
+    return "set only one of hf and pvc" if both else None
+
+
+ONE_SOURCE = CrossFieldRule(
+    "!(has(self.hf) && has(self.pvc))", "set only one of hf and pvc", None, _one_source
+)
+
+
+class ModelSource(ApiModel):
+    """Where weights, config and tokenizer come from: exactly one of hf or pvc."""
+
+    model_config = with_rules([ONE_SOURCE])
+
+    hf: HuggingFaceSource | None = None
+    """The Hugging Face Hub (the default when nothing is set)."""
+    pvc: PvcSource | None = None
+    """A PersistentVolumeClaim."""
+
+
+class ModelSpec(ApiModel):
+    """The model being served."""
+
+    name: Annotated[str, Field(min_length=1, max_length=512)]
+    """Hugging Face id (e.g. Qwen/Qwen2.5-7B-Instruct) or, with source.pvc, the name clients use
+    when servedModelName is not set."""
+    served_model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Model name in the OpenAI API. Default: the resource's metadata.name."""
+    revision: Annotated[
+        Annotated[str, Field(min_length=1, max_length=256)] | None,
+        Parity("--revision", scope=Scope.every_pool),
+    ] = None
+    """Model revision (branch, tag or commit). Pinned revisions keep pools identical."""
+    source: ModelSource = Field(default_factory=ModelSource)
+    """Where the model is loaded from."""
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    """Context length (--max-model-len). Default: the model's own."""

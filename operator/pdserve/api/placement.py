@@ -1,0 +1,115 @@
+"""`spec.placement`: where the GPU engine pools run: nodes, topology domains, slices, RDMA."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
+from pdserve.api.common import LabelMap, PreservedObject
+from pdserve.api.requirements import GPU_RESOURCE
+
+LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+HOSTNAME_KEY = "kubernetes.io/hostname"
+
+
+class Strength(StrEnum):
+    required = "Required"
+    preferred = "Preferred"
+
+
+class TopologyDomainSpec(ApiModel):
+    """Keep every engine pod of a slice (its prefill and decode replicas) inside one topology
+    domain: the nodes sharing one value of a node label."""
+
+    topology_key: Annotated[str, Field(pattern=LABEL_KEY, max_length=317)] = "nvidia.com/gpu.clique"
+    """Node label whose value names the domain: nvidia.com/gpu.clique (an NVLink domain, as set by
+    NVIDIA GPU feature discovery), a rack or zone label, or kubernetes.io/hostname to put the
+    prefill and decode of a slice on one node (in-node NVLink/P2P pairs)."""
+    mode: Strength = Strength.required
+    """Required: a slice's pods wait Pending rather than leave the domain (status condition
+    Placement=False says why). Preferred: the scheduler may break the domain when it must."""
+    spread_slices: Strength | None = None
+    """Put different slices in different domains (pod anti-affinity): Required, Preferred, or
+    unset for no spreading."""
+
+
+class RdmaSpec(ApiModel):
+    """RDMA for the KV transfer (NIXL over UCX): the NIC resource, networks and privileges."""
+
+    resource: Annotated[str, Field(pattern=EXTENDED_RESOURCE, max_length=253)]
+    """Extended resource of the RDMA device plugin each engine pod requests, e.g.
+    rdma/rdma_shared_device_a (k8s-rdma-shared-dev-plugin) or nvidia.com/hostdev."""
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+    """How many of `resource` each engine pod requests."""
+    networks: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=list
+    )
+    """Multus secondary networks (NetworkAttachmentDefinition names, optionally
+    namespace/name) attached to engine pods (annotation k8s.v1.cni.cncf.io/networks)."""
+    host_network: bool = False
+    """Run engine pods in the host network namespace (explicit opt-in: it exposes the engine
+    ports on the node and allows one engine pod per node)."""
+
+
+def _slices_need_a_domain(placement: PlacementSpec) -> str | None:
+    if placement.slices > 1 and placement.domain is None:
+        return (
+            f"slices is {placement.slices} but domain is unset: set "
+            "placement.domain.topologyKey (e.g. nvidia.com/gpu.clique) to keep each slice in"
+        )
+    return None
+
+
+SLICES_NEED_A_DOMAIN = CrossFieldRule(
+    "!has(self.slices) || self.slices == 1 || has(self.domain)",
+    "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in",
+    ".slices",
+    _slices_need_a_domain,
+)
+
+
+class PlacementSpec(ApiModel):
+    """Where the GPU engine pools (prefill and decode) run; render and gateway pods have their
+    own nodeSelector/tolerations."""
+
+    model_config = with_rules([SLICES_NEED_A_DOMAIN])
+
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels every engine pod requires (merged with <pool>.nodeSelector)."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of every engine pod (added to <pool>.tolerations)."""
+    affinity: PreservedObject | None = None
+    """Node affinity and pod (anti-)affinity of every engine pod, as in a pod spec; the terms
+    pdserve derives from gpuProducts and domain are added to it."""
+    accelerator_resource: Annotated[
+        str, Field(pattern=r"^([a-z0-9.-]+/[A-Za-z0-9._-]+)?$", max_length=253)
+    ] = GPU_RESOURCE
+    """Extended resource each engine pod requests tensorParallelSize x dataParallelSize of
+    (e.g. amd.com/gpu). Empty: request none (simulator pools in kind or CI)."""
+    gpu_products: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
+        default_factory=list
+    )
+    """Allowed GPU models (node label nvidia.com/gpu.product, e.g. NVIDIA-H200): engine pods
+    require a node with one of them. Empty: any."""
+    domain: TopologyDomainSpec | None = None
+    """Keep each slice's prefill and decode inside one topology domain. Unset: no co-location."""
+    slices: Annotated[int, Field(ge=1, le=64)] = 1
+    """Independent groups of prefill.replicas prefill and decode.replicas decode engines, each
+    in its own domain and its own StatefulSets (<name>-prefill-s<n>, <name>-decode-s<n>,
+    label pdserve.io/slice). Total engines = slices x replicas. Changing it replaces the engine
+    StatefulSets."""
+    rdma: RdmaSpec | None = None
+    """RDMA for the KV transfer: NIC resource, Multus networks, IPC_LOCK, host network opt-in.
+    Unset: no RDMA resources or privileges are requested."""
+    guaranteed_qos: Annotated[bool | None, Field(alias="guaranteedQoS")] = None
+    """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
+    kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
+    is set. Needs cpu and memory in <pool>.resources."""
+
+    @property
+    def wants_guaranteed_qos(self) -> bool:
+        return self.rdma is not None if self.guaranteed_qos is None else self.guaranteed_qos

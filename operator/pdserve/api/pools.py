@@ -1,0 +1,70 @@
+"""The engine pools (prefill and decode) and what every vLLM pool shares."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pdserve.api.autoscaling import EngineAutoscalingSpec
+from pdserve.api.base import ApiModel
+from pdserve.api.common import EnvVar, LabelMap, PreservedObject
+from pdserve.api.requirements import ResourceRequirements
+
+
+class SchedulerSpec(ApiModel):
+    """vLLM scheduler knobs (chunked prefill). Unset: vLLM's defaults."""
+
+    enable_chunked_prefill: bool | None = None
+    """--enable-chunked-prefill / --no-enable-chunked-prefill."""
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Token budget of one engine step (--max-num-batched-tokens)."""
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    """Most sequences in one step (--max-num-seqs)."""
+    long_prefill_token_threshold: Annotated[int, Field(ge=0)] | None = None
+    """Most prompt tokens one request may schedule per step; 0 = no cap
+    (--long-prefill-token-threshold)."""
+
+
+class VllmPoolFields(ApiModel):
+    """What every pool running a vLLM process has: its extra arguments, environment and
+    where its pods go."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra arguments of the pool's vLLM command. Parity flags and flags pdserve derives from
+    other fields are refused, naming the field to use instead."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment variables (PYTHONHASHSEED and the NIXL/UCX/HF_TOKEN variables pdserve
+    derives are refused)."""
+    node_selector: LabelMap = Field(default_factory=dict)
+    """Node labels the pool's pods require (for engines: merged with spec.placement)."""
+    tolerations: list[PreservedObject] = Field(default_factory=list)
+    """Tolerations of the pool's pods (for engines: added to spec.placement's)."""
+    pod_annotations: LabelMap = Field(default_factory=dict)
+    """Annotations on the pool's pods."""
+
+
+class EnginePoolSpec(VllmPoolFields):
+    """A pool of GPU engines (prefill or decode), one StatefulSet."""
+
+    replicas: Annotated[int, Field(ge=0, le=1024)] = 1
+    """Engine replicas (pods). prefill.replicas 0 means aggregated serving on the decode pool.
+    With placement.slices > 1: per slice (the P:D ratio). With autoscaling and one slice: the
+    starting count, kept within its bounds."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """GPUs one engine shards each layer over (--tensor-parallel-size)."""
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
+    tensorParallelSize x dataParallelSize."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Scheduler knobs."""
+    autoscaling: EngineAutoscalingSpec | None = None
+    """Replicas from SLOs (Builtin) or from your own HPA/KEDA (External). Unset: replicas."""
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size

@@ -1,0 +1,158 @@
+"""Each cross-field rule is declared once (api/base.py CrossFieldRule) and used twice: as CEL in
+the generated CRD and as a Python check. Here both run on a table of cases and must agree:
+the same rule broken (or none) for every example, with the API server's defaults applied first
+as it does before running CEL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+import pdserve.api.spec  # noqa: F401  (imports every model)
+from pdserve.api.autoscaling import EngineAutoscalingSpec, RenderAutoscalingSpec, ScalingBehaviour
+from pdserve.api.base import CEL, ApiModel, CrossFieldRule, RuleViolation, rules_of
+from pdserve.api.crd import build_crd, structural_schema
+from pdserve.api.kv_transfer import KvTransferSpec
+from pdserve.api.model import ModelSource
+from pdserve.api.placement import PlacementSpec
+from pdserve.api.serving import ServingSpec
+from tests.unit.api.cel import apply_defaults, evaluate
+
+KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
+MIN_MAX = "maxReplicas must be >= minReplicas"
+LOAD_POLICY = "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)"
+SLICES = "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in"
+
+# (model, object as written, the CEL message of the one rule it breaks, or None)
+CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
+    (ModelSource, {}, None),
+    (ModelSource, {"hf": {}}, None),
+    (ModelSource, {"pvc": {"claimName": "weights"}}, None),
+    (ModelSource, {"hf": {}, "pvc": {"claimName": "weights"}}, "set only one of hf and pvc"),
+    (ServingSpec, {}, None),
+    (ServingSpec, {"enableAutoToolChoice": False}, None),
+    (ServingSpec, {"enableAutoToolChoice": True, "toolCallParser": "hermes"}, None),
+    (ServingSpec, {"toolCallParser": "hermes"}, None),
+    (ServingSpec, {"enableAutoToolChoice": True}, "enableAutoToolChoice needs toolCallParser"),
+    (ScalingBehaviour, {}, None),
+    (ScalingBehaviour, {"minReplicas": 3, "maxReplicas": 3}, None),
+    (ScalingBehaviour, {"minReplicas": 4, "maxReplicas": 2}, MIN_MAX),
+    (ScalingBehaviour, {"minReplicas": 5}, MIN_MAX),  # against the default maxReplicas 4
+    (ScalingBehaviour, {"maxReplicas": 1}, None),
+    (EngineAutoscalingSpec, {"minReplicas": 2, "maxReplicas": 1024}, None),
+    (EngineAutoscalingSpec, {"minReplicas": 8, "maxReplicas": 7}, MIN_MAX),
+    (EngineAutoscalingSpec, {"minReplicas": 5, "engine": "External"}, MIN_MAX),
+    (RenderAutoscalingSpec, {}, None),
+    (RenderAutoscalingSpec, {"engine": "HPA"}, None),
+    (RenderAutoscalingSpec, {"engine": "Builtin"}, None),
+    (RenderAutoscalingSpec, {"engine": "KEDA", "prometheusAddress": "http://prom:9090"}, None),
+    (RenderAutoscalingSpec, {"engine": "KEDA"}, KEDA),
+    (RenderAutoscalingSpec, {"engine": "KEDA", "minReplicas": 2, "maxReplicas": 2}, KEDA),
+    (RenderAutoscalingSpec, {"minReplicas": 9}, MIN_MAX),
+    (KvTransferSpec, {}, None),
+    (KvTransferSpec, {"loadFailurePolicy": "recompute", "leaseDurationSeconds": 60}, None),
+    (KvTransferSpec, {"connector": "NixlPushConnector", "bidirectional": True}, None),
+    (KvTransferSpec, {"connector": "MooncakeConnector", "bidirectional": False}, None),
+    (KvTransferSpec, {"connector": "LMCacheConnectorV1"}, None),
+    (KvTransferSpec, {"connector": "LMCacheConnectorV1", "loadFailurePolicy": "fail"}, LOAD_POLICY),
+    (
+        KvTransferSpec,
+        {"connector": "MooncakeConnector", "leaseDurationSeconds": 5},
+        "leaseDurationSeconds needs a NIXL connector",
+    ),
+    (
+        KvTransferSpec,
+        {"connector": "MooncakeConnector", "bidirectional": True},
+        "bidirectional needs a NIXL connector",
+    ),
+    (PlacementSpec, {}, None),
+    (PlacementSpec, {"slices": 1}, None),
+    (PlacementSpec, {"slices": 2, "domain": {}}, None),
+    (PlacementSpec, {"slices": 4, "domain": {"topologyKey": "kubernetes.io/hostname"}}, None),
+    (PlacementSpec, {"slices": 2}, SLICES),
+]
+
+
+def cel_broken(model: type[ApiModel], value: dict[str, Any]) -> list[str]:
+    """Messages of the CEL rules the generated schema of `model` carries that `value` breaks."""
+    schema = structural_schema(model)
+    defaulted = apply_defaults(schema, value)
+    return [r["message"] for r in schema.get(CEL, []) if evaluate(r["rule"], defaulted) is not True]
+
+
+def python_broken(model: type[ApiModel], value: dict[str, Any]) -> list[str]:
+    """CEL messages of the rules whose Python check refuses `value` (other errors fail)."""
+    try:
+        model.model_validate(value)
+    except ValidationError as error:
+        violations = [e.get("ctx", {}).get("error") for e in error.errors()]
+    else:
+        return []
+    assert all(isinstance(v, RuleViolation) for v in violations), violations
+    return [v.rule.message for v in violations if isinstance(v, RuleViolation)]
+
+
+def all_rules() -> dict[str, CrossFieldRule[Any]]:
+    models: list[type[ApiModel]] = []
+    pending: list[type[ApiModel]] = [ApiModel]
+    while pending:
+        model = pending.pop()
+        models.append(model)
+        pending.extend(model.__subclasses__())
+    return {r.message: r for model in models for r in rules_of(model)}
+
+
+@pytest.mark.parametrize(
+    ("model", "value", "broken"), CASES, ids=lambda v: v.__name__ if isinstance(v, type) else None
+)
+def test_cel_and_python_agree(
+    model: type[ApiModel], value: dict[str, Any], broken: str | None
+) -> None:
+    expected = [broken] if broken else []
+    assert cel_broken(model, value) == expected
+    assert python_broken(model, value) == expected
+
+
+def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
+    rules = all_rules()
+    assert len(rules) == 8
+    assert {broken for _, _, broken in CASES if broken} == set(rules)
+    with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
+    assert with_rules == {model for model, _, broken in CASES if broken is None}
+
+
+def test_the_crd_carries_each_models_rules_as_declared() -> None:
+    """The generated CRD holds exactly the declared rules (and the one on metadata.name)."""
+
+    def walk(node: Any) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        if isinstance(node, dict):
+            found += node.get(CEL, [])
+            for value in node.values():
+                found += walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                found += walk(value)
+        return found
+
+    in_crd = {r["message"]: r for r in walk(build_crd())}
+    in_crd = {m: r for m, r in in_crd.items() if not m.startswith("metadata.")}
+    assert in_crd == {message: r.cel_rule() for message, r in all_rules().items()}
+
+
+def test_python_errors_keep_their_own_wording() -> None:
+    """The Python message names values and the fix; the CEL one is the short form."""
+    [problem] = [e["msg"] for e in _errors(RenderAutoscalingSpec, {"minReplicas": 9})]
+    assert problem == "Value error, maxReplicas (4) must be >= minReplicas (9)"
+    [problem] = [e["msg"] for e in _errors(KvTransferSpec, {"connector": "MooncakeConnector",
+                                                           "bidirectional": True})]  # fmt: skip
+    assert problem.endswith("bidirectional needs a NIXL connector (NixlConnector, "
+                            "NixlPushConnector), not MooncakeConnector")  # fmt: skip
+
+
+def _errors(model: type[ApiModel], value: dict[str, Any]) -> list[Any]:
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(value)
+    return list(caught.value.errors())
