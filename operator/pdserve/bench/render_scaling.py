@@ -79,44 +79,38 @@ def _handler_seconds(name: str, labels: Mapping[str, str]) -> str | None:
 
 async def calibrate(points: Sequence[int] = (256, 1024, 2048, 4096, 8192), calls: int = 40) -> Cost:
     """Measure derender calls on a loopback simulator at several history lengths."""
-    from aiohttp import web
-
+    from pdserve.sim.http import serving
     from pdserve.sim.render_server import RenderConfig, RenderServer
     from pdserve.sim.tokenizer import SimTokenizer
 
     steps = " ".join(f"step {i}: weigh the option, check it, move on." for i in range(2500))
     ids = SimTokenizer().encode(f"<think>\n{steps}\n</think>\n\nDone.")
     server = RenderServer(RenderConfig(reasoning_parser="qwen3", tool_call_parser="hermes"))
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     chat = {"model": "sim-model", "messages": [{"role": "user", "content": "think it over"}]}
     samples: list[tuple[int, float]] = []
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    async with (
+        serving(server.app()) as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client,
+    ):
 
-            async def call(tokens: list[int], state: Any) -> Any:
-                body = {"stream": True, "model": "sim-model", "stream_state": state,
-                        "generate_chunk": {"request_id": "calibration", "choices": [
-                            {"index": 0, "token_ids": tokens, "finish_reason": None}]},
-                        "prompt_tokens": 4, "prompt_token_ids": [1, 2, 3, 4],
-                        "chat_request": chat}  # fmt: skip
-                response = await client.post(DERENDER, json=body)
-                response.raise_for_status()
-                return response.json()["stream_state"]
+        async def call(tokens: list[int], state: Any) -> Any:
+            body = {"stream": True, "model": "sim-model", "stream_state": state,
+                    "generate_chunk": {"request_id": "calibration", "choices": [
+                        {"index": 0, "token_ids": tokens, "finish_reason": None}]},
+                    "prompt_tokens": 4, "prompt_token_ids": [1, 2, 3, 4],
+                    "chat_request": chat}  # fmt: skip
+            response = await client.post(DERENDER, json=body)
+            response.raise_for_status()
+            return response.json()["stream_state"]
 
-            for n in points:
-                state = await call(ids[:n], None)  # the history, in one call
-                before = sum_samples((await client.get("/metrics")).text, _handler_seconds)
-                for i in range(calls):
-                    state = await call(ids[n + i : n + i + 1], state)
-                after = sum_samples((await client.get("/metrics")).text, _handler_seconds)
-                seconds = after["seconds"] - before["seconds"]
-                samples.append((n + calls // 2, seconds / (after["calls"] - before["calls"])))
-    finally:
-        await runner.cleanup()
+        for n in points:
+            state = await call(ids[:n], None)  # the history, in one call
+            before = sum_samples((await client.get("/metrics")).text, _handler_seconds)
+            for i in range(calls):
+                state = await call(ids[n + i : n + i + 1], state)
+            after = sum_samples((await client.get("/metrics")).text, _handler_seconds)
+            seconds = after["seconds"] - before["seconds"]
+            samples.append((n + calls // 2, seconds / (after["calls"] - before["calls"])))
     xs, ys = [float(n) for n, _ in samples], [s for _, s in samples]
     slope, intercept = statistics.linear_regression(xs, ys)
     return Cost(base=max(intercept, 1e-6), per_token=max(slope, 0.0))
