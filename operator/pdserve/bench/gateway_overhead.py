@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.bench.loadgen import drive, first_event, timed_post
 from pdserve.sim.procs import Proc, Processes, cpu_seconds, free_port
 from pdserve.stats import percentile
 
@@ -80,20 +82,19 @@ def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, objec
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float) -> tuple[list[float], int]:
+    """`concurrency` clients sending CHAT one after another for `seconds`: the latency of each
+    request answered 200."""
     latencies: list[float] = []
     stop_at = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
 
-        async def worker() -> None:
-            while time.monotonic() < stop_at:
-                started = time.monotonic()
-                response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
-                await response.aread()
-                if response.status_code == 200:
-                    latencies.append(time.monotonic() - started)
+        async def send(body: dict[str, object]) -> None:
+            latency = await timed_post(client, f"{url}/v1/chat/completions", body)
+            if latency is not None:
+                latencies.append(latency)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await drive(itertools.repeat(CHAT), send, clients=concurrency, deadline=stop_at)
     return latencies, len(latencies)
 
 
@@ -123,23 +124,20 @@ def measure(name: str, url: str, pid: int | None, concurrency: int, seconds: flo
 
 
 async def stream_load(url: str, streams: int, max_tokens: int) -> tuple[int, list[float]]:
+    """`streams` streamed chats sent at once: the tokens asked for, each stream's TTFT."""
     body = {**CHAT, "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
     ttfts: list[float] = []
     tokens = 0
     async with httpx.AsyncClient(timeout=60) as client:
 
-        async def one() -> None:
+        async def send(request: dict[str, object]) -> None:
             nonlocal tokens
-            started = time.monotonic()
-            first = True
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if first and line.startswith("data: {"):
-                        ttfts.append(time.monotonic() - started)
-                        first = False
+            ttft = await first_event(client, f"{url}/v1/chat/completions", request)
+            if ttft is not None:
+                ttfts.append(ttft)
             tokens += max_tokens
 
-        await asyncio.gather(*(one() for _ in range(streams)))
+        await drive(itertools.repeat(body, streams), send)  # open loop: all at once
     return tokens, ttfts
 
 

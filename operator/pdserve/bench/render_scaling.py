@@ -28,42 +28,47 @@ import argparse
 import asyncio
 import heapq
 import itertools
-import math
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pdserve.api.autoscaling import RenderAutoscaler, RenderAutoscalingSpec
+from pdserve.bench.render_scaling_model import Cost, Replica, Run, Scenario, Stream, Window, p99
+from pdserve.bench.render_scaling_report import calibration_text, draw, markdown, summarize
 from pdserve.controller.autoscale.behaviour import Behaviour, ScalerState, decide
 from pdserve.controller.autoscale.rules import proportional, recommend_render
 from pdserve.vllm.metrics import sum_samples
 
 DERENDER = "/v1/chat/completions/derender"
+# The replay's model and report have modules of their own; their names stay importable here.
+__all__ = [
+    "DERENDER",
+    "Cost",
+    "Replica",
+    "Run",
+    "Scenario",
+    "Signal",
+    "Stream",
+    "Window",
+    "calibrate",
+    "calibration_text",
+    "draw",
+    "main",
+    "markdown",
+    "p99",
+    "policies",
+    "replay",
+    "summarize",
+]
 
 
-# ---- 1. calibration ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Cost:
-    """Seconds of render-server handler time for one streamed derender call at history n."""
-
-    base: float
-    per_token: float
-
-    def __call__(self, tokens: int) -> float:
-        return self.base + self.per_token * tokens
-
-    def stream(self, length: int) -> float:
-        """Handler seconds of one stream derendered a token per call."""
-        return length * self.base + self.per_token * length * (length + 1) / 2
-
-
+# ---- 1. calibration (the cost model: render_scaling_model.Cost) -------------------------------
 def _handler_seconds(name: str, labels: Mapping[str, str]) -> str | None:
     if name == "http_request_duration_seconds_sum" and labels.get("handler") == DERENDER:
         return "seconds"
@@ -74,122 +79,44 @@ def _handler_seconds(name: str, labels: Mapping[str, str]) -> str | None:
 
 async def calibrate(points: Sequence[int] = (256, 1024, 2048, 4096, 8192), calls: int = 40) -> Cost:
     """Measure derender calls on a loopback simulator at several history lengths."""
-    from aiohttp import web
-
+    from pdserve.sim.http import serving
     from pdserve.sim.render_server import RenderConfig, RenderServer
     from pdserve.sim.tokenizer import SimTokenizer
 
     steps = " ".join(f"step {i}: weigh the option, check it, move on." for i in range(2500))
     ids = SimTokenizer().encode(f"<think>\n{steps}\n</think>\n\nDone.")
     server = RenderServer(RenderConfig(reasoning_parser="qwen3", tool_call_parser="hermes"))
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     chat = {"model": "sim-model", "messages": [{"role": "user", "content": "think it over"}]}
     samples: list[tuple[int, float]] = []
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    async with (
+        serving(server.app()) as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client,
+    ):
 
-            async def call(tokens: list[int], state: Any) -> Any:
-                body = {"stream": True, "model": "sim-model", "stream_state": state,
-                        "generate_chunk": {"request_id": "calibration", "choices": [
-                            {"index": 0, "token_ids": tokens, "finish_reason": None}]},
-                        "prompt_tokens": 4, "prompt_token_ids": [1, 2, 3, 4],
-                        "chat_request": chat}  # fmt: skip
-                response = await client.post(DERENDER, json=body)
-                response.raise_for_status()
-                return response.json()["stream_state"]
+        async def call(tokens: list[int], state: Any) -> Any:
+            body = {"stream": True, "model": "sim-model", "stream_state": state,
+                    "generate_chunk": {"request_id": "calibration", "choices": [
+                        {"index": 0, "token_ids": tokens, "finish_reason": None}]},
+                    "prompt_tokens": 4, "prompt_token_ids": [1, 2, 3, 4],
+                    "chat_request": chat}  # fmt: skip
+            response = await client.post(DERENDER, json=body)
+            response.raise_for_status()
+            return response.json()["stream_state"]
 
-            for n in points:
-                state = await call(ids[:n], None)  # the history, in one call
-                before = sum_samples((await client.get("/metrics")).text, _handler_seconds)
-                for i in range(calls):
-                    state = await call(ids[n + i : n + i + 1], state)
-                after = sum_samples((await client.get("/metrics")).text, _handler_seconds)
-                seconds = after["seconds"] - before["seconds"]
-                samples.append((n + calls // 2, seconds / (after["calls"] - before["calls"])))
-    finally:
-        await runner.cleanup()
+        for n in points:
+            state = await call(ids[:n], None)  # the history, in one call
+            before = sum_samples((await client.get("/metrics")).text, _handler_seconds)
+            for i in range(calls):
+                state = await call(ids[n + i : n + i + 1], state)
+            after = sum_samples((await client.get("/metrics")).text, _handler_seconds)
+            seconds = after["seconds"] - before["seconds"]
+            samples.append((n + calls // 2, seconds / (after["calls"] - before["calls"])))
     xs, ys = [float(n) for n, _ in samples], [s for _, s in samples]
     slope, intercept = statistics.linear_regression(xs, ys)
     return Cost(base=max(intercept, 1e-6), per_token=max(slope, 0.0))
 
 
 # ---- 2. the replay -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Scenario:
-    """Streams per second and reasoning tokens per stream over time. ramp: a warm-up, a ramp of
-    both over 6 minutes, a plateau, then a drop. step: the same warm-up, then at once many
-    long-reasoning streams, then a drop."""
-
-    plan: str = "ramp"
-    minutes: float = 20.0
-    itl: float = 0.02  # decode's inter-token latency: tokens of a stream arrive this often
-    startup: float = 15.0  # a new render pod takes this long to serve (tokenizer load)
-    interval: float = 15.0  # metrics window and decision period
-    # Derender call latency the pool should hold: one inter-token interval. A slower derender
-    # makes a stream's tokens pile up and reach the client in bursts.
-    target_p99: float = 0.02
-    min_replicas: int = 2
-    max_replicas: int = 24
-
-    def shape(self, t: float) -> tuple[float, int]:
-        """(streams per second, tokens per stream) at time t, on a 20-minute plan scaled to
-        `minutes`."""
-        m = t / 60 * 20 / self.minutes
-        if m < 2:
-            return 0.2, 1000
-        if self.plan == "step":
-            return (0.8, 6000) if m < 10 else (0.1, 2000)
-        if m < 8:
-            f = (m - 2) / 6
-            return 0.2 + 0.4 * f, int(1000 + 7000 * f)
-        if m < 12:
-            return 0.6, 8000
-        return 0.1, 2000
-
-
-@dataclass
-class Replica:
-    index: int
-    ready_at: float
-    free_at: float = 0.0
-    inflight: int = 0
-    draining: bool = False
-    cpu: float = 0.0  # handler seconds finished in the window (the server's own view)
-    waited: float = 0.0  # call seconds finished in the window (the gateway's view)
-
-
-@dataclass
-class Stream:
-    start: float
-    length: int
-    sent: int = 0
-
-
-@dataclass
-class Window:
-    t: float
-    replicas: int
-    desired: int
-    demand: float  # cores the live streams would need with a derender call per token
-    p99: float | None
-    token_p99: float | None
-    calls: int
-
-
-@dataclass
-class Run:
-    policy: str
-    windows: list[Window] = field(default_factory=list)
-    latencies: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds)
-    token_delays: list[float] = field(default_factory=list)
-    replica_seconds: float = 0.0
-    decisions: int = 0
-
-
 Signal = Callable[[int, list[Replica], float, float], int]
 
 
@@ -218,13 +145,6 @@ def policies(cost: Cost, scenario: Scenario) -> dict[str, Signal]:
 
     return {"parser busy (pdserve)": parser_busy, "CPU only": cpu_only,
             "request rate": request_rate}  # fmt: skip
-
-
-def p99(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def replay(policy: str, signal: Signal, cost: Cost, scenario: Scenario, seed: int) -> Run:
@@ -327,116 +247,6 @@ def replay(policy: str, signal: Signal, cost: Cost, scenario: Scenario, seed: in
             calls_in_window, delays_in_window, started, last_tick = [], [], 0, now
             push(now + scenario.interval, "tick")
     return run
-
-
-# ---- 3. report ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Summary:
-    policy: str
-    p99_all: float
-    p99_ramp: float
-    within: float  # share of windows whose p99 met the target
-    worst: float
-    token_p99: float
-    max_replicas: int
-    replica_minutes: float
-    calls: int
-
-
-def summarize(run: Run, scenario: Scenario) -> Summary:
-    ramp = (2 * 60 * scenario.minutes / 20, 12 * 60 * scenario.minutes / 20)
-    everything = [s for _, s in run.latencies]
-    during = [s for t, s in run.latencies if ramp[0] <= t < ramp[1]]
-    measured = [w for w in run.windows if w.p99 is not None]
-    return Summary(
-        policy=run.policy,
-        p99_all=p99(everything) or 0.0,
-        p99_ramp=p99(during) or 0.0,
-        within=sum(1 for w in measured if (w.p99 or 0) <= scenario.target_p99) / len(measured),
-        worst=max(w.p99 or 0 for w in measured),
-        token_p99=p99(run.token_delays) or 0.0,
-        max_replicas=max(w.replicas for w in run.windows),
-        replica_minutes=run.replica_seconds / 60,
-        calls=len(everything),
-    )
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:,.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
-
-
-def calibration_text(cost: Cost, scenario: Scenario) -> str:
-    return (
-        f"Calibrated on the simulator's render server: one streamed derender call costs "
-        f"{cost.base * 1000:.3f} ms + {cost.per_token * 1e6:.3f} us per token of history "
-        f"(a {scenario.shape(0)[1]}-token stream derendered per token: "
-        f"{cost.stream(scenario.shape(0)[1]):.2f} s of handler time; an 8000-token one: "
-        f"{cost.stream(8000):.1f} s). Target: p99 derender call latency <= "
-        f"{ms(scenario.target_p99)} per {scenario.interval:g} s window. Pool: "
-        f"{scenario.min_replicas}-{scenario.max_replicas} replicas, one worker each, new pods "
-        f"ready after {scenario.startup:g} s.\n"
-    )
-
-
-def markdown(
-    scenario: Scenario, summaries: Sequence[Summary], runs: Sequence[Run], plot: str
-) -> str:
-    lines = [
-        "| policy | p99 derender, whole run | p99, minutes 2-12 (load) | windows within target | "
-        "worst window p99 | p99 token delay | most replicas | replica-minutes | calls |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for s in summaries:
-        lines.append(
-            f"| {s.policy} | {ms(s.p99_all)} | {ms(s.p99_ramp)} | {s.within:.0%} | "
-            f"{ms(s.worst)} | {ms(s.token_p99)} | {s.max_replicas} | {s.replica_minutes:.0f} | "
-            f"{s.calls:,} |"
-        )
-    lines += ["", "Replicas (ready) per minute, and the cores the live streams would need with a "
-              "derender call per token:", ""]  # fmt: skip
-    header = "| minute | demand, cores | " + " | ".join(r.policy for r in runs) + " |"
-    lines += [header, "|" + " --- |" * (2 + len(runs))]
-    per_minute = max(1, round(60 / scenario.interval))
-    for index in range(per_minute - 1, len(runs[0].windows), per_minute):
-        window = runs[0].windows[index]
-        cells = [f"{run.windows[index].replicas}" if index < len(run.windows) else "-"
-                 for run in runs]  # fmt: skip
-        lines.append(f"| {window.t / 60:.0f} | {window.demand:.1f} | " + " | ".join(cells) + " |")
-    if plot:
-        lines += ["", f"![render replicas and p99 derender latency per policy]({plot})"]
-    return "\n".join(lines) + "\n"
-
-
-def draw(runs: Sequence[Run], scenario: Scenario, path: Path) -> bool:
-    """A PNG of replicas and p99 latency per window; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    minutes = [w.t / 60 for w in runs[0].windows]
-    top.plot(minutes, [w.demand / 0.7 for w in runs[0].windows], color="grey", linestyle=":",
-             label="parser demand / 70% (per-token calls)")  # fmt: skip
-    for run in runs:
-        top.step([w.t / 60 for w in run.windows], [w.replicas for w in run.windows], where="post",
-                 label=run.policy)  # fmt: skip
-        bottom.plot([w.t / 60 for w in run.windows],
-                    [(w.p99 or 0) * 1000 for w in run.windows], label=run.policy)  # fmt: skip
-    bottom.axhline(scenario.target_p99 * 1000, color="black", linestyle="--", label="target")
-    top.set_ylabel("ready render replicas")
-    top.legend(fontsize=8)
-    bottom.set_yscale("log")
-    bottom.set_ylabel("p99 derender call, ms")
-    bottom.set_xlabel("minute")
-    bottom.legend(fontsize=8)
-    top.set_title(f"Streamed reasoning, {scenario.plan}: render pool per autoscaling policy")
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

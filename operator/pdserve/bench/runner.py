@@ -1,8 +1,9 @@
-"""The load generator: sends a plan to an OpenAI-compatible endpoint (async httpx, streaming),
-open loop at the planned arrival times or closed loop at a fixed concurrency, and records every
-request. A failing target is recorded, never raised; a stop event (Ctrl-C) ends the run early
-with what was measured, the requests in flight marked cancelled. While it runs it samples the
-gateway's prefill admission queue from /metrics when the target has one."""
+"""`pdserve bench run`'s requests: sends a plan to an OpenAI-compatible endpoint (async httpx,
+streaming) with the load generator (loadgen.drive), open loop at the planned arrival times or
+closed loop at a fixed concurrency, and records every request. A failing target is recorded,
+never raised; a stop event (Ctrl-C) ends the run early with what was measured, the requests in
+flight marked cancelled. While it runs it samples the gateway's prefill admission queue from
+/metrics when the target has one."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
 import httpx
 
+from pdserve.bench.loadgen import Clock, drive
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workload import PlannedRequest
 
@@ -85,23 +86,6 @@ class RunResult:
     """None when the target exposes no gateway queue metrics."""
     interrupted: bool = False
     wall_seconds: float = 0.0
-
-
-class Clock:
-    """Milliseconds on the run's clock: the wall-clock epoch at the start, then elapsed real
-    time divided by the time scale (simulated time against scaled simulators)."""
-
-    def __init__(self, time_scale: float) -> None:
-        self.scale = time_scale
-        self.epoch_ms = time.time() * 1000
-        self.start = time.perf_counter()
-
-    def now_ms(self) -> float:
-        return self.epoch_ms + (time.perf_counter() - self.start) / self.scale * 1000
-
-    def elapsed(self) -> float:
-        """Simulated seconds since the start."""
-        return (time.perf_counter() - self.start) / self.scale
 
 
 class Progress:
@@ -300,16 +284,6 @@ async def sample_queue(
         await asyncio.sleep(interval)
 
 
-async def _unless_stopped(stop: asyncio.Event, work: asyncio.Future[Any]) -> bool:
-    """Wait for work or stop, whichever comes first; True when the work finished."""
-    waiter = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-    return work.done()
-
-
 async def run_load(
     target: Target,
     requests: list[PlannedRequest],
@@ -322,8 +296,6 @@ async def run_load(
     stop = stop or asyncio.Event()
     clock = Clock(load.time_scale)
     records: list[RequestRecord] = []
-    tasks: set[asyncio.Task[None]] = set()
-    slots = asyncio.Semaphore(load.max_inflight)
     limits = httpx.Limits(
         max_connections=load.max_inflight, max_keepalive_connections=load.max_inflight
     )
@@ -338,20 +310,11 @@ async def run_load(
             try:
                 await stream_into(record, client, target, request, clock)
             finally:
-                slots.release()
                 records.append(record)
                 if progress is not None:
                     progress.done += 1
                     progress.failed += record.error is not None
                     progress.update()
-
-        async def acquire() -> bool:
-            """A slot under max_inflight, unless stopped first."""
-            slot = asyncio.ensure_future(slots.acquire())
-            if await _unless_stopped(stop, slot):
-                return True
-            slot.cancel()
-            return False
 
         samples: list[QueueSample] = []
         sampler: asyncio.Task[bool] | None = None
@@ -359,39 +322,15 @@ async def run_load(
             sampler = asyncio.create_task(
                 sample_queue(client, target.metrics_url, clock, load.sample_every(), samples)
             )
-        if load.rate is not None:
-            for request in requests:
-                delay = (request.offset - clock.elapsed()) * load.time_scale
-                if delay > 0:
-                    with suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), delay)
-                if stop.is_set() or not await acquire():
-                    break
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        else:
-            queue: Iterator[PlannedRequest] = iter(requests)
-
-            async def worker() -> None:
-                for request in queue:
-                    if not await acquire():
-                        return
-                    await one(request)
-
-            assert load.concurrency is not None
-            for _ in range(load.concurrency):
-                task = asyncio.create_task(worker())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        while tasks and not stop.is_set():
-            finished = asyncio.ensure_future(_any(tasks))
-            if not await _unless_stopped(stop, finished):
-                finished.cancel()
-        interrupted = stop.is_set()
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        interrupted = await drive(
+            requests,
+            one,
+            clients=load.concurrency,
+            offset=lambda request: request.offset,
+            clock=clock,
+            max_inflight=load.max_inflight,
+            stop=stop,
+        )
         available = True
         if sampler is not None:
             if sampler.done():
@@ -409,7 +348,3 @@ async def run_load(
         interrupted=interrupted,
         wall_seconds=time.perf_counter() - started,
     )
-
-
-async def _any(tasks: set[asyncio.Task[None]]) -> None:
-    await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from pdserve.sim.chat import BUILTIN_TEMPLATES, ChatError
+from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
+from pdserve.sim.http import run
 from pdserve.sim.render_server import RenderConfig, RenderServer
 
 log = logging.getLogger("pdserve.sim")
@@ -235,5 +235,5 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     log.info("pdserve sim %s listening on %s:%s", command, host, port)
-    web.run_app(app, host=host, port=port, print=None)
+    run(app, host, port)
     return 0

@@ -6,7 +6,6 @@ the CPU cost of per-token derender calls is real and shows in the parser-load me
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -14,14 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-    generate_latest,
-)
 
 from pdserve.sim.chat import (
     BUILTIN_TEMPLATES,
@@ -31,8 +22,23 @@ from pdserve.sim.chat import (
     ReasoningParser,
     ToolParser,
 )
+from pdserve.sim.http import HttpError, error_response, health, metrics_response, read_json
+from pdserve.sim.render_derender import Derenderer
+from pdserve.sim.render_metrics import HTTP_BUCKETS, RenderMetrics
 from pdserve.sim.tokenizer import SimTokenizer
-from pdserve.vllm.protocol import usage
+
+# Names other modules imported from here before they had their own modules.
+__all__ = [
+    "HTTP_BUCKETS",
+    "SAMPLING_DEFAULTS",
+    "Derenderer",
+    "HttpError",
+    "RenderConfig",
+    "RenderMetrics",
+    "RenderServer",
+    "error_response",
+    "read_json",
+]
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1,
@@ -54,37 +60,6 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "Error"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return web.json_response(body, status=status)
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise HttpError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "request body must be a JSON object")
-    return body
-
-
 @dataclass
 class RenderConfig:
     model: str = "sim-model"
@@ -101,58 +76,6 @@ class RenderConfig:
         return self.served_model_name or self.model
 
 
-# prometheus-fastapi-instrumentator's default buckets, as vLLM's API servers expose them.
-HTTP_BUCKETS = (0.1, 0.5, 1.0)
-
-
-class RenderMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        # What a real `vllm launch render` exposes: HTTP metrics per handler (its parse load is
-        # the busy time of the render/derender handlers) and the process's CPU.
-        self.http_requests = Counter(
-            "http_requests",
-            "Total number of requests by method, status and handler.",
-            ["method", "status", "handler"],
-            registry=self.registry,
-        )
-        self.http_duration = Histogram(
-            "http_request_duration_seconds",
-            "Latency with only few buckets by handler.",
-            ["method", "handler"],
-            buckets=HTTP_BUCKETS,
-            registry=self.registry,
-        )
-        ProcessCollector(registry=self.registry)
-        self.requests = Counter(
-            "pdserve_sim_render_requests",
-            "Requests by endpoint and status",
-            ["endpoint", "code"],
-            registry=self.registry,
-        )
-        self.inflight_derender = Gauge(
-            "pdserve_sim_render_inflight_derender",
-            "Derender calls in flight",
-            registry=self.registry,
-        )
-        self.parse_cpu = Counter(
-            "pdserve_sim_render_parse_cpu_seconds",
-            "CPU seconds spent decoding and parsing output",
-            registry=self.registry,
-        )
-        self.derender_calls = Counter(
-            "pdserve_sim_render_derender_calls",
-            "Derender calls",
-            ["stream"],
-            registry=self.registry,
-        )
-        self.streams = Counter(
-            "pdserve_sim_render_derender_streams",
-            "Streams started (first chunk derendered)",
-            registry=self.registry,
-        )
-
-
 class RenderServer:
     def __init__(self, config: RenderConfig, tokenizer: SimTokenizer | None = None) -> None:
         self.config = config
@@ -165,6 +88,7 @@ class RenderServer:
         if config.enable_auto_tool_choice and config.tool_call_parser is None:
             raise ChatError("--enable-auto-tool-choice needs --tool-call-parser")
         self.metrics = RenderMetrics()
+        self.derenderer = Derenderer(config.name, self.tokenizer, self.parser, self.metrics)
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -179,7 +103,7 @@ class RenderServer:
         }
         for path, handler in routes.items():
             app.router.add_post(path, self._wrap(path, handler))
-        app.router.add_get("/health", self.health)
+        app.router.add_get("/health", health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
@@ -202,9 +126,6 @@ class RenderServer:
 
         return run
 
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200)
-
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -223,9 +144,13 @@ class RenderServer:
         )
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
-        )
+        return metrics_response(self.metrics.registry)
+
+    async def chat_derender(self, body: dict[str, Any]) -> web.Response:
+        return await self.derenderer.chat_derender(body)
+
+    async def completion_derender(self, body: dict[str, Any]) -> web.Response:
+        return await self.derenderer.completion_derender(body)
 
     # ---- render --------------------------------------------------------------------------------
     def _check_model(self, body: Mapping[str, Any]) -> str:
@@ -339,216 +264,3 @@ class RenderServer:
             )
         except (ValueError, TypeError) as error:
             raise HttpError(400, str(error), "tokens") from None
-
-    # ---- derender ------------------------------------------------------------------------------
-    def _parse(
-        self,
-        token_ids: list[int],
-        chat_request: Mapping[str, Any] | None,
-        *,
-        final: bool,
-        call_ids: list[str],
-    ) -> tuple[str, Any]:
-        started = time.process_time()
-        try:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-        except ValueError as error:
-            raise HttpError(400, str(error), "token_ids") from None
-        text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
-        if chat_request is None:
-            parsed = None  # vLLM: plain detokenization, markup stays in content
-        else:
-            tools_requested = (
-                bool(chat_request.get("tools")) and chat_request.get("tool_choice") != "none"
-            )
-            parsed = self.parser.parse(
-                text, final=final, tools_requested=tools_requested, call_ids=call_ids
-            )
-        self.metrics.parse_cpu.inc(time.process_time() - started)
-        return text, parsed
-
-    @staticmethod
-    def _message(text: str, parsed: Any) -> dict[str, Any]:
-        if parsed is None:
-            return {"role": "assistant", "content": text, "tool_calls": []}
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": parsed.content,
-            "tool_calls": parsed.tool_calls,
-        }
-        if parsed.reasoning is not None:
-            message["reasoning"] = message["reasoning_content"] = parsed.reasoning
-        return message
-
-    async def chat_derender(self, body: dict[str, Any]) -> web.Response:
-        self.metrics.derender_calls.labels(str(bool(body.get("stream"))).lower()).inc()
-        self.metrics.inflight_derender.inc()
-        try:
-            if body.get("stream"):
-                return web.json_response(self._chat_derender_chunk(body))
-            return web.json_response(self._chat_derender_full(body))
-        finally:
-            self.metrics.inflight_derender.dec()
-
-    def _chat_derender_full(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        response = body.get("generate_response")
-        if not isinstance(response, Mapping):
-            raise HttpError(400, "generate_response is required", "generate_response")
-        chat_request = body.get("chat_request")
-        choices = []
-        completion_tokens = 0
-        for choice in response.get("choices", []):
-            ids = list(choice.get("token_ids", []))
-            completion_tokens += len(ids)
-            text, parsed = self._parse(ids, chat_request, final=True, call_ids=[])
-            finish = choice.get("finish_reason")
-            if parsed is not None and parsed.tool_calls and finish == "stop":
-                finish = "tool_calls"
-            choices.append(
-                {
-                    "index": choice.get("index", 0),
-                    "message": self._message(text, parsed),
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            )
-        prompt_tokens = int(body.get("prompt_tokens") or 0)
-        return {
-            "id": response.get("request_id", f"chatcmpl-{uuid.uuid4().hex}"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model") or self.config.name,
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
-
-    def _chat_derender_chunk(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        chunk = body.get("generate_chunk")
-        if not isinstance(chunk, Mapping):
-            raise HttpError(400, "generate_chunk is required", "generate_chunk")
-        chat_request = body.get("chat_request")
-        if self.parser.configured and (
-            chat_request is None or body.get("prompt_token_ids") is None
-        ):
-            raise HttpError(
-                400,
-                "streaming derender with a reasoning or tool-call parser needs "
-                "chat_request and prompt_token_ids",
-                "chat_request",
-            )
-        choices = chunk.get("choices") or []
-        if len(choices) > 1:
-            raise HttpError(
-                400, "one choice per chunk: derender each choice index separately", "generate_chunk"
-            )
-        state = dict(body.get("stream_state") or {})
-        if not state:
-            self.metrics.streams.inc()
-        ids: list[int] = list(state.get("token_ids", []))
-        index = 0
-        finish = None
-        if choices:
-            index = choices[0].get("index", 0)
-            ids += list(choices[0].get("token_ids") or [])
-            finish = choices[0].get("finish_reason")
-        call_ids = list(state.get("call_ids", []))
-        text, parsed = self._parse(ids, chat_request, final=finish is not None, call_ids=call_ids)
-        delta: dict[str, Any] = {}
-        if not state.get("role_sent"):
-            delta["role"] = "assistant"
-        message = self._message(text, parsed)
-        sent_content = int(state.get("content", 0))
-        sent_reasoning = int(state.get("reasoning", 0))
-        content = message.get("content") or ""
-        reasoning = message.get("reasoning") or ""
-        if len(content) > sent_content:
-            delta["content"] = content[sent_content:]
-        if len(reasoning) > sent_reasoning:
-            delta["reasoning"] = delta["reasoning_content"] = reasoning[sent_reasoning:]
-        sent_calls = int(state.get("tool_calls", 0))
-        new_calls = message["tool_calls"][sent_calls:]
-        if new_calls:
-            delta["tool_calls"] = [
-                {"index": sent_calls + i, **call} for i, call in enumerate(new_calls)
-            ]
-        if finish == "stop" and message["tool_calls"]:
-            finish = "tool_calls"
-        out_chunk: dict[str, Any] = {
-            "id": chunk.get("request_id", ""),
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": body.get("model") or self.config.name,
-            "choices": [
-                {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            ],
-        }
-        if chunk.get("usage") is not None:
-            out_chunk["usage"] = chunk["usage"]
-        new_state = {
-            "token_ids": ids,
-            "role_sent": True,
-            "content": max(sent_content, len(content)),
-            "reasoning": max(sent_reasoning, len(reasoning)),
-            "tool_calls": sent_calls + len(new_calls),
-            "call_ids": call_ids,
-        }
-        return {"chunk": out_chunk, "stream_state": new_state}
-
-    async def completion_derender(self, body: dict[str, Any]) -> web.Response:
-        self.metrics.derender_calls.labels(str(bool(body.get("stream"))).lower()).inc()
-        if body.get("stream"):
-            chunk = body.get("generate_chunk") or {}
-            state = dict(body.get("stream_state") or {})
-            out = []
-            for choice in chunk.get("choices") or []:
-                text, _ = self._parse(
-                    list(choice.get("token_ids") or []), None, final=False, call_ids=[]
-                )
-                out.append(
-                    {
-                        "index": choice.get("index", 0),
-                        "text": text,
-                        "finish_reason": choice.get("finish_reason"),
-                        "logprobs": None,
-                    }
-                )
-            return web.json_response(
-                {
-                    "chunk": {
-                        "id": chunk.get("request_id", ""),
-                        "object": "text_completion",
-                        "created": int(time.time()),
-                        "model": body.get("model") or self.config.name,
-                        "choices": out,
-                    },
-                    "stream_state": state,
-                }
-            )
-        response = body.get("generate_response")
-        if not isinstance(response, Mapping):
-            raise HttpError(400, "generate_response is required", "generate_response")
-        choices = []
-        completion_tokens = 0
-        for choice in response.get("choices", []):
-            ids = list(choice.get("token_ids", []))
-            completion_tokens += len(ids)
-            text, _ = self._parse(ids, None, final=True, call_ids=[])
-            choices.append(
-                {
-                    "index": choice.get("index", 0),
-                    "text": text,
-                    "finish_reason": choice.get("finish_reason"),
-                    "logprobs": None,
-                }
-            )
-        prompt_tokens = int(body.get("prompt_tokens") or 0)
-        return web.json_response(
-            {
-                "id": response.get("request_id", f"cmpl-{uuid.uuid4().hex}"),
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model") or self.config.name,
-                "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens),
-            }
-        )

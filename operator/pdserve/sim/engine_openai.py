@@ -1,0 +1,116 @@
+"""The simulated engine's OpenAI API (`vllm serve` without --tokens-only, for deployments without
+a render pool): /v1/chat/completions and /v1/completions, rendered and derendered in process by
+the render server's own code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.sim.engine_core import Sequence
+from pdserve.sim.engine_requests import EngineRequests
+from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
+from pdserve.sim.render_server import RenderServer
+
+
+class OpenAIApi:
+    def __init__(self, requests: EngineRequests, render: RenderServer) -> None:
+        self.requests, self.render = requests, render
+        self.config, self.kv = requests.config, requests.kv
+
+    async def openai_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def openai_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await read_json(request)
+            if chat:
+                rendered = json.loads((await self.render.chat_render(body)).text or "{}")
+            else:
+                rendered = json.loads((await self.render.completion_render(body)).text or "[]")[0]
+            prompt_ids = rendered["token_ids"]
+            params = rendered["sampling_params"]
+            kv_params = body.get("kv_transfer_params")
+            request_id = request.headers.get("X-Request-Id") or rendered["request_id"]
+            sequences, remote_decode = await self.requests.start(
+                request_id, prompt_ids, params, kv_params
+            )
+        except HttpError as error:
+            return error_response(error.status, error.message, error.param)
+        except Exception as error:  # ChatError and friends: the caller's input
+            return error_response(400, str(error))
+        derender_path = self.render.chat_derender if chat else self.render.completion_derender
+        if body.get("stream"):
+            return await self._openai_stream(request, body, sequences, prompt_ids, derender_path)
+        choices = []
+        for index, seq in enumerate(sequences):
+            ids, finish = await self.requests.collect(seq)
+            choices.append({"index": index, "token_ids": ids, "finish_reason": finish})
+        derendered = await derender_path(
+            {
+                "stream": False,
+                "model": self.config.name,
+                "prompt_tokens": len(prompt_ids),
+                "prompt_token_ids": prompt_ids,
+                "chat_request": body if chat else None,
+                "generate_response": {"request_id": request_id, "choices": choices},
+            }
+        )
+        answer = json.loads(derendered.text or "{}")
+        if remote_decode:
+            answer["kv_transfer_params"] = self.kv.hold(request_id, len(prompt_ids))
+        return web.json_response(answer)
+
+    async def _openai_stream(
+        self,
+        request: web.Request,
+        body: Mapping[str, Any],
+        sequences: list[Sequence],
+        prompt_ids: list[int],
+        derender: Any,
+    ) -> web.StreamResponse:
+        response = await open_sse(request, {"Content-Type": "text/event-stream"})
+        chat = "messages" in body
+        try:
+            for index, seq in enumerate(sequences):
+                state = None
+                while True:
+                    token, finish = await seq.queue.get()
+                    chunk = {
+                        "request_id": seq.request_id,
+                        "choices": [
+                            {
+                                "index": index,
+                                "token_ids": [] if token is None else [token],
+                                "finish_reason": finish,
+                            }
+                        ],
+                    }
+                    out = await derender(
+                        {
+                            "stream": True,
+                            "model": self.config.name,
+                            "generate_chunk": chunk,
+                            "stream_state": state,
+                            "prompt_tokens": len(prompt_ids),
+                            "prompt_token_ids": prompt_ids,
+                            "chat_request": body if chat else None,
+                        }
+                    )
+                    result = json.loads(out.text or "{}")
+                    state = result.get("stream_state")
+                    await response.write(sse_event(result.get("chunk")))
+                    if finish is not None:
+                        break
+            await response.write(SSE_DONE)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.requests.abort(sequences)
+            raise
+        return response

@@ -1,0 +1,164 @@
+"""The simulated engine's token-id API (`vllm serve --tokens-only`): POST /inference/v1/generate,
+streamed or not, handing KV to a peer through kv_transfer_params, and POST /abort_requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.sim.engine_core import Sequence
+from pdserve.sim.engine_requests import EngineRequests
+from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
+from pdserve.vllm.protocol import usage
+
+
+class TokensApi:
+    def __init__(self, requests: EngineRequests) -> None:
+        self.requests = requests
+        self.config, self.kv, self.faults = requests.config, requests.kv, requests.faults
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await read_json(request)
+            prompt_ids = self.requests.validate_prompt(body.get("token_ids"))
+            params = dict(body.get("sampling_params") or {})
+            extra = params.get("extra_args") or {}
+            kv_params = body.get("kv_transfer_params") or extra.get("kv_transfer_params")
+            request_id = (
+                request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+            )
+            sequences, remote_decode = await self.requests.start(
+                request_id, prompt_ids, params, kv_params
+            )
+        except HttpError as error:
+            return error_response(error.status, error.message, error.param)
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            return await self._stream(
+                request,
+                request_id,
+                sequences,
+                prompt_ids,
+                include_usage=bool(options.get("include_usage")),
+            )
+        try:
+            choices, completion_tokens = [], 0
+            for index, seq in enumerate(sequences):
+                ids, finish = await self.requests.collect(seq)
+                completion_tokens += len(ids)
+                choices.append(
+                    {"index": index, "token_ids": ids, "finish_reason": finish, "logprobs": None}
+                )
+        except asyncio.CancelledError:
+            self.requests.abort(sequences)  # the client went away
+            raise
+        kv_out = None
+        if remote_decode:
+            kv_out = self.kv.hold(request_id, len(prompt_ids))
+        elif (
+            self.config.transfer.bidirectional
+            and self.config.role == "decode"
+            and len(sequences) == 1
+        ):
+            # Keep this turn's KV (prompt + answer) for the next turn's prefill to pull back.
+            tokens = [*prompt_ids, *sequences[0].output_ids[: sequences[0].emitted]]
+            kv_out = self.kv.hold(
+                request_id,
+                len(tokens),
+                token_ids=tokens,
+                lease=self.config.transfer.decoder_kv_ttl_seconds,
+            )
+        return web.json_response(
+            {
+                "request_id": request_id,
+                "model": self.config.name,
+                "created": int(time.time()),
+                "choices": choices,
+                "usage": usage(len(prompt_ids), completion_tokens),
+                "kv_transfer_params": kv_out,
+                "prompt_logprobs": None,
+            }
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        sequences: list[Sequence],
+        prompt_ids: list[int],
+        *,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = await open_sse(
+            request, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        # Opt-in extension for benchmarks: each event carries the token's simulated time.
+        timing = request.headers.get("X-PDServe-Sim-Timing") == "1"
+        counts = [0] * len(sequences)
+        drop_after = self.faults.drop_stream_after
+        self.faults.drop_stream_after = None
+        sent = 0
+        pending = {
+            asyncio.ensure_future(seq.queue.get()): index for index, seq in enumerate(sequences)
+        }
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    index = pending.pop(future)
+                    token, finish = future.result()
+                    if token is not None or finish is not None:
+                        event: dict[str, Any] = {
+                            "request_id": request_id,
+                            "choices": [
+                                {
+                                    "index": index,
+                                    "token_ids": [] if token is None else [token],
+                                    "finish_reason": None if finish == "abort" else finish,
+                                    "logprobs": None,
+                                }
+                            ],
+                        }
+                        if token is not None and timing:
+                            seq_times = sequences[index].sim_times
+                            event["sim_time"] = seq_times[min(counts[index], len(seq_times) - 1)]
+                            counts[index] += 1
+                        if token is not None or finish not in (None, "abort"):
+                            await response.write(sse_event(event))
+                            sent += 1
+                    if drop_after is not None and sent >= drop_after:
+                        self.requests.abort(sequences)
+                        request.transport and request.transport.close()  # type: ignore[func-returns-value]
+                        return response
+                    if finish is None:
+                        pending[asyncio.ensure_future(sequences[index].queue.get())] = index
+            if include_usage:
+                completion = sum(s.emitted for s in sequences)
+                final = {
+                    "request_id": request_id,
+                    "choices": [],
+                    "usage": usage(len(prompt_ids), completion),
+                }
+                await response.write(sse_event(final))
+            await response.write(SSE_DONE)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.requests.abort(sequences)  # the client went away: stop generating for it
+            for future in pending:
+                future.cancel()
+            raise
+        return response
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        ids = body.get("request_ids")
+        if not isinstance(ids, list):
+            return error_response(400, "request_ids must be a list", "request_ids")
+        for request_id in ids:
+            request_id = str(request_id)
+            self.requests.core.abort(request_id)
+            self.kv.release(request_id)  # a producer's lease ends with the request
+        return web.json_response({})

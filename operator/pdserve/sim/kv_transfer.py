@@ -1,0 +1,157 @@
+"""The simulated engine's KV handoff, our stand-in for NIXL: a producer holds a finished
+prefill's blocks for the lease and answers POST /sim/kv/pull for them (unknown or expired blocks
+are refused); a consumer pulls them and waits bytes / bandwidth + overhead. With bidirectional
+transfer a decode engine holds its turn's KV (prompt + answer) for the next turn's prefill."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from pdserve.sim.engine_config import EngineConfig, Faults, SimClock
+from pdserve.sim.engine_core import EngineCore
+from pdserve.sim.engine_metrics import EngineMetrics
+from pdserve.sim.http import error_response, read_json
+
+
+@dataclass
+class HeldBlocks:
+    num_tokens: int
+    expires_at: float
+    token_ids: list[int] | None = None  # decode-side (bidirectional) holds know their tokens
+
+
+class KvTransfer:
+    """Blocks held for peers (they count against the scheduler's KV) and pulls from peers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        core: EngineCore,
+        metrics: EngineMetrics,
+        faults: Faults,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.config, self.core, self.metrics, self.faults = config, core, metrics, faults
+        self.client = client
+        self.clock = SimClock(config.scheduler)
+        self.held: dict[str, HeldBlocks] = {}
+
+    # ---- producer side ---------------------------------------------------------------------------
+    def expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id, held in list(self.held.items()):
+            if held.expires_at <= now:
+                self.release(request_id)
+                self.metrics.expired.labels(**self.metrics.labels).inc()
+
+    def release(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.core.held_blocks -= -(-held.num_tokens // self.config.scheduler.block_size)
+
+    def hold(
+        self, request_id: str, num_tokens: int, *, token_ids: list[int] | None = None,
+        lease: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Keep KV blocks for a peer to pull; returns the kv_transfer_params that point at them."""
+        lease = self.config.transfer.lease_seconds if lease is None else lease
+        self.release(request_id)
+        self.held[request_id] = HeldBlocks(
+            num_tokens, time.monotonic() + lease * self.config.scheduler.time_scale, token_ids
+        )
+        blocks = -(-num_tokens // self.config.scheduler.block_size)
+        self.core.held_blocks += blocks
+        return {
+            "do_remote_prefill": token_ids is None,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(blocks)),
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.config.advertise_host,
+            "remote_port": self.config.port,
+            "tp_size": 1,
+            "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": time.time() + lease,
+            "transfer_mode": "pull",
+        }
+
+    async def kv_pull(self, request: web.Request) -> web.Response:
+        """POST /sim/kv/pull: a peer takes the blocks held for a request."""
+        body = await read_json(request)
+        self.expire_leases()
+        request_id = str(body.get("remote_request_id"))
+        if self.faults.expire_leases and request_id in self.held:
+            self.release(request_id)
+            self.metrics.expired.labels(**self.metrics.labels).inc()
+            return error_response(410, f"KV blocks of {request_id} expired")
+        held = self.held.get(request_id)
+        if held is None:
+            return error_response(404, f"no KV blocks held for request {request_id}")
+        self.release(request_id)
+        return web.json_response(
+            {
+                "num_tokens": held.num_tokens,
+                "bytes": held.num_tokens * self.config.transfer.bytes_per_token,
+                "token_ids": held.token_ids,
+            }
+        )
+
+    # ---- consumer side ---------------------------------------------------------------------------
+    async def pull(
+        self, params: Mapping[str, Any], prompt_ids: list[int], *, whole_prompt: bool
+    ) -> tuple[int, str | None]:
+        """Pull KV from a peer: (prompt tokens whose KV arrived, why it failed or None).
+        whole_prompt: decode pulling prefill's KV (it must cover the prompt); otherwise prefill
+        reusing decode's KV of an earlier turn (bidirectional), which only helps as far as the
+        token ids agree: a template that strips <think> from history breaks the match early."""
+        transfer = self.config.transfer
+        labels = self.metrics.labels
+        started = time.monotonic()
+        try:
+            if self.faults.fail_transfers > 0:
+                self.faults.fail_transfers -= 1
+                raise RuntimeError("injected transfer failure")
+            url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/sim/kv/pull"
+            response = await self.client.post(url, json={
+                "remote_request_id": params.get("remote_request_id"),
+                "remote_block_ids": params.get("remote_block_ids"),
+            })  # fmt: skip
+            if response.status_code != 200:
+                message = response.json().get("error", {}).get("message", response.text)
+                raise RuntimeError(f"peer refused: {message}")
+            pulled = response.json()
+            if whole_prompt:
+                if pulled["num_tokens"] < len(prompt_ids) - 1:
+                    raise RuntimeError("producer holds fewer tokens than the prompt")
+                usable = len(prompt_ids)
+            else:
+                held = list(pulled.get("token_ids") or [])
+                common = 0
+                for mine, theirs in zip(prompt_ids, held, strict=False):
+                    if mine != theirs:
+                        break
+                    common += 1
+                block = self.config.scheduler.block_size
+                usable = min(common - common % block, len(prompt_ids) - 1)
+                self.metrics.reused.labels(**labels).inc(usable)
+            seconds = usable * transfer.bytes_per_token / (transfer.bandwidth_gb_s * 1e9)
+            seconds += transfer.overhead_ms / 1000 + transfer.poll_ms / 1000
+            if self.faults.delay_transfers > 0:
+                self.faults.delay_transfers -= 1
+                seconds += self.faults.delay_ms / 1000
+            await self.clock.sleep(seconds)
+            self.metrics.xfer_time.labels(**labels).observe(
+                self.clock.sim_seconds(time.monotonic() - started)
+            )
+            self.metrics.xfer_bytes.labels(**labels).observe(usable * transfer.bytes_per_token)
+            return usable, None
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as error:
+            self.metrics.failed_transfers.labels(**labels).inc()
+            peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
+            return 0, f"KV transfer from {peer} failed: {error}"
