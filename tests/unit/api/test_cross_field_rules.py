@@ -18,7 +18,7 @@ from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
 from pdserve.api.placement import PlacementSpec
 from pdserve.api.serving import ServingSpec
-from tests.unit.api.cel import apply_defaults, evaluate
+from tests.support.cel import apply_defaults, evaluate
 
 KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
 MIN_MAX = "maxReplicas must be >= minReplicas"

@@ -14,7 +14,7 @@ from pdserve.controller import runner
 from pdserve.controller.reconcile import NETWORK_POLICY, PassFailed, list_children
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
-from tests.unit.controller.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled
+from tests.support.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled
 
 
 async def test_a_pass_returns_what_it_did() -> None:

@@ -9,7 +9,7 @@ from typing import cast
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube
-from tests.unit.controller.fakekube import FakeKube
+from tests.support.fakekube import FakeKube
 
 
 async def test_the_reconciler_starts_stops_and_closes_its_loops() -> None:

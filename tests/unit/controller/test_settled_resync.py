@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.controller.reconcile import DM_KIND
-from tests.unit.controller.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled
+from tests.support.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled
 
 
 async def test_a_settled_resync_writes_nothing_and_leaves_hpa_replicas_alone() -> None:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from pdserve.gateway.errors import UpstreamFailed
-from tests.unit.gateway.fakes import rig
+from tests.support.gateway_fakes import rig
 
 PROMPT_IDS = list(range(1, 9))
 KV = {

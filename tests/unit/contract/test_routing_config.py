@@ -18,7 +18,7 @@ from pdserve.contract.routing import (
 )
 from pdserve.manifests import load_resources
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 

@@ -16,7 +16,7 @@ from pdserve.builders import build_all, parity_hash
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from pdserve.manifests import load_resources, render_manifests
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"

@@ -11,7 +11,7 @@ import yaml
 
 from pdserve.api.crd import build_crd, crd_paths, render_crd
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def schema() -> dict[str, Any]:

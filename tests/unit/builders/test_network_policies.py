@@ -21,7 +21,7 @@ from pdserve.kube.client import Kind, Kube, KubeError
 from pdserve.manifests import load_resources
 from pdserve.yamlio import dump_documents
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 GOLDEN = Path(__file__).parent / "golden" / "network-policies"
 UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
