@@ -23,7 +23,7 @@ from pdserve.builders.scaling import (
     RENDER_HANDLERS,
     SERVER_DURATION_SERIES,
 )
-from pdserve.controller.reconcile import MANAGED_KINDS
+from pdserve.controller.children import MANAGED_KINDS
 
 pytestmark = pytest.mark.cluster
 

@@ -4,7 +4,6 @@ write status only when it changed. Running it twice on an unchanged world writes
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -17,17 +16,13 @@ from pydantic import ValidationError
 from pdserve.api import (
     API_VERSION,
     KIND,
-    PARITY_ENV,
-    PARITY_FLAGS,
     DisaggregatedModel,
     SpecError,
     parse_resource,
 )
 from pdserve.api.autoscaling import RenderAutoscaler
-from pdserve.api.flags import normalize_flag
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
-    KIND_ORDER,
     Component,
     NetworkPolicyOptions,
     build_all,
@@ -43,11 +38,19 @@ from pdserve.contract.names import (
     GATEWAY_CONTAINER_PORT,
     INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
-    PARITY_HASH_ANNOTATION,
 )
 from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.plans import live_plan
-from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash, is_current, merge_patch
+from pdserve.controller.children import (
+    NETWORK_POLICY,
+    ChildKey,
+    describe,
+    key_of,
+    list_children,
+    owned,
+)
+from pdserve.controller.diff import is_current, merge_patch
+from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.status import (
     Observation,
@@ -56,16 +59,11 @@ from pdserve.controller.status import (
     engine_pods,
 )
 from pdserve.controller.transport import node_pairs, pod_annotation_patches, slice_verdicts
-from pdserve.kube.client import KINDS, Kind, Kube, KubeError, kind_of
+from pdserve.kube.client import KINDS, Kube, KubeError, kind_of
 
 log = logging.getLogger("pdserve.reconcile")
 
-ChildKey = tuple[str, str, str]  # apiVersion, kind, name
-MANAGED_KINDS: list[Kind] = sorted(
-    (k for k in KINDS.values() if k.kind in KIND_ORDER), key=lambda k: KIND_ORDER.index(k.kind)
-)
 DM_KIND = KINDS[(API_VERSION, KIND)]
-NETWORK_POLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 SCALED_OBJECT = KINDS[("keda.sh/v1alpha1", "ScaledObject")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
@@ -95,93 +93,6 @@ def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def key_of(obj: Mapping[str, Any]) -> ChildKey:
-    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
-
-
-def describe(obj: Mapping[str, Any]) -> str:
-    return f"{obj['kind']}/{obj['metadata']['name']}"
-
-
-def owned(dm_body: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """The desired object with its owner reference and the hash of what pdserve applies."""
-    meta = dm_body["metadata"]
-    obj = copy.deepcopy(dict(desired))
-    obj["metadata"]["ownerReferences"] = [{
-        "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
-        "controller": True, "blockOwnerDeletion": True,
-    }]  # fmt: skip
-    stamp = applied_hash(obj)
-    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH_ANNOTATION] = stamp
-    return obj
-
-
-def _flag_values(args: list[str]) -> dict[str, str]:
-    """Normalized flag -> its value ("" for a bare switch; "false" for --no-<switch>)."""
-    values: dict[str, str] = {}
-    for index, arg in enumerate(args):
-        flag = normalize_flag(arg)
-        if flag is None:
-            continue
-        if "=" in arg:
-            values[flag] = arg.split("=", 1)[1]
-        elif arg.lower().startswith("--no-"):
-            values[flag] = "false"
-        elif index + 1 < len(args) and not args[index + 1].startswith("--"):
-            values[flag] = args[index + 1]
-        else:
-            values[flag] = ""
-    return values
-
-
-def _container(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    containers = obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
-    return containers[0] if containers else {}
-
-
-def parity_drift(
-    desired: list[dict[str, Any]], live: Mapping[ChildKey, Mapping[str, Any]]
-) -> list[str]:
-    """Parity flags, env and hashes of live workloads that differ from what the spec says."""
-    found: list[str] = []
-    for want in desired:
-        if want["kind"] not in ("StatefulSet", "Deployment"):
-            continue
-        have = live.get(key_of(want))
-        component = want["metadata"]["labels"].get(COMPONENT_LABEL)
-        if have is None or component == Component.gateway.value:
-            continue
-        where = f"{component} {describe(want)}"
-        wanted_flags = _flag_values(list(_container(want).get("args", [])))
-        live_flags = _flag_values(list(_container(have).get("args", [])))
-        for flag in sorted(PARITY_FLAGS):
-            if wanted_flags.get(flag) != live_flags.get(flag):
-                found.append(
-                    f"{where}: {flag} is {live_flags.get(flag)!r}, spec says "
-                    f"{wanted_flags.get(flag)!r}"
-                )
-        wanted_env = {e["name"]: e.get("value") for e in _container(want).get("env", [])}
-        live_env = {e["name"]: e.get("value") for e in _container(have).get("env", [])}
-        for name in sorted(PARITY_ENV):
-            if wanted_env.get(name) != live_env.get(name):
-                found.append(
-                    f"{where}: {name} is {live_env.get(name)!r}, spec says {wanted_env.get(name)!r}"
-                )
-        want_hash = want["spec"]["template"]["metadata"]["annotations"][PARITY_HASH_ANNOTATION]
-        have_hash = (
-            have.get("spec", {})
-            .get("template", {})
-            .get("metadata", {})
-            .get("annotations", {})
-            .get(PARITY_HASH_ANNOTATION)
-        )
-        if have_hash != want_hash and not found:
-            found.append(
-                f"{where}: pod template parity hash is {have_hash!r}, spec says {want_hash!r}"
-            )
-    return found
-
-
 async def chat_template_digest(kube: Kube, dm: DisaggregatedModel) -> tuple[str | None, list[str]]:
     ref = dm.spec.serving.chat_template
     if ref is None:
@@ -195,40 +106,6 @@ async def chat_template_digest(kube: Kube, dm: DisaggregatedModel) -> tuple[str 
     if text is None:
         return None, [f"spec.serving.chatTemplate: ConfigMap {ref.name} has no key {ref.key!r}"]
     return content_digest(text), []
-
-
-async def list_children(
-    kube: Kube,
-    namespace: str,
-    name: str,
-    *,
-    optional: frozenset[Kind] = frozenset(),
-    warned: set[str] | None = None,
-) -> dict[ChildKey, dict[str, Any]]:
-    """Every child pdserve labelled for this model, of every kind it may have made, including
-    kinds the spec or settings dropped (so they are pruned). A kind in `optional` that the
-    operator may not list (403) is skipped: none of it is wanted, and none can be pruned.
-    `warned`: the kinds already warned about, kept by the caller so that each is warned about
-    once (the operator's Reconciler keeps one set for its lifetime); None: warn every time."""
-    warned = set() if warned is None else warned
-    selector = f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by=pdserve"
-    children: dict[ChildKey, dict[str, Any]] = {}
-    for kind in MANAGED_KINDS:
-        try:
-            items = await kube.list(kind, namespace, label_selector=selector)
-        except KubeError as error:
-            if error.status != 403 or kind not in optional:
-                raise
-            if kind.kind not in warned:
-                warned.add(kind.kind)
-                log.warning("may not list %s (%s): any made earlier are not pruned", kind.kind,
-                            error)  # fmt: skip
-            continue
-        for item in items:
-            item.setdefault("apiVersion", kind.api_version)
-            item.setdefault("kind", kind.kind)
-            children[key_of(item)] = item
-    return children
 
 
 def previous_status(body: Mapping[str, Any]) -> DisaggregatedModelStatus | None:

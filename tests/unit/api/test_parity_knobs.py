@@ -28,7 +28,8 @@ from pdserve.api.parity import ParityKnob, Render, Scope, models_in
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.builders import build_all
 from pdserve.builders.parity import parity_hash, parity_set
-from pdserve.controller.reconcile import key_of, parity_drift
+from pdserve.controller.children import key_of
+from pdserve.controller.drift import parity_drift
 
 IDS = [k.path for k in PARITY_KNOBS]
 

@@ -15,7 +15,7 @@ from pdserve.api import DisaggregatedModel
 from pdserve.builders import NetworkPolicyOptions, build_all, network_policies
 from pdserve.cli import main
 from pdserve.contract.names import ENGINE_PORT
-from pdserve.controller.reconcile import NETWORK_POLICY, list_children
+from pdserve.controller.children import NETWORK_POLICY, list_children
 from pdserve.controller.settings import add_arguments, from_arguments
 from pdserve.kube.client import Kind, Kube, KubeError
 from pdserve.manifests import load_resources

@@ -11,9 +11,11 @@ import pytest
 from pdserve.api import parse_resource
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import Component, build_all
+from pdserve.controller.children import key_of, owned
 from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, contains, is_current, merge_patch
+from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict
-from pdserve.controller.reconcile import Outcome, key_of, owned, parity_drift, transition_events
+from pdserve.controller.reconcile import Outcome, transition_events
 from pdserve.controller.settings import add_arguments, from_arguments
 from pdserve.controller.status import Observation, compute_status
 

@@ -11,7 +11,8 @@ from typing import Any, cast
 import pytest
 
 from pdserve.controller import runner
-from pdserve.controller.reconcile import NETWORK_POLICY, PassFailed, list_children
+from pdserve.controller.children import NETWORK_POLICY, list_children
+from pdserve.controller.reconcile import PassFailed
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 from tests.support.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled

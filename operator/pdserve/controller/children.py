@@ -1,0 +1,79 @@
+"""The children of one DisaggregatedModel as the API server holds them: listing every kind
+pdserve may have made for it (so what the spec dropped is pruned), and the ownership and applied
+hash stamped on what it applies."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.api import API_VERSION, KIND
+from pdserve.builders import KIND_ORDER
+from pdserve.contract.names import INSTANCE_LABEL
+from pdserve.controller.diff import APPLIED_HASH_ANNOTATION, applied_hash
+from pdserve.kube.client import KINDS, Kind, Kube, KubeError
+
+log = logging.getLogger("pdserve.reconcile")
+
+ChildKey = tuple[str, str, str]  # apiVersion, kind, name
+MANAGED_KINDS: list[Kind] = sorted(
+    (k for k in KINDS.values() if k.kind in KIND_ORDER), key=lambda k: KIND_ORDER.index(k.kind)
+)
+NETWORK_POLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
+
+
+def key_of(obj: Mapping[str, Any]) -> ChildKey:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+def describe(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def owned(dm_body: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The desired object with its owner reference and the hash of what pdserve applies."""
+    meta = dm_body["metadata"]
+    obj = copy.deepcopy(dict(desired))
+    obj["metadata"]["ownerReferences"] = [{
+        "apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }]  # fmt: skip
+    stamp = applied_hash(obj)
+    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH_ANNOTATION] = stamp
+    return obj
+
+
+async def list_children(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    optional: frozenset[Kind] = frozenset(),
+    warned: set[str] | None = None,
+) -> dict[ChildKey, dict[str, Any]]:
+    """Every child pdserve labelled for this model, of every kind it may have made, including
+    kinds the spec or settings dropped (so they are pruned). A kind in `optional` that the
+    operator may not list (403) is skipped: none of it is wanted, and none can be pruned.
+    `warned`: the kinds already warned about, kept by the caller so that each is warned about
+    once (the operator's Reconciler keeps one set for its lifetime); None: warn every time."""
+    warned = set() if warned is None else warned
+    selector = f"{INSTANCE_LABEL}={name},app.kubernetes.io/managed-by=pdserve"
+    children: dict[ChildKey, dict[str, Any]] = {}
+    for kind in MANAGED_KINDS:
+        try:
+            items = await kube.list(kind, namespace, label_selector=selector)
+        except KubeError as error:
+            if error.status != 403 or kind not in optional:
+                raise
+            if kind.kind not in warned:
+                warned.add(kind.kind)
+                log.warning("may not list %s (%s): any made earlier are not pruned", kind.kind,
+                            error)  # fmt: skip
+            continue
+        for item in items:
+            item.setdefault("apiVersion", kind.api_version)
+            item.setdefault("kind", kind.kind)
+            children[key_of(item)] = item
+    return children
