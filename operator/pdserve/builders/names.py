@@ -1,4 +1,4 @@
-"""Names, labels and selectors of every child object (design.md "Names"); the constants they
+"""Names, labels and selectors of every child object (docs/architecture.md); the constants they
 use are the cluster contract (pdserve.contract.names)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Exact vLLM command lines (../shared/reference/vllm-disagg-api.md).
+"""Exact vLLM command lines: `vllm serve` for the engines, `vllm launch render` for the render pool
+(the flags are in docs/reference/crd.md and docs/architecture.md, "Parity").
 
 Text-side parity flags (tokenizer, chat template, parsers) go wherever text is handled: the
 render pool, or the engines themselves when there is no render pool. Engine-pair invariants

@@ -1,5 +1,6 @@
 """Labels, annotations, ports and timings of the objects the operator creates, as the
-processes inside them (the gateway's discovery, the engines) read them back (design.md "Names")."""
+processes inside them (the gateway's discovery, the engines) read them back
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
