@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+from pdserve.api import DisaggregatedModel, parse_resource
 
 # Prefill and decode pools with CPU and memory requests, as GPU placement tests need them.
 GPU_POOLS: dict[str, Any] = {
@@ -15,3 +18,17 @@ GPU_POOLS: dict[str, Any] = {
         "decode": {"replicas": 2, "resources": {"requests": {"cpu": "4", "memory": "32Gi"}}},
     },
 }
+
+
+def autoscaled_model(**spec: Any) -> DisaggregatedModel:
+    """A P/D model with TTFT and ITL SLOs (what the engine autoscaling rules judge against), its
+    spec updated with `spec`."""
+    body: dict[str, Any] = {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "DisaggregatedModel",
+        "metadata": {"name": "qwen", "namespace": "llm"},
+        "spec": {"model": {"name": "Qwen/Qwen3-8B"}, "prefill": {"replicas": 1},
+                 "gateway": {"slo": {"ttftMs": 2000, "itlMs": 50}}},
+    }  # fmt: skip
+    body["spec"].update(copy.deepcopy(spec))
+    return parse_resource(body)

@@ -3,14 +3,12 @@ down, flapping suppressed, steps, cooldowns and bounds; then the loop on fake /m
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import pytest
 
-from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.builders import ReplicaPlan
 from pdserve.controller.autoscale.behaviour import Behaviour, ScalerState, decide
 from pdserve.controller.autoscale.loop import Autoscaler
@@ -21,6 +19,7 @@ from pdserve.controller.autoscale.rules import (
     recommend_render,
     slices_for,
 )
+from tests.support.specs import autoscaled_model as model
 
 # ---- raw recommendations -------------------------------------------------------------------
 
@@ -147,18 +146,6 @@ def test_bounds_always_hold() -> None:
 
 
 # ---- what the cluster holds ----------------------------------------------------------------
-def model(**spec: Any) -> DisaggregatedModel:
-    body: dict[str, Any] = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "qwen", "namespace": "llm"},
-        "spec": {"model": {"name": "Qwen/Qwen3-8B"}, "prefill": {"replicas": 1},
-                 "gateway": {"slo": {"ttftMs": 2000, "itlMs": 50}}},
-    }  # fmt: skip
-    body["spec"].update(copy.deepcopy(spec))
-    return parse_resource(body)
-
-
 SLICED = model(
     prefill={"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
     decode={"replicas": 2, "autoscaling": {"minReplicas": 2, "maxReplicas": 8}},

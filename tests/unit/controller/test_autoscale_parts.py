@@ -3,10 +3,8 @@ are scraped, which behaviour governs slices and how many engines a sliced plan r
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.builders.scaling import ReplicaPlan
 from pdserve.controller.autoscale.behaviour import Behaviour, behaviour_of
 from pdserve.controller.autoscale.plans import engine_current
@@ -18,19 +16,7 @@ from pdserve.controller.autoscale.series import (
 )
 from pdserve.controller.autoscale.targets import Targets, pod_metrics_url, targets_of
 from pdserve.vllm.metrics import sum_samples, window
-
-
-def model(**spec: Any) -> DisaggregatedModel:
-    body: dict[str, Any] = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "qwen", "namespace": "llm"},
-        "spec": {"model": {"name": "Qwen/Qwen3-8B"}, "prefill": {"replicas": 1},
-                 "gateway": {"slo": {"ttftMs": 2000, "itlMs": 50}}},
-    }  # fmt: skip
-    body["spec"].update(copy.deepcopy(spec))
-    return parse_resource(body)
-
+from tests.support.specs import autoscaled_model as model
 
 SLICED = model(
     prefill={"replicas": 1, "autoscaling": {
