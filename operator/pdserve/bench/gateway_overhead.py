@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.loadgen import drive, first_event, timed_post
+from pdserve.loadgen import drive, first_event, timed_post
 from pdserve.sim.procs import Proc, Processes, cpu_seconds, free_port
 from pdserve.stats import percentile
 

@@ -17,9 +17,9 @@ from typing import Any, Literal, TextIO
 
 import httpx
 
-from pdserve.bench.loadgen import Clock, drive
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workload import PlannedRequest
+from pdserve.loadgen import Clock, drive
 
 QUEUE_METRIC = "pdserve_gateway_prefill_queue_long"
 OLDEST_WAIT_METRIC = "pdserve_gateway_prefill_oldest_wait_seconds"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.loadgen import Clock, drive
 from pdserve.sim.procs import Processes
 from pdserve.sim.tokenizer import SimTokenizer
 from pdserve.stats import percentile
@@ -120,17 +121,22 @@ async def send_load(
 ) -> list[RequestTiming]:
     rng = random.Random(seed)
     words = SimTokenizer().word_ids()
+    prompts: list[list[int]] = []
+    offsets: list[float] = []  # Poisson arrivals, in simulated seconds
+    arrival = 0.0
+    for _ in range(requests):
+        prompts.append([rng.choice(words) for _ in range(prompt_len)])
+        offsets.append(arrival)
+        arrival += rng.expovariate(rate)
+    timings: dict[int, RequestTiming] = {}
     async with httpx.AsyncClient(timeout=None) as client:
-        tasks = []
-        for index in range(requests):
-            prompt = [rng.choice(words) for _ in range(prompt_len)]
-            tasks.append(
-                asyncio.create_task(
-                    one_request(client, mode, urls, index, prompt, output_len, scale)
-                )
-            )
-            await asyncio.sleep(rng.expovariate(rate) * scale)  # Poisson arrivals, scaled
-        return list(await asyncio.gather(*tasks))
+
+        async def send(index: int) -> None:
+            prompt = prompts[index]
+            timings[index] = await one_request(client, mode, urls, index, prompt, output_len, scale)
+
+        await drive(range(requests), send, offset=offsets.__getitem__, clock=Clock(scale))
+    return [timings[index] for index in range(requests)]
 
 
 def run_rate(

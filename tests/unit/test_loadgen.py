@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.bench.loadgen import Clock, drive
+from pdserve.loadgen import Clock, drive
 
 
 async def test_open_loop_sends_each_item_at_its_offset_on_a_scaled_clock() -> None:

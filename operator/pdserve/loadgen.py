@@ -1,12 +1,13 @@
-"""The load generator every benchmark sends its requests with.
+"""The load generator every benchmark and the simulators' experiment send their requests with.
 
 `drive` decides when each request goes out: open loop (each at its planned offset on the run's
 clock, or all at once), or closed loop (N clients, each sending its next request when the last
 one answered, until the requests run out or a deadline passes), optionally under a cap of
 requests in flight; a stop event ends it early. What one request is and what it records is the
 caller's `send`: `pdserve bench run` streams OpenAI requests into per-request records
-(runner.stream_into), the gateway overhead benchmark times plain or streamed calls (timed_post,
-first_event). A `send` that raises ends the run with its exception, as a failed request in an
+(bench/runner.stream_into), the gateway overhead benchmark times plain or streamed calls
+(timed_post, first_event), the seed article's experiment (sim/experiment.py) sends Poisson
+arrivals as offsets. A `send` that raises ends the run with its exception, as a failed request in an
 asyncio.gather would."""
 
 from __future__ import annotations
