@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from devtools.localplane import free_port
+from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import EngineCore, SchedulerConfig, Sequence
-from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig
 from pdserve.sim.tokenizer import SimTokenizer

@@ -22,8 +22,9 @@ from pdserve.gateway.app import Gateway
 from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineConfig, EngineServer, TransferConfig
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from tests.support.serving import serving
