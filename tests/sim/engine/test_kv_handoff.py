@@ -9,8 +9,10 @@ from tests.support.sim_engine import (
     PROMPT,
     TOKENIZER,
     Engines,
+    bidirectional_first_turn,
     engine_config,
     generate_body,
+    prefill_next_turn,
     prefill_then_decode,
 )
 
@@ -92,54 +94,28 @@ async def test_abort_releases_a_producers_lease(engines: Engines) -> None:
 
 
 async def test_bidirectional_reuses_decodes_kv_as_far_as_token_ids_agree(engines: Engines) -> None:
-    bidirectional = TransferConfig(bidirectional=True)
-    producer, prefill = await engines(engine_config("prefill", transfer=bidirectional))
-    _, decode = await engines(engine_config("decode", transfer=bidirectional))
-    _, turn1 = await prefill_then_decode(prefill, decode)
+    producer, prefill, turn1 = await bidirectional_first_turn(engines)
     held = turn1.json()["kv_transfer_params"]
     answer = turn1.json()["choices"][0]["token_ids"]
     assert held["remote_num_tokens"] == len(PROMPT) + len(answer)
 
     next_turn = PROMPT + answer + TOKENIZER.encode("\n<|im_start|>user\nand then what<|im_end|>\n")
-    before = sum(s.prefill_tokens for s in producer.core.steps)
     reuse = {**held, "do_remote_decode": True, "do_remote_prefill": False}
-    response = await prefill.post(
-        "/inference/v1/generate",
-        json=generate_body(
-            request_id="turn-2",
-            token_ids=next_turn,
-            kv_transfer_params=reuse,
-            sampling_params={"max_tokens": 1},
-        ),
-    )
+    response, computed = await prefill_next_turn(producer, prefill, next_turn, reuse)
     assert response.status_code == 200
-    computed = sum(s.prefill_tokens for s in producer.core.steps) - before
     reused = len(next_turn) - computed
     assert reused >= len(PROMPT) + len(answer) - 16  # all but the last partial block
     assert "pdserve_sim_bidirectional_reused_tokens_total" in (await prefill.get("/metrics")).text
 
 
 async def test_bidirectional_reuse_stops_where_the_history_was_rewritten(engines: Engines) -> None:
-    bidirectional = TransferConfig(bidirectional=True)
-    producer, prefill = await engines(engine_config("prefill", transfer=bidirectional))
-    _, decode = await engines(engine_config("decode", transfer=bidirectional))
-    _, turn1 = await prefill_then_decode(prefill, decode)
+    producer, prefill, turn1 = await bidirectional_first_turn(engines)
     held = turn1.json()["kv_transfer_params"]
     # A reasoning template strips <think> from history: the new prompt diverges right after
     # the first turn's prompt, so only that part can be reused.
     rewritten = PROMPT + TOKENIZER.encode(
         "It is sunny.<|im_end|>\n<|im_start|>user\nok<|im_end|>\n"
     )
-    before = sum(s.prefill_tokens for s in producer.core.steps)
     reuse = {**held, "do_remote_decode": True}
-    await prefill.post(
-        "/inference/v1/generate",
-        json=generate_body(
-            request_id="turn-2",
-            token_ids=rewritten,
-            kv_transfer_params=reuse,
-            sampling_params={"max_tokens": 1},
-        ),
-    )
-    computed = sum(s.prefill_tokens for s in producer.core.steps) - before
+    _, computed = await prefill_next_turn(producer, prefill, rewritten, reuse)
     assert computed > len(rewritten) - len(PROMPT) - 1
