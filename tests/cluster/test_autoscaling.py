@@ -28,7 +28,8 @@ from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import KINDS, Kube
 from pdserve.kube.credentials import load_credentials
-from pdserve.sim.engine_server import EngineConfig, EngineServer
+from pdserve.sim.engine_config import EngineConfig
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
 from tests.support.serving import serving

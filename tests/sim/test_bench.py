@@ -20,8 +20,9 @@ import pytest
 from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
+from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineConfig, EngineServer
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from tests.support.serving import serving
 

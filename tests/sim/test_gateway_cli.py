@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from devtools.localplane import free_port, wait_until
+from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineConfig, EngineServer
+from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from tests.support.serving import serving
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.gateway.metrics import LATENCY, GatewayMetrics
-from pdserve.sim.engine_server import EngineMetrics
+from pdserve.sim.engine_metrics import EngineMetrics
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "pdserve"
 DASHBOARD = CHART / "dashboards" / "pdserve.json"

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from pdserve.sim.engine_config import EngineConfig, Faults, SimClock, TransferConfig
+from pdserve.sim.engine_config import EngineConfig, Faults, SimClock
 from pdserve.sim.engine_core import EngineCore, Sequence
-from pdserve.sim.engine_metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, EngineMetrics
+from pdserve.sim.engine_metrics import EngineMetrics
 from pdserve.sim.engine_openai import OpenAIApi
 from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.engine_tokens import TokensApi
@@ -30,17 +30,6 @@ from pdserve.sim.http import HttpError, error_response, health, metrics_response
 from pdserve.sim.kv_transfer import HeldBlocks, KvTransfer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
-
-__all__ = [
-    "LATENCY_BUCKETS",
-    "TOKEN_BUCKETS",
-    "EngineConfig",
-    "EngineMetrics",
-    "EngineServer",
-    "Faults",
-    "HeldBlocks",
-    "TransferConfig",
-]
 
 
 class EngineServer:

@@ -24,21 +24,8 @@ from pdserve.sim.chat import (
 )
 from pdserve.sim.http import HttpError, error_response, health, metrics_response, read_json
 from pdserve.sim.render_derender import Derenderer
-from pdserve.sim.render_metrics import HTTP_BUCKETS, RenderMetrics
+from pdserve.sim.render_metrics import RenderMetrics
 from pdserve.sim.tokenizer import SimTokenizer
-
-# Names other modules imported from here before they had their own modules.
-__all__ = [
-    "HTTP_BUCKETS",
-    "SAMPLING_DEFAULTS",
-    "Derenderer",
-    "HttpError",
-    "RenderConfig",
-    "RenderMetrics",
-    "RenderServer",
-    "error_response",
-    "read_json",
-]
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1,

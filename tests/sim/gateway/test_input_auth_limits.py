@@ -1,0 +1,87 @@
+"""What the gateway refuses: bad requests (with clear errors), missing or wrong API keys, and
+requests beyond its in-flight limit (429 with Retry-After)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "request body is not valid JSON"),
+        (
+            json.dumps({**PLAIN, "model": "gpt-4"}).encode(),
+            404,
+            "The model `gpt-4` does not exist.",
+        ),
+        (
+            json.dumps({**PLAIN, "max_tokens": 0}).encode(),
+            400,
+            "max_tokens must be a positive integer",
+        ),
+        (
+            json.dumps({**PLAIN, "max_tokens": 100000}).encode(),
+            400,
+            "max_tokens may be at most 4096",
+        ),
+        (json.dumps({**PLAIN, "stream": "yes"}).encode(), 400, "stream must be true or false"),
+        (json.dumps({**PLAIN, "messages": []}).encode(), 400, "messages: must be a non-empty list"),
+    ],
+)
+async def test_bad_requests_get_clear_errors(
+    stack: Stack, body: bytes, status: int, message: str
+) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        max_tokens_cap=4096,
+    )
+    response = await client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == status
+    assert response.json()["error"]["message"].startswith(message)
+
+
+async def test_api_keys_are_required_when_configured(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        api_keys=("secret-1", "secret-2"),
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 401
+    wrong = await client.post(
+        "/v1/chat/completions", json=PLAIN, headers={"Authorization": "Bearer nope"}
+    )
+    assert wrong.status_code == 401
+    ok = await client.post(
+        "/v1/chat/completions", json=PLAIN, headers={"Authorization": "Bearer secret-2"}
+    )
+    assert ok.status_code == 200
+
+
+async def test_full_gateway_answers_429_with_retry_after(stack: Stack) -> None:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
+        max_inflight=1,
+    )
+    slow = asyncio.create_task(
+        client.post("/v1/chat/completions", json={**PLAIN, "max_tokens": 3000, "ignore_eos": True})
+    )
+    gateway = stack.gateway_server
+    while not gateway._slots.locked():  # noqa: ASYNC110 - polling another task's state
+        await asyncio.sleep(0.005)
+    response = await client.post("/v1/chat/completions", json=PLAIN)
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "1"
+    assert (await slow).status_code == 200

@@ -1,0 +1,251 @@
+"""The gateway over simulated render servers and engines on loopback ports: the requests the
+tests send, engine and routing configs, a stack of simulators plus gateways, and the pollers and
+metric readers the gateway suites share."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from devtools.localplane import free_port
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.sim.engine_config import EngineConfig, TransferConfig
+from pdserve.sim.engine_core import SchedulerConfig
+from pdserve.sim.engine_server import EngineServer
+from pdserve.sim.generation import ModelBehaviour
+from pdserve.sim.render_server import RenderConfig, RenderServer
+from tests.support.serving import serving
+
+MODEL = "qwen"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "weather in Paris?"}],
+    "tools": TOOLS,
+    "tool_choice": "auto",
+    "max_tokens": 200,
+}
+
+PLAIN: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me a story"}],
+    "max_tokens": 200,
+}
+
+LONG = {**PLAIN, "messages": [{"role": "user", "content": " ".join(["hello world"] * 400)}],
+        "max_tokens": 20}  # fmt: skip
+
+RENDER = RenderConfig(
+    model="Qwen/Qwen3-8B",
+    served_model_name=MODEL,
+    reasoning_parser="qwen3",
+    tool_call_parser="hermes",
+    enable_auto_tool_choice=True,
+)
+
+
+def engine(role: str, *, api: str = "tokens", policy: str = "fail") -> EngineConfig:
+    return EngineConfig(
+        model="Qwen/Qwen3-8B",
+        served_model_name=MODEL,
+        role=role,
+        api=api,
+        port=free_port(),
+        scheduler=SchedulerConfig(time_scale=0.01),
+        transfer=TransferConfig(load_failure_policy=policy),
+        behaviour=ModelBehaviour(reasoning=True),
+        render=RENDER,
+    )
+
+
+class Stack:
+    """Simulators plus a gateway, all on loopback ports."""
+
+    def __init__(self, exits: AsyncExitStack) -> None:
+        self.exits = exits
+        self.engines: dict[str, EngineServer] = {}
+        self.renders: list[RenderServer] = []
+
+    async def start(self, server: Any, port: int | None = None) -> str:
+        return await self.exits.enter_async_context(serving(server.app(), port=port))
+
+    async def engine(self, name: str, config: EngineConfig) -> str:
+        server = EngineServer(config)
+        self.engines[name] = server
+        return await self.start(server, config.port)
+
+    async def render(self, config: RenderConfig = RENDER) -> str:
+        server = RenderServer(config)
+        self.renders.append(server)
+        return await self.start(server)
+
+    async def gateway(self, config: dict[str, Any], **settings: Any) -> httpx.AsyncClient:
+        gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
+        self.gateway_server = gateway
+        url = await self.start(gateway)
+        return await self.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+
+
+def routing(
+    engine_api: str = "tokens",
+    *,
+    prefill: bool = True,
+    render: bool = True,
+    mode: str = "Disaggregated",
+    slo: dict[str, int] | None = None,
+    endpoints: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    pool = {"service": "x", "port": 8000}
+    return {
+        "model": MODEL,
+        "engineApi": engine_api,
+        "parityHash": "p1",
+        "routing": {"mode": mode, "slo": slo or {}},
+        "pools": {
+            "render": pool if render else None,
+            "prefill": pool if prefill else None,
+            "decode": pool,
+        },
+        "endpoints": endpoints or {},
+    }
+
+
+def ep(url: str, parity: str | None = "p1") -> dict[str, Any]:
+    return {"url": url, "parityHash": parity}
+
+
+async def pd_stack(
+    stack: Stack,
+    *,
+    prefill_config: EngineConfig | None = None,
+    decode_config: EngineConfig | None = None,
+    mode: str = "Disaggregated",
+    slo: dict[str, int] | None = None,
+    policy: str = "fail",
+    kv_transfer: dict[str, Any] | None = None,
+    **gateway_settings: Any,
+) -> httpx.AsyncClient:
+    """A render server, a prefill and a decode engine, and a gateway over them."""
+    render = await stack.render()
+    prefill = await stack.engine("prefill", prefill_config or engine("prefill"))
+    decode = await stack.engine("decode", decode_config or engine("decode", policy=policy))
+    endpoints = {"render": [ep(render)], "prefill": [ep(prefill)], "decode": [ep(decode)]}
+    config = routing(mode=mode, slo=slo, endpoints=endpoints)
+    if kv_transfer is not None:
+        config["kvTransfer"] = kv_transfer
+    return await stack.gateway(config, **gateway_settings)
+
+
+async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
+        assert response.status_code == 200, await response.aread()
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    return [
+        line.removeprefix("data: ")
+        if line == "data: [DONE]"
+        else json.loads(line.removeprefix("data: "))
+        for line in lines
+    ]
+
+
+def busy_decode(stack: Stack) -> None:
+    """Streams of other clients on the decode replica, as its scraped metrics would say."""
+    for endpoint in stack.gateway_server.endpoints.pools["decode"]:
+        endpoint.running = 3
+
+
+def finished(server: Any) -> float:
+    """Requests an engine finished (its vllm:request_success counter)."""
+    return sum(
+        float(sample.value)
+        for metric in server.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "vllm:request_success_total"
+    )
+
+
+async def until(condition: Callable[[], bool], deadline_seconds: float = 20) -> None:
+    async def poll() -> None:
+        while not condition():  # noqa: ASYNC110 - the gateways' tasks change the state
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), deadline_seconds)
+
+
+@dataclass
+class Replicas:
+    gateways: list[Gateway]
+    clients: list[httpx.AsyncClient]
+    urls: list[str]
+    prefill: EngineServer
+
+    @property
+    def leader(self) -> int:
+        return self.urls.index(min(self.urls))
+
+    @property
+    def follower(self) -> int:
+        return 1 - self.leader
+
+    def reached_prefill(self, hung: int) -> int:
+        """How many of the `hung` requests the prefill engine was told to hang it received."""
+        return hung - self.prefill.faults.hang
+
+
+def local_url(above: str = "") -> str:
+    """A free loopback URL sorting after `above` (the leader is the lowest URL)."""
+    while (url := f"http://127.0.0.1:{free_port()}") <= above:
+        pass
+    return url
+
+
+async def gateway_replicas(
+    stack: Stack, hang: int, extra_peers: tuple[str, ...] = (), max_wait: float = 30
+) -> Replicas:
+    """Two gateway replicas over one prefill replica with a long-prefill limit of 1, each
+    knowing the other (and its own URL), the prefill engine hanging the next `hang` requests."""
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode"))
+    endpoints: dict[str, Any] = {
+        "render": [ep(render)],
+        "prefill": [ep(prefill)],
+        "decode": [ep(decode)],
+    }
+    urls = [local_url(min(extra_peers, default="")) for _ in range(2)]
+    fair = FairQueueSettings(
+        long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=max_wait
+    )
+    gateways, clients = [], []
+    for mine, theirs in (urls, urls[::-1]):
+        config = routing(endpoints={**endpoints, "peers": [theirs, *extra_peers], "selfUrl": mine})
+        gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair))
+        await stack.start(gateway, int(mine.rsplit(":", 1)[1]))
+        gateways.append(gateway)
+        clients.append(
+            await stack.exits.enter_async_context(httpx.AsyncClient(base_url=mine, timeout=60))
+        )
+    async with httpx.AsyncClient() as admin:
+        await admin.post(f"{prefill}/sim/faults", json={"hang": hang})
+    await until(lambda: all(len(g.peers.live) >= 1 for g in gateways))  # they see each other
+    return Replicas(gateways, clients, urls, stack.engines["prefill"])
