@@ -17,13 +17,12 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import httpx
 import yaml
 
 from devtools.clitools import ToolsError, cache_root, ensure_cli_tools
+from devtools.procs import pid_alive, raise_if_exited, spawn_component, terminate
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
@@ -192,7 +192,7 @@ class ControlPlane:
     def stop(self) -> None:
         """Stop every component, newest first; never raises for an already-gone process."""
         for name in reversed(list(self.pids)):
-            _terminate(self.pids[name], self._procs.get(name))
+            terminate(self.pids[name], self._procs.get(name))
         self.pids.clear()
         self._procs.clear()
         with contextlib.suppress(FileNotFoundError):
@@ -466,68 +466,6 @@ def _run(args: list[str]) -> None:
         raise ControlPlaneError(f"{' '.join(args)} failed: {proc.stderr.strip()}")
 
 
-def spawn_component(
-    name: str, args: list[str], *, logs: Path, cwd: Path
-) -> subprocess.Popen[bytes]:
-    """A component process writing to logs/<name>.log, in a session of its own: Ctrl-C in a
-    terminal must not leave half a plane behind, and `down` from another process can stop the
-    whole group."""
-    with (logs / f"{name}.log").open("ab") as log:
-        return subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=cwd,
-        )  # fmt: skip
-
-
-def raise_if_exited(
-    procs: Mapping[str, subprocess.Popen[bytes]], logs: Path, error: type[ControlPlaneError]
-) -> None:
-    """Raise `error` naming the first component that exited, with the tail of its log."""
-    for name, proc in procs.items():
-        if proc.poll() is not None:
-            raise error(
-                f"{name} exited with code {proc.returncode}; see {logs / name}.log:\n"
-                + _tail(logs / f"{name}.log")
-            )
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def _terminate(pid: int, proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if proc is not None:
-            if proc.poll() is not None:
-                return
-        elif not _pid_alive(pid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    if proc is not None:
-        proc.wait(timeout=grace)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def running_control_plane(
     workdir: Path, *, timeout: float = 120.0, address: str = "127.0.0.1",
@@ -549,7 +487,7 @@ def load_state(state_dir: Path) -> dict[str, Any] | None:
     if not state_file.exists():
         return None
     state: dict[str, Any] = json.loads(state_file.read_text())
-    return state if all(_pid_alive(pid) for pid in state["pids"].values()) else None
+    return state if all(pid_alive(pid) for pid in state["pids"].values()) else None
 
 
 def record_process(state_dir: Path, name: str, pid: int) -> None:
@@ -598,7 +536,7 @@ def _cmd_down(state_dir: Path) -> int:
     state = json.loads(state_file.read_text())
     _stop_real_node(state_dir)
     for pid in reversed(list(state["pids"].values())):
-        _terminate(pid, None)
+        terminate(pid, None)
     state_file.unlink()
     print(f"stopped the control plane at {state['server']}")
     return 0

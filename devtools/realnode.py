@@ -40,12 +40,10 @@ from devtools.localplane import (
     ComponentExited,
     ControlPlane,
     ControlPlaneError,
-    _terminate,
     free_port,
-    raise_if_exited,
-    spawn_component,
     wait_until,
 )
+from devtools.procs import raise_if_exited, spawn_component, terminate
 
 NODE_NAME = "real-node"
 NODE_WORKDIR = "node"  # under a plane's work directory, for `make demo` / `make cluster-down`
@@ -200,7 +198,7 @@ class RealNode:
 
     def _stop_component(self, name: str) -> None:
         if (pid := self.pids.pop(name, None)) is not None:
-            _terminate(pid, self._procs.pop(name, None))
+            terminate(pid, self._procs.pop(name, None))
 
     def save(self) -> None:
         state = {"pids": self.pids, "netns_before": sorted(self.netns_before),
