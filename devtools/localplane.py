@@ -11,12 +11,10 @@ up`` keeps a plane running for interactive use; ``down`` stops it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import secrets
-import shutil
 import socket
 import ssl
 import subprocess
@@ -30,13 +28,11 @@ from typing import Any
 import httpx
 import yaml
 
-from devtools.clitools import ToolsError, cache_root, ensure_cli_tools
-from devtools.procs import pid_alive, raise_if_exited, spawn_component, terminate
+from devtools.procs import raise_if_exited, spawn_component, terminate
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
 KWOK_STAGES = HERE / "kwok-stages.yaml"
-DEFAULT_STATE_DIR = cache_root() / "dev-cluster"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 # kwok only writes these into pod and node status; nothing is ever sent to them.
 KWOK_POD_CIDR = "10.0.0.0/24"
@@ -480,100 +476,9 @@ def running_control_plane(
         plane.stop()
 
 
-# ---- command line (make cluster-up / cluster-down) ----------------------------------------------
-def load_state(state_dir: Path) -> dict[str, Any] | None:
-    """The state of a plane started by `up`, if every one of its processes is alive."""
-    state_file = state_dir / "state.json"
-    if not state_file.exists():
-        return None
-    state: dict[str, Any] = json.loads(state_file.read_text())
-    return state if all(pid_alive(pid) for pid in state["pids"].values()) else None
-
-
-def record_process(state_dir: Path, name: str, pid: int) -> None:
-    """Add a process (e.g. the demo's operator) for `down` to stop with the plane."""
-    state_file = state_dir / "state.json"
-    state = json.loads(state_file.read_text())
-    state["pids"][name] = pid
-    state_file.write_text(json.dumps(state, indent=2))
-
-
-def bring_up(state_dir: Path) -> dict[str, Any]:
-    """Start a detached plane with the demo nodes (or reuse a running one); returns its state."""
-    if (state := load_state(state_dir)) is not None:
-        print(f"control plane already running at {state['server']}")
-        return state
-    _cmd_down(state_dir)
-    shutil.rmtree(state_dir, ignore_errors=True)
-    started = time.monotonic()
-    plane = ControlPlane(workdir=state_dir, binaries=build_binaries())
-    plane.start()
-    from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
-
-    with plane.http() as http:
-        names = create_nodes(http, demo_nodes())
-        wait_nodes_ready(http, names, timeout=60)
-    print(f"control plane up in {time.monotonic() - started:.1f}s at {plane.server}")
-    print(f"fake nodes: {', '.join(names)}")
-    print(f"logs: {plane.logs}")
-    state = load_state(state_dir)
-    assert state is not None
-    return state
-
-
-def _cmd_up(state_dir: Path) -> int:
-    state = bring_up(state_dir)
-    print(f"kubectl: {ensure_cli_tools().kubectl}")
-    print(f"export KUBECONFIG={state['kubeconfig']}")
-    return 0
-
-
-def _cmd_down(state_dir: Path) -> int:
-    state_file = state_dir / "state.json"
-    if not state_file.exists():
-        print("no local control plane is running")
-        return 0
-    state = json.loads(state_file.read_text())
-    _stop_real_node(state_dir)
-    for pid in reversed(list(state["pids"].values())):
-        terminate(pid, None)
-    state_file.unlink()
-    print(f"stopped the control plane at {state['server']}")
-    return 0
-
-
-def _stop_real_node(state_dir: Path) -> None:
-    """The real node `make demo` started (its containers first, while containerd still runs),
-    then its bridge, so nothing of it is left."""
-    from devtools.realnode import NODE_WORKDIR, RealNode, delete_bridge
-
-    plane = ControlPlane(workdir=state_dir, binaries=build_binaries(quiet=True))
-    node = RealNode.saved(plane, state_dir / NODE_WORKDIR)
-    if node is None:
-        return
-    node.stop()
-    (state_dir / NODE_WORKDIR / "node-state.json").unlink()
-    delete_bridge()
-    print("stopped the real node")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="localplane", description=__doc__)
-    parser.add_argument("command", choices=["up", "down", "build"])
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "build":
-            print(build_binaries().directory)
-            print(ensure_cli_tools().kubectl.parent)
-            return 0
-        if args.command == "up":
-            return _cmd_up(args.state_dir)
-        return _cmd_down(args.state_dir)
-    except (ControlPlaneError, ToolsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
 if __name__ == "__main__":
+    # The command line lives in planecli.py, which imports this module: only here, when run as
+    # `python -m devtools.localplane`, can this module import it.
+    from devtools.planecli import main
+
     sys.exit(main())
