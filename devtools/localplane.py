@@ -28,30 +28,14 @@ from typing import Any
 import httpx
 import yaml
 
+from devtools import credentials, planecommands
 from devtools.procs import raise_if_exited, spawn_component, terminate
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
-KWOK_STAGES = HERE / "kwok-stages.yaml"
-SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
-# kwok only writes these into pod and node status; nothing is ever sent to them.
-KWOK_POD_CIDR = "10.0.0.0/24"
-KWOK_NODE_IP = "10.0.0.1"
-KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 
 ADMIN_USER = "admin"
 OPERATOR_USER = "pdserve-operator"
-
-AUDIT_POLICY = {
-    "apiVersion": "audit.k8s.io/v1",
-    "kind": "Policy",
-    "omitStages": ["RequestReceived"],
-    "rules": [
-        # Writes only: tests count them (e.g. "a no-op resync performs no write").
-        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
-        {"level": "None"},
-    ],
-}
 
 
 class ControlPlaneError(RuntimeError):
@@ -176,7 +160,10 @@ class ControlPlane:
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
             for user in self.users:
-                self._write_kubeconfig(user)
+                credentials.write_kubeconfig(
+                    self.kubeconfig(user), server=self.server, ca_file=self.ca_file, user=user,
+                    token=self.tokens[user],
+                )  # fmt: skip
             self._start_controller_manager(timeout)
             self._start_scheduler(timeout)
             self._start_kwok(timeout)
@@ -227,35 +214,8 @@ class ControlPlane:
             _write_pki(self.pki, extra_sans=(f"IP:{self.address}",))
         for user in self.users:
             self.tokens.setdefault(user, secrets.token_hex(16))
-        rows = [
-            f'{token},{user},uid-{user},"system:masters"' for user, token in self.tokens.items()
-        ]
-        (self.pki / "tokens.csv").write_text("\n".join(rows) + "\n")
-        (self.pki / "tokens.csv").chmod(0o600)
-        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
-
-    def _write_kubeconfig(self, user: str) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "pdserve-local",
-                    "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
-                }
-            ],
-            "users": [{"name": user, "user": {"token": self.tokens[user]}}],
-            "contexts": [
-                {
-                    "name": f"{user}@pdserve-local",
-                    "context": {"cluster": "pdserve-local", "user": user, "namespace": "default"},
-                }
-            ],
-            "current-context": f"{user}@pdserve-local",
-        }
-        path = self.kubeconfig(user)
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        path.chmod(0o600)
+        credentials.write_token_file(self.pki / "tokens.csv", self.tokens)
+        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(planecommands.AUDIT_POLICY))
 
     def _spawn(self, name: str, args: list[str]) -> None:
         proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
@@ -273,61 +233,22 @@ class ControlPlane:
     def _start_etcd(self, timeout: float) -> None:
         client = f"http://127.0.0.1:{self.ports.etcd_client}"
         peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
-        self._spawn(
-            "etcd",
-            [
-                str(self.binaries.path("etcd")),
-                "--name=default",
-                f"--data-dir={self.workdir / 'etcd-data'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=default={peer}",
-                # Test data is disposable: skipping fsync makes every write several times faster.
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
-        )
+        data_dir = self.workdir / "etcd-data"
+        etcd = self.binaries.path("etcd")
+        self._spawn("etcd", planecommands.etcd(etcd, data_dir=data_dir, client_url=client,
+                                               peer_url=peer))  # fmt: skip
         self._wait_healthy("etcd", f"{client}/health", timeout)
 
     def _start_apiserver(self, timeout: float) -> None:
-        if self.address == "127.0.0.1":
-            # A loopback advertise address is fine for clients but not as an Endpoints address.
-            routing = ["--endpoint-reconciler-type=none"]
-        else:
-            # Pods reach the API server through the `kubernetes` Service; the API server reaches
-            # webhook Services through their endpoints, and kubelets by their InternalIP: never
-            # through a resolver off the machine.
-            routing = [
-                "--enable-aggregator-routing=true",
-                "--kubelet-preferred-address-types=InternalIP",
-            ]
         self._spawn(
             "kube-apiserver",
-            [
-                str(self.binaries.path("kube-apiserver")),
-                f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-                f"--bind-address={self.address}",
-                f"--advertise-address={self.address}",
-                f"--secure-port={self.ports.apiserver}",
-                f"--tls-cert-file={self.pki / 'apiserver.crt'}",
-                f"--tls-private-key-file={self.pki / 'apiserver.key'}",
-                f"--client-ca-file={self.ca_file}",
-                f"--token-auth-file={self.pki / 'tokens.csv'}",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={self.pki / 'sa.pub'}",
-                f"--service-account-signing-key-file={self.pki / 'sa.key'}",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-                "--authorization-mode=RBAC",
-                "--allow-privileged=true",
-                *routing,
-                f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
-                f"--audit-log-path={self.audit_log}",
-                "--audit-log-format=json",
-                "--profiling=false",
-            ],
-        )
+            planecommands.kube_apiserver(
+                self.binaries.path("kube-apiserver"), etcd_port=self.ports.etcd_client,
+                address=self.address, port=self.ports.apiserver, pki=self.pki,
+                ca_file=self.ca_file, audit_policy=self.workdir / "audit-policy.yaml",
+                audit_log=self.audit_log,
+            ),
+        )  # fmt: skip
 
         def ready() -> bool:
             self.check_alive()
@@ -337,26 +258,17 @@ class ControlPlane:
         wait_until(f"kube-apiserver at {self.server}/readyz", ready, timeout=timeout)
 
     def _start_controller_manager(self, timeout: float) -> None:
+        port = self.ports.controller_manager
         self._spawn(
             "kube-controller-manager",
-            [
-                str(self.binaries.path("kube-controller-manager")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports.controller_manager}",
-                "--leader-elect=false",
-                "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={self.pki / 'sa.key'}",
-                f"--root-ca-file={self.ca_file}",
-                "--controllers=*",
-            ],
-        )
-        self._wait_healthy(
-            "kube-controller-manager",
-            f"https://127.0.0.1:{self.ports.controller_manager}/healthz",
-            timeout,
-            verify=False,
-        )
+            planecommands.kube_controller_manager(
+                self.binaries.path("kube-controller-manager"),
+                kubeconfig=self.kubeconfig(ADMIN_USER), port=port, pki=self.pki,
+                ca_file=self.ca_file,
+            ),
+        )  # fmt: skip
+        url = f"https://127.0.0.1:{port}/healthz"
+        self._wait_healthy("kube-controller-manager", url, timeout, verify=False)
 
         # Healthy is not working: pods in a namespace need its default ServiceAccount, which the
         # controller-manager's serviceaccount controller creates.
@@ -368,40 +280,20 @@ class ControlPlane:
         wait_until("the default ServiceAccount", default_service_account, timeout=timeout)
 
     def _start_scheduler(self, timeout: float) -> None:
-        self._spawn(
-            "kube-scheduler",
-            [
-                str(self.binaries.path("kube-scheduler")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports.scheduler}",
-                "--leader-elect=false",
-            ],
-        )
-        self._wait_healthy(
-            "kube-scheduler",
-            f"https://127.0.0.1:{self.ports.scheduler}/healthz",
-            timeout,
-            verify=False,
-        )
+        port = self.ports.scheduler
+        binary = self.binaries.path("kube-scheduler")
+        kubeconfig = self.kubeconfig(ADMIN_USER)
+        self._spawn("kube-scheduler", planecommands.kube_scheduler(binary, kubeconfig=kubeconfig,
+                                                                   port=port))  # fmt: skip
+        url = f"https://127.0.0.1:{port}/healthz"
+        self._wait_healthy("kube-scheduler", url, timeout, verify=False)
 
     def _start_kwok(self, timeout: float) -> None:
-        key, value = KWOK_NODE_ANNOTATION
-        self._spawn(
-            "kwok",
-            [
-                str(self.binaries.path("kwok")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                f"--config={KWOK_STAGES}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={key}={value}",
-                f"--cidr={KWOK_POD_CIDR}",
-                f"--node-ip={KWOK_NODE_IP}",
-                "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{self.ports.kwok}",
-            ],
-        )
-        self._wait_healthy("kwok", f"http://127.0.0.1:{self.ports.kwok}/healthz", timeout)
+        port = self.ports.kwok
+        binary = self.binaries.path("kwok")
+        kubeconfig = self.kubeconfig(ADMIN_USER)
+        self._spawn("kwok", planecommands.kwok(binary, kubeconfig=kubeconfig, port=port))
+        self._wait_healthy("kwok", f"http://127.0.0.1:{port}/healthz", timeout)
 
     def _save_state(self) -> None:
         state = {
@@ -413,6 +305,10 @@ class ControlPlane:
         }
         (self.workdir / "state.json").write_text(json.dumps(state, indent=2))
 
+
+# ---- certificates ---------------------------------------------------------------------------
+# Here rather than in a module of their own: issue_serving_cert is this plane's API (tests sign
+# webhook certificates with the plane's CA), and both raise the plane's error.
 
 # Every name the API server is reached by: loopback for us, the service names for pods.
 APISERVER_SANS = (

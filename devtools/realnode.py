@@ -36,13 +36,13 @@ import yaml
 
 from devtools.localplane import (
     ADMIN_USER,
-    SERVICE_CLUSTER_IP_RANGE,
     ComponentExited,
     ControlPlane,
     ControlPlaneError,
     free_port,
     wait_until,
 )
+from devtools.planecommands import SERVICE_CLUSTER_IP_RANGE
 from devtools.procs import raise_if_exited, spawn_component, terminate
 
 NODE_NAME = "real-node"
