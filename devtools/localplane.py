@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import yaml
@@ -99,6 +99,48 @@ def wait_until(
     raise ControlPlaneError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
 
 
+class Components:
+    """What the plane and the real node (realnode.py) share: processes of their own, each logging
+    to <workdir>/logs/<name>.log, waited for while they start and stopped by process group.
+
+    The dataclasses that use it declare ``workdir``, ``pids`` and ``_procs`` as their fields.
+    """
+
+    workdir: Path
+    # Every component's process id, also saved for a `down` from another process.
+    pids: dict[str, int]
+    _procs: dict[str, subprocess.Popen[bytes]]
+    # What check_alive raises: the node's own subclass, so its errors name the node.
+    _exited: ClassVar[type[ComponentExited]] = ComponentExited
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+    def check_alive(self) -> None:
+        """Raise naming the component (and its log) if any process has exited."""
+        raise_if_exited(self._procs, self.logs, self._exited)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
+        self._procs[name] = proc
+        self.pids[name] = proc.pid
+
+    def _wait_healthy(self, name: str, url: str, timeout: float, **client: Any) -> None:
+        """Until ``url`` answers 200; at once if a component died meanwhile."""
+
+        def probe() -> bool:
+            self.check_alive()
+            response = httpx.get(url, timeout=2.0, **client)
+            return response.status_code == 200
+
+        wait_until(f"{name} at {url}", probe, timeout=timeout)
+
+    def _stop_component(self, name: str) -> None:
+        if (pid := self.pids.pop(name, None)) is not None:
+            terminate(pid, self._procs.pop(name, None))
+
+
 @dataclass
 class Ports:
     etcd_client: int = field(default_factory=free_port)
@@ -110,7 +152,7 @@ class Ports:
 
 
 @dataclass
-class ControlPlane:
+class ControlPlane(Components):
     """One local control plane rooted at ``workdir``."""
 
     workdir: Path
@@ -134,10 +176,6 @@ class ControlPlane:
     @property
     def pki(self) -> Path:
         return self.workdir / "pki"
-
-    @property
-    def logs(self) -> Path:
-        return self.workdir / "logs"
 
     @property
     def ca_file(self) -> Path:
@@ -175,15 +213,10 @@ class ControlPlane:
     def stop(self) -> None:
         """Stop every component, newest first; never raises for an already-gone process."""
         for name in reversed(list(self.pids)):
-            terminate(self.pids[name], self._procs.get(name))
-        self.pids.clear()
+            self._stop_component(name)
         self._procs.clear()
         with contextlib.suppress(FileNotFoundError):
             (self.workdir / "state.json").unlink()
-
-    def check_alive(self) -> None:
-        """Raise naming the component (and its log) if any process has exited."""
-        raise_if_exited(self._procs, self.logs, ComponentExited)
 
     # ---- clients -----------------------------------------------------------------------------
     def http(self, user: str = ADMIN_USER) -> httpx.Client:
@@ -217,26 +250,14 @@ class ControlPlane:
         credentials.write_token_file(self.pki / "tokens.csv", self.tokens)
         (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(planecommands.AUDIT_POLICY))
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
-        self._procs[name] = proc
-        self.pids[name] = proc.pid
-
-    def _wait_healthy(self, name: str, url: str, timeout: float, **client: Any) -> None:
-        def probe() -> bool:
-            self.check_alive()
-            response = httpx.get(url, timeout=2.0, **client)
-            return response.status_code == 200
-
-        wait_until(f"{name} at {url}", probe, timeout=timeout)
-
     def _start_etcd(self, timeout: float) -> None:
         client = f"http://127.0.0.1:{self.ports.etcd_client}"
         peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
         data_dir = self.workdir / "etcd-data"
-        etcd = self.binaries.path("etcd")
-        self._spawn("etcd", planecommands.etcd(etcd, data_dir=data_dir, client_url=client,
-                                               peer_url=peer))  # fmt: skip
+        args = planecommands.etcd(
+            self.binaries.path("etcd"), data_dir=data_dir, client_url=client, peer_url=peer
+        )
+        self._spawn("etcd", args)
         self._wait_healthy("etcd", f"{client}/health", timeout)
 
     def _start_apiserver(self, timeout: float) -> None:
@@ -281,17 +302,16 @@ class ControlPlane:
 
     def _start_scheduler(self, timeout: float) -> None:
         port = self.ports.scheduler
-        binary = self.binaries.path("kube-scheduler")
-        kubeconfig = self.kubeconfig(ADMIN_USER)
-        self._spawn("kube-scheduler", planecommands.kube_scheduler(binary, kubeconfig=kubeconfig,
-                                                                   port=port))  # fmt: skip
+        binary, kubeconfig = self.binaries.path("kube-scheduler"), self.kubeconfig(ADMIN_USER)
+        self._spawn(
+            "kube-scheduler", planecommands.kube_scheduler(binary, kubeconfig=kubeconfig, port=port)
+        )
         url = f"https://127.0.0.1:{port}/healthz"
         self._wait_healthy("kube-scheduler", url, timeout, verify=False)
 
     def _start_kwok(self, timeout: float) -> None:
         port = self.ports.kwok
-        binary = self.binaries.path("kwok")
-        kubeconfig = self.kubeconfig(ADMIN_USER)
+        binary, kubeconfig = self.binaries.path("kwok"), self.kubeconfig(ADMIN_USER)
         self._spawn("kwok", planecommands.kwok(binary, kubeconfig=kubeconfig, port=port))
         self._wait_healthy("kwok", f"http://127.0.0.1:{port}/healthz", timeout)
 
@@ -373,8 +393,8 @@ def running_control_plane(
 
 
 if __name__ == "__main__":
-    # The command line lives in planecli.py, which imports this module: only here, when run as
-    # `python -m devtools.localplane`, can this module import it.
+    # The command line is planecli.py's; it imports this module, so only run as a script can
+    # this module import it without a cycle.
     from devtools.planecli import main
 
     sys.exit(main())

@@ -88,11 +88,7 @@ def kube_controller_manager(
     binary: Path, *, kubeconfig: Path, port: int, pki: Path, ca_file: Path
 ) -> list[str]:
     return [
-        str(binary),
-        f"--kubeconfig={kubeconfig}",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={port}",
-        "--leader-elect=false",
+        *_controller(binary, kubeconfig=kubeconfig, port=port),
         "--use-service-account-credentials=true",
         f"--service-account-private-key-file={pki / 'sa.key'}",
         f"--root-ca-file={ca_file}",
@@ -101,6 +97,12 @@ def kube_controller_manager(
 
 
 def kube_scheduler(binary: Path, *, kubeconfig: Path, port: int) -> list[str]:
+    return _controller(binary, kubeconfig=kubeconfig, port=port)
+
+
+def _controller(binary: Path, *, kubeconfig: Path, port: int) -> list[str]:
+    """What the controller-manager and the scheduler share: their kubeconfig, health on a
+    loopback port, and no leader election (there is only ever one of each)."""
     return [
         str(binary),
         f"--kubeconfig={kubeconfig}",

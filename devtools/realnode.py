@@ -30,20 +30,20 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-import httpx
 import yaml
 
 from devtools import nodeconfig, nodehost
 from devtools.localplane import (
     ADMIN_USER,
     ComponentExited,
+    Components,
     ControlPlane,
     free_port,
     wait_until,
 )
 from devtools.nodehost import NodeError, run
-from devtools.procs import raise_if_exited, spawn_component, terminate
 
 NODE_NAME = "real-node"
 NODE_WORKDIR = "node"  # under a plane's work directory, for `make demo` / `make cluster-down`
@@ -105,7 +105,7 @@ class NodePorts:
 
 
 @dataclass
-class RealNode:
+class RealNode(Components):
     """One kubelet + containerd + kube-proxy node named NODE_NAME, rooted at ``workdir``."""
 
     plane: ControlPlane
@@ -118,15 +118,12 @@ class RealNode:
     netns_before: set[str] = field(default_factory=set)
     host_entries_before: set[str] = field(default_factory=set)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    _exited: ClassVar[type[ComponentExited]] = NodeComponentExited
 
     # ---- paths -------------------------------------------------------------------------------
     @property
     def containerd_socket(self) -> Path:
         return self.workdir / "containerd" / "containerd.sock"
-
-    @property
-    def logs(self) -> Path:
-        return self.workdir / "logs"
 
     @property
     def pod_logs(self) -> Path:
@@ -179,10 +176,6 @@ class RealNode:
         nodehost.remove_kubepods_cgroups()
         delete_bridge()
 
-    def _stop_component(self, name: str) -> None:
-        if (pid := self.pids.pop(name, None)) is not None:
-            terminate(pid, self._procs.pop(name, None))
-
     def save(self) -> None:
         state = {"pids": self.pids, "netns_before": sorted(self.netns_before),
                  "host_entries_before": sorted(self.host_entries_before)}  # fmt: skip
@@ -199,9 +192,6 @@ class RealNode:
                    netns_before=set(state["netns_before"]),
                    host_entries_before=set(state["host_entries_before"]))  # fmt: skip
 
-    def check_alive(self) -> None:
-        raise_if_exited(self._procs, self.logs, NodeComponentExited)
-
     def ctr(self, *args: str, timeout: float = 60) -> str:
         return run(
             ["ctr", "--address", str(self.containerd_socket), "--namespace",
@@ -210,11 +200,6 @@ class RealNode:
         )  # fmt: skip
 
     # ---- components --------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
-        self._procs[name] = proc
-        self.pids[name] = proc.pid
-
     def _start_containerd(self, timeout: float) -> None:
         base = self._path("containerd")
         base.mkdir(parents=True, exist_ok=True)
@@ -305,13 +290,6 @@ class RealNode:
 
         url = f"http://127.0.0.1:{self.ports.proxy_healthz}/healthz"
         self._wait_healthy("kube-proxy", url, timeout)
-
-    def _wait_healthy(self, what: str, url: str, timeout: float) -> None:
-        def healthy() -> bool:
-            self.check_alive()
-            return httpx.get(url, timeout=2).status_code == 200
-
-        wait_until(f"{what} at {url}", healthy, timeout=timeout)
 
     # ---- teardown ----------------------------------------------------------------------------
     def _cleanup_proxy_rules(self) -> None:
