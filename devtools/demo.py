@@ -23,14 +23,12 @@ from devtools.clitools import ToolsError, ensure_cli_tools
 from devtools.images import ImageBuildError, build_images
 from devtools.localplane import (
     ADMIN_USER,
-    DEFAULT_STATE_DIR,
     OPERATOR_USER,
     ControlPlane,
     ControlPlaneError,
-    _cmd_down,
     build_binaries,
-    load_state,
 )
+from devtools.planecli import DEFAULT_STATE_DIR, bring_down, load_state
 from devtools.realnode import (
     BRIDGE_ADDRESS,
     KUBELET_USER,
@@ -52,7 +50,7 @@ def bring_up_with_node(state_dir: Path) -> Path:
     if load_state(state_dir) is not None and node_state.exists():
         print("control plane and real node already running")
         return state_dir / f"kubeconfig-{ADMIN_USER}"
-    _cmd_down(state_dir)
+    bring_down(state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     started = time.monotonic()
     images = build_images()

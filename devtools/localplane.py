@@ -11,51 +11,31 @@ up`` keeps a plane running for interactive use; ``down`` stops it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import secrets
-import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import yaml
 
-from devtools.clitools import ToolsError, cache_root, ensure_cli_tools
+from devtools import credentials, planecommands
+from devtools.procs import raise_if_exited, spawn_component, terminate
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
-KWOK_STAGES = HERE / "kwok-stages.yaml"
-DEFAULT_STATE_DIR = cache_root() / "dev-cluster"
-SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
-# kwok only writes these into pod and node status; nothing is ever sent to them.
-KWOK_POD_CIDR = "10.0.0.0/24"
-KWOK_NODE_IP = "10.0.0.1"
-KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 
 ADMIN_USER = "admin"
 OPERATOR_USER = "pdserve-operator"
-
-AUDIT_POLICY = {
-    "apiVersion": "audit.k8s.io/v1",
-    "kind": "Policy",
-    "omitStages": ["RequestReceived"],
-    "rules": [
-        # Writes only: tests count them (e.g. "a no-op resync performs no write").
-        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
-        {"level": "None"},
-    ],
-}
 
 
 class ControlPlaneError(RuntimeError):
@@ -119,6 +99,48 @@ def wait_until(
     raise ControlPlaneError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
 
 
+class Components:
+    """What the plane and the real node (realnode.py) share: processes of their own, each logging
+    to <workdir>/logs/<name>.log, waited for while they start and stopped by process group.
+
+    The dataclasses that use it declare ``workdir``, ``pids`` and ``_procs`` as their fields.
+    """
+
+    workdir: Path
+    # Every component's process id, also saved for a `down` from another process.
+    pids: dict[str, int]
+    _procs: dict[str, subprocess.Popen[bytes]]
+    # What check_alive raises: the node's own subclass, so its errors name the node.
+    _exited: ClassVar[type[ComponentExited]] = ComponentExited
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+    def check_alive(self) -> None:
+        """Raise naming the component (and its log) if any process has exited."""
+        raise_if_exited(self._procs, self.logs, self._exited)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
+        self._procs[name] = proc
+        self.pids[name] = proc.pid
+
+    def _wait_healthy(self, name: str, url: str, timeout: float, **client: Any) -> None:
+        """Until ``url`` answers 200; at once if a component died meanwhile."""
+
+        def probe() -> bool:
+            self.check_alive()
+            response = httpx.get(url, timeout=2.0, **client)
+            return response.status_code == 200
+
+        wait_until(f"{name} at {url}", probe, timeout=timeout)
+
+    def _stop_component(self, name: str) -> None:
+        if (pid := self.pids.pop(name, None)) is not None:
+            terminate(pid, self._procs.pop(name, None))
+
+
 @dataclass
 class Ports:
     etcd_client: int = field(default_factory=free_port)
@@ -130,7 +152,7 @@ class Ports:
 
 
 @dataclass
-class ControlPlane:
+class ControlPlane(Components):
     """One local control plane rooted at ``workdir``."""
 
     workdir: Path
@@ -156,10 +178,6 @@ class ControlPlane:
         return self.workdir / "pki"
 
     @property
-    def logs(self) -> Path:
-        return self.workdir / "logs"
-
-    @property
     def ca_file(self) -> Path:
         return self.pki / "ca.crt"
 
@@ -180,7 +198,10 @@ class ControlPlane:
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
             for user in self.users:
-                self._write_kubeconfig(user)
+                credentials.write_kubeconfig(
+                    self.kubeconfig(user), server=self.server, ca_file=self.ca_file, user=user,
+                    token=self.tokens[user],
+                )  # fmt: skip
             self._start_controller_manager(timeout)
             self._start_scheduler(timeout)
             self._start_kwok(timeout)
@@ -192,15 +213,10 @@ class ControlPlane:
     def stop(self) -> None:
         """Stop every component, newest first; never raises for an already-gone process."""
         for name in reversed(list(self.pids)):
-            _terminate(self.pids[name], self._procs.get(name))
-        self.pids.clear()
+            self._stop_component(name)
         self._procs.clear()
         with contextlib.suppress(FileNotFoundError):
             (self.workdir / "state.json").unlink()
-
-    def check_alive(self) -> None:
-        """Raise naming the component (and its log) if any process has exited."""
-        raise_if_exited(self._procs, self.logs, ComponentExited)
 
     # ---- clients -----------------------------------------------------------------------------
     def http(self, user: str = ADMIN_USER) -> httpx.Client:
@@ -231,107 +247,29 @@ class ControlPlane:
             _write_pki(self.pki, extra_sans=(f"IP:{self.address}",))
         for user in self.users:
             self.tokens.setdefault(user, secrets.token_hex(16))
-        rows = [
-            f'{token},{user},uid-{user},"system:masters"' for user, token in self.tokens.items()
-        ]
-        (self.pki / "tokens.csv").write_text("\n".join(rows) + "\n")
-        (self.pki / "tokens.csv").chmod(0o600)
-        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
-
-    def _write_kubeconfig(self, user: str) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "pdserve-local",
-                    "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
-                }
-            ],
-            "users": [{"name": user, "user": {"token": self.tokens[user]}}],
-            "contexts": [
-                {
-                    "name": f"{user}@pdserve-local",
-                    "context": {"cluster": "pdserve-local", "user": user, "namespace": "default"},
-                }
-            ],
-            "current-context": f"{user}@pdserve-local",
-        }
-        path = self.kubeconfig(user)
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        path.chmod(0o600)
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
-        self._procs[name] = proc
-        self.pids[name] = proc.pid
-
-    def _wait_healthy(self, name: str, url: str, timeout: float, **client: Any) -> None:
-        def probe() -> bool:
-            self.check_alive()
-            response = httpx.get(url, timeout=2.0, **client)
-            return response.status_code == 200
-
-        wait_until(f"{name} at {url}", probe, timeout=timeout)
+        credentials.write_token_file(self.pki / "tokens.csv", self.tokens)
+        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(planecommands.AUDIT_POLICY))
 
     def _start_etcd(self, timeout: float) -> None:
         client = f"http://127.0.0.1:{self.ports.etcd_client}"
         peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
-        self._spawn(
-            "etcd",
-            [
-                str(self.binaries.path("etcd")),
-                "--name=default",
-                f"--data-dir={self.workdir / 'etcd-data'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=default={peer}",
-                # Test data is disposable: skipping fsync makes every write several times faster.
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
+        data_dir = self.workdir / "etcd-data"
+        args = planecommands.etcd(
+            self.binaries.path("etcd"), data_dir=data_dir, client_url=client, peer_url=peer
         )
+        self._spawn("etcd", args)
         self._wait_healthy("etcd", f"{client}/health", timeout)
 
     def _start_apiserver(self, timeout: float) -> None:
-        if self.address == "127.0.0.1":
-            # A loopback advertise address is fine for clients but not as an Endpoints address.
-            routing = ["--endpoint-reconciler-type=none"]
-        else:
-            # Pods reach the API server through the `kubernetes` Service; the API server reaches
-            # webhook Services through their endpoints, and kubelets by their InternalIP: never
-            # through a resolver off the machine.
-            routing = [
-                "--enable-aggregator-routing=true",
-                "--kubelet-preferred-address-types=InternalIP",
-            ]
         self._spawn(
             "kube-apiserver",
-            [
-                str(self.binaries.path("kube-apiserver")),
-                f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-                f"--bind-address={self.address}",
-                f"--advertise-address={self.address}",
-                f"--secure-port={self.ports.apiserver}",
-                f"--tls-cert-file={self.pki / 'apiserver.crt'}",
-                f"--tls-private-key-file={self.pki / 'apiserver.key'}",
-                f"--client-ca-file={self.ca_file}",
-                f"--token-auth-file={self.pki / 'tokens.csv'}",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={self.pki / 'sa.pub'}",
-                f"--service-account-signing-key-file={self.pki / 'sa.key'}",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-                "--authorization-mode=RBAC",
-                "--allow-privileged=true",
-                *routing,
-                f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
-                f"--audit-log-path={self.audit_log}",
-                "--audit-log-format=json",
-                "--profiling=false",
-            ],
-        )
+            planecommands.kube_apiserver(
+                self.binaries.path("kube-apiserver"), etcd_port=self.ports.etcd_client,
+                address=self.address, port=self.ports.apiserver, pki=self.pki,
+                ca_file=self.ca_file, audit_policy=self.workdir / "audit-policy.yaml",
+                audit_log=self.audit_log,
+            ),
+        )  # fmt: skip
 
         def ready() -> bool:
             self.check_alive()
@@ -341,26 +279,17 @@ class ControlPlane:
         wait_until(f"kube-apiserver at {self.server}/readyz", ready, timeout=timeout)
 
     def _start_controller_manager(self, timeout: float) -> None:
+        port = self.ports.controller_manager
         self._spawn(
             "kube-controller-manager",
-            [
-                str(self.binaries.path("kube-controller-manager")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports.controller_manager}",
-                "--leader-elect=false",
-                "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={self.pki / 'sa.key'}",
-                f"--root-ca-file={self.ca_file}",
-                "--controllers=*",
-            ],
-        )
-        self._wait_healthy(
-            "kube-controller-manager",
-            f"https://127.0.0.1:{self.ports.controller_manager}/healthz",
-            timeout,
-            verify=False,
-        )
+            planecommands.kube_controller_manager(
+                self.binaries.path("kube-controller-manager"),
+                kubeconfig=self.kubeconfig(ADMIN_USER), port=port, pki=self.pki,
+                ca_file=self.ca_file,
+            ),
+        )  # fmt: skip
+        url = f"https://127.0.0.1:{port}/healthz"
+        self._wait_healthy("kube-controller-manager", url, timeout, verify=False)
 
         # Healthy is not working: pods in a namespace need its default ServiceAccount, which the
         # controller-manager's serviceaccount controller creates.
@@ -372,40 +301,19 @@ class ControlPlane:
         wait_until("the default ServiceAccount", default_service_account, timeout=timeout)
 
     def _start_scheduler(self, timeout: float) -> None:
+        port = self.ports.scheduler
+        binary, kubeconfig = self.binaries.path("kube-scheduler"), self.kubeconfig(ADMIN_USER)
         self._spawn(
-            "kube-scheduler",
-            [
-                str(self.binaries.path("kube-scheduler")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports.scheduler}",
-                "--leader-elect=false",
-            ],
+            "kube-scheduler", planecommands.kube_scheduler(binary, kubeconfig=kubeconfig, port=port)
         )
-        self._wait_healthy(
-            "kube-scheduler",
-            f"https://127.0.0.1:{self.ports.scheduler}/healthz",
-            timeout,
-            verify=False,
-        )
+        url = f"https://127.0.0.1:{port}/healthz"
+        self._wait_healthy("kube-scheduler", url, timeout, verify=False)
 
     def _start_kwok(self, timeout: float) -> None:
-        key, value = KWOK_NODE_ANNOTATION
-        self._spawn(
-            "kwok",
-            [
-                str(self.binaries.path("kwok")),
-                f"--kubeconfig={self.kubeconfig(ADMIN_USER)}",
-                f"--config={KWOK_STAGES}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={key}={value}",
-                f"--cidr={KWOK_POD_CIDR}",
-                f"--node-ip={KWOK_NODE_IP}",
-                "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{self.ports.kwok}",
-            ],
-        )
-        self._wait_healthy("kwok", f"http://127.0.0.1:{self.ports.kwok}/healthz", timeout)
+        port = self.ports.kwok
+        binary, kubeconfig = self.binaries.path("kwok"), self.kubeconfig(ADMIN_USER)
+        self._spawn("kwok", planecommands.kwok(binary, kubeconfig=kubeconfig, port=port))
+        self._wait_healthy("kwok", f"http://127.0.0.1:{port}/healthz", timeout)
 
     def _save_state(self) -> None:
         state = {
@@ -417,6 +325,10 @@ class ControlPlane:
         }
         (self.workdir / "state.json").write_text(json.dumps(state, indent=2))
 
+
+# ---- certificates ---------------------------------------------------------------------------
+# Here rather than in a module of their own: issue_serving_cert is this plane's API (tests sign
+# webhook certificates with the plane's CA), and both raise the plane's error.
 
 # Every name the API server is reached by: loopback for us, the service names for pods.
 APISERVER_SANS = (
@@ -466,68 +378,6 @@ def _run(args: list[str]) -> None:
         raise ControlPlaneError(f"{' '.join(args)} failed: {proc.stderr.strip()}")
 
 
-def spawn_component(
-    name: str, args: list[str], *, logs: Path, cwd: Path
-) -> subprocess.Popen[bytes]:
-    """A component process writing to logs/<name>.log, in a session of its own: Ctrl-C in a
-    terminal must not leave half a plane behind, and `down` from another process can stop the
-    whole group."""
-    with (logs / f"{name}.log").open("ab") as log:
-        return subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=cwd,
-        )  # fmt: skip
-
-
-def raise_if_exited(
-    procs: Mapping[str, subprocess.Popen[bytes]], logs: Path, error: type[ControlPlaneError]
-) -> None:
-    """Raise `error` naming the first component that exited, with the tail of its log."""
-    for name, proc in procs.items():
-        if proc.poll() is not None:
-            raise error(
-                f"{name} exited with code {proc.returncode}; see {logs / name}.log:\n"
-                + _tail(logs / f"{name}.log")
-            )
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def _terminate(pid: int, proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if proc is not None:
-            if proc.poll() is not None:
-                return
-        elif not _pid_alive(pid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    if proc is not None:
-        proc.wait(timeout=grace)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def running_control_plane(
     workdir: Path, *, timeout: float = 120.0, address: str = "127.0.0.1",
@@ -542,100 +392,9 @@ def running_control_plane(
         plane.stop()
 
 
-# ---- command line (make cluster-up / cluster-down) ----------------------------------------------
-def load_state(state_dir: Path) -> dict[str, Any] | None:
-    """The state of a plane started by `up`, if every one of its processes is alive."""
-    state_file = state_dir / "state.json"
-    if not state_file.exists():
-        return None
-    state: dict[str, Any] = json.loads(state_file.read_text())
-    return state if all(_pid_alive(pid) for pid in state["pids"].values()) else None
-
-
-def record_process(state_dir: Path, name: str, pid: int) -> None:
-    """Add a process (e.g. the demo's operator) for `down` to stop with the plane."""
-    state_file = state_dir / "state.json"
-    state = json.loads(state_file.read_text())
-    state["pids"][name] = pid
-    state_file.write_text(json.dumps(state, indent=2))
-
-
-def bring_up(state_dir: Path) -> dict[str, Any]:
-    """Start a detached plane with the demo nodes (or reuse a running one); returns its state."""
-    if (state := load_state(state_dir)) is not None:
-        print(f"control plane already running at {state['server']}")
-        return state
-    _cmd_down(state_dir)
-    shutil.rmtree(state_dir, ignore_errors=True)
-    started = time.monotonic()
-    plane = ControlPlane(workdir=state_dir, binaries=build_binaries())
-    plane.start()
-    from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
-
-    with plane.http() as http:
-        names = create_nodes(http, demo_nodes())
-        wait_nodes_ready(http, names, timeout=60)
-    print(f"control plane up in {time.monotonic() - started:.1f}s at {plane.server}")
-    print(f"fake nodes: {', '.join(names)}")
-    print(f"logs: {plane.logs}")
-    state = load_state(state_dir)
-    assert state is not None
-    return state
-
-
-def _cmd_up(state_dir: Path) -> int:
-    state = bring_up(state_dir)
-    print(f"kubectl: {ensure_cli_tools().kubectl}")
-    print(f"export KUBECONFIG={state['kubeconfig']}")
-    return 0
-
-
-def _cmd_down(state_dir: Path) -> int:
-    state_file = state_dir / "state.json"
-    if not state_file.exists():
-        print("no local control plane is running")
-        return 0
-    state = json.loads(state_file.read_text())
-    _stop_real_node(state_dir)
-    for pid in reversed(list(state["pids"].values())):
-        _terminate(pid, None)
-    state_file.unlink()
-    print(f"stopped the control plane at {state['server']}")
-    return 0
-
-
-def _stop_real_node(state_dir: Path) -> None:
-    """The real node `make demo` started (its containers first, while containerd still runs),
-    then its bridge, so nothing of it is left."""
-    from devtools.realnode import NODE_WORKDIR, RealNode, delete_bridge
-
-    plane = ControlPlane(workdir=state_dir, binaries=build_binaries(quiet=True))
-    node = RealNode.saved(plane, state_dir / NODE_WORKDIR)
-    if node is None:
-        return
-    node.stop()
-    (state_dir / NODE_WORKDIR / "node-state.json").unlink()
-    delete_bridge()
-    print("stopped the real node")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="localplane", description=__doc__)
-    parser.add_argument("command", choices=["up", "down", "build"])
-    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "build":
-            print(build_binaries().directory)
-            print(ensure_cli_tools().kubectl.parent)
-            return 0
-        if args.command == "up":
-            return _cmd_up(args.state_dir)
-        return _cmd_down(args.state_dir)
-    except (ControlPlaneError, ToolsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-
 if __name__ == "__main__":
+    # The command line is planecli.py's; it imports this module, so only run as a script can
+    # this module import it without a cycle.
+    from devtools.planecli import main
+
     sys.exit(main())

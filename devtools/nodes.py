@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from devtools.localplane import KWOK_NODE_ANNOTATION, ControlPlaneError, wait_until
+from devtools.localplane import ControlPlaneError, wait_until
+from devtools.planecommands import KWOK_NODE_ANNOTATION
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
