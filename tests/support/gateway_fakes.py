@@ -7,12 +7,14 @@ import copy
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
+from unittest import mock
 
 import aiohttp
 from aiohttp.test_utils import make_mocked_request
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
+from pdserve.gateway.app import Gateway
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.fairqueue import PrefillAdmission
@@ -167,3 +169,19 @@ def rig(engine_api: str = "tokens", mode: str = "Disaggregated") -> Rig:
     else:
         route = OpenAIRoute(upstream, hops, planner, placement, metrics)
     return Rig(route, upstream, planner, metrics)
+
+
+def fake_gateway(
+    engine_api: str = "tokens", mode: str = "Disaggregated", **settings: Any
+) -> tuple[Gateway, FakeUpstream]:
+    """The whole gateway (intake, error path, routes) on the fake upstream: serve its app()
+    with aiohttp's test client."""
+    with mock.patch(
+        "pdserve.gateway.app.UpstreamClient",
+        lambda endpoints, metrics, _settings: FakeUpstream(endpoints, metrics),
+    ):
+        gateway = Gateway(
+            config(engine_api, mode), GatewaySettings(load_scrape_seconds=None, **settings)
+        )
+    assert isinstance(gateway.upstream, FakeUpstream)
+    return gateway, gateway.upstream

@@ -15,8 +15,11 @@ the operational endpoints (health, ready, models, metrics, status)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 
 import aiohttp
 from aiohttp import web
@@ -27,7 +30,14 @@ from pdserve.gateway.admission import AdmissionHandlers
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints, NoEndpoints
-from pdserve.gateway.errors import GatewayError, error_response
+from pdserve.gateway.errors import (
+    GatewayError,
+    client_error,
+    client_went_away,
+    error_body,
+    error_response,
+    http_error_response,
+)
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.fairqueue import PrefillAdmission
 from pdserve.gateway.hops import Hops
@@ -44,6 +54,8 @@ from pdserve.gateway.settings import GatewaySettings
 from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
 from pdserve.kube.client import Kube
+
+log = logging.getLogger("pdserve.gateway")
 
 
 class Gateway:
@@ -115,7 +127,9 @@ class Gateway:
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes, middlewares=[self._errors]
+        )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -160,6 +174,26 @@ class Gateway:
         if self._discovery is not None:
             await self._discovery.kube.close()
         await self.upstream.close()
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every other endpoint's failures in the OpenAI shape too (the completions' own path
+        is fail()): a wrong API key, an unknown path, anything unexpected."""
+        try:
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return http_error_response(error)
+        except Exception as error:
+            if client_went_away(error):
+                raise
+            request_id = request.headers.get("X-Request-Id")
+            answer = client_error(error, request_id)
+            self._log_failure(error, answer, request_id)
+            return error_response(answer)
 
     # ---- operational endpoints -----------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -236,6 +270,7 @@ class Gateway:
             )
         async with self._slots:
             self.metrics.inflight.inc()
+            exchange: Exchange | None = None
             try:
                 self.intake.authorize(request)
                 body = await self.intake.read_body(request)
@@ -260,11 +295,44 @@ class Gateway:
                 if self.request_log is not None:
                     self.request_log.record(exchange.log_entry())
                 return response
-            except GatewayError as error:
-                self.metrics.requests.labels(route, f"error_{error.status}").inc()
-                return error_response(error)
-            except NoEndpoints as error:
-                self.metrics.requests.labels(route, "no_endpoints").inc()
-                return error_response(GatewayError(503, str(error)))
+            except Exception as error:
+                if client_went_away(error):
+                    raise
+                return await self.fail(request, exchange, route, error)
             finally:
                 self.metrics.inflight.dec()
+
+    async def fail(
+        self, request: web.Request, exchange: Exchange | None, route: str, error: Exception
+    ) -> web.StreamResponse:
+        """The one error path of a completion request: whatever it raised answers as an OpenAI
+        error (errors.client_error), or, once its stream started, as an error event and
+        [DONE] on that stream."""
+        request_id = exchange.request_id if exchange else request.headers.get("X-Request-Id")
+        answer = client_error(error, request_id)
+        route = exchange.route if exchange else route
+        outcome = "no_endpoints" if isinstance(error, NoEndpoints) else f"error_{answer.status}"
+        self.metrics.requests.labels(route, outcome).inc()
+        self._log_failure(error, answer, request_id)
+        writer = exchange.writer if exchange else None
+        if writer is None:
+            return error_response(answer)
+        if not writer.finished:
+            with suppress(ConnectionResetError):
+                await writer.send(
+                    error_body(answer.status, answer.message, answer.kind, answer.param)
+                )
+                await writer.done()
+        return writer.response
+
+    @staticmethod
+    def _log_failure(error: Exception, answer: GatewayError, request_id: str | None) -> None:
+        """Unexpected failures (500) with their stack, the others (upstream, no endpoints) with
+        the addresses the client is not told; the client's own mistakes (4xx) are not logged."""
+        extra = {"request_id": request_id}
+        if answer.status < 500:
+            return
+        if answer.kind == "InternalServerError":
+            log.error("%s: unexpected failure", request_id, exc_info=error, extra=extra)
+        else:
+            log.warning("%s: answered %d: %s", request_id, answer.status, error, extra=extra)

@@ -1,11 +1,16 @@
-"""How a request fails: OpenAI-style errors for the client, retryable upstream failures."""
+"""How a request fails: OpenAI-style errors for the client, retryable upstream failures, and
+the one mapping of whatever a request raised to the error its client gets."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
+import aiohttp
 from aiohttp import web
+
+from pdserve.gateway.endpoints import NoEndpoints
 
 
 class GatewayError(Exception):
@@ -20,17 +25,22 @@ class GatewayError(Exception):
             400: "BadRequestError",
             401: "AuthenticationError",
             404: "NotFoundError",
+            413: "RequestTooLarge",
             429: "RateLimitError",
+            500: "InternalServerError",
             503: "ServiceUnavailableError",
+            504: "TimeoutError",
         }.get(status, "APIError")
 
 
 class UpstreamFailed(Exception):
     """A hop failed in a way another replica (or local prefill) may fix."""
 
-    def __init__(self, stage: str, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, stage: str, message: str, status: int | None = None, *, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
-        self.stage, self.status = stage, status
+        self.stage, self.status, self.timed_out = stage, status, timed_out
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -56,3 +66,54 @@ def upstream_message(payload: bytes) -> str:
     if isinstance(body, dict) and "message" in body:
         return str(body["message"])
     return text[:500]
+
+
+# Engine, render and peer addresses (URLs, IPs, "host <name>:<port>") in an upstream failure's
+# text are the cluster's business, not the client's: the log line has them.
+_ADDRESS = re.compile(
+    r"\b[a-z][a-z0-9+.-]*://[^\s,;'\"()\[\]]+?(?=:?(?:\s|$)|[,;'\"()\[\]])"
+    r"|(?<=host )[^\s,;'\"()\[\]]+"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+)
+
+
+def without_addresses(message: str) -> str:
+    return _ADDRESS.sub("a replica", message)
+
+
+def client_error(error: Exception, request_id: str | None = None) -> GatewayError:
+    """What the client is told about a request that raised `error`: a GatewayError as it is
+    (a 5xx without upstream addresses), no usable endpoints as 503, an upstream that failed
+    as 502 (504: timed out), and
+    anything unexpected as a 500 that gives nothing away (the caller logs the stack)."""
+    if isinstance(error, GatewayError):
+        if error.status < 500:
+            return error
+        message = without_addresses(error.message)
+        return GatewayError(error.status, message, param=error.param, kind=error.kind)
+    if isinstance(error, NoEndpoints):
+        return GatewayError(503, str(error))
+    if isinstance(error, UpstreamFailed):
+        status = 504 if error.timed_out else 502
+        return GatewayError(status, without_addresses(str(error)), kind="UpstreamError")
+    if isinstance(error, TimeoutError):
+        return GatewayError(504, "an upstream call timed out", kind="UpstreamError")
+    if isinstance(error, aiohttp.ClientError):
+        message = f"an upstream call failed ({type(error).__name__})"
+        return GatewayError(502, message, kind="UpstreamError")
+    where = f" (request id {request_id})" if request_id else ""
+    return GatewayError(500, f"the gateway failed to serve the request{where}")
+
+
+def client_went_away(error: Exception) -> bool:
+    """The client's connection reset (not an upstream's, which aiohttp's client errors are):
+    there is no one left to answer."""
+    return isinstance(error, ConnectionResetError) and not isinstance(error, aiohttp.ClientError)
+
+
+def http_error_response(error: web.HTTPException) -> web.Response:
+    """aiohttp's own 4xx/5xx (unknown path, wrong method...) in the OpenAI shape."""
+    headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+    kind = GatewayError(error.status, error.reason).kind
+    body = error_body(error.status, error.reason, kind)
+    return web.json_response(body, status=error.status, headers=headers)

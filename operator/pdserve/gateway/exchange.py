@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from pdserve.gateway.endpoints import Endpoint, Selection
 from pdserve.gateway.request_log import p95
+
+if TYPE_CHECKING:
+    from pdserve.gateway.streaming import ClientWriter
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Exchange:
     sent_at_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    writer: ClientWriter | None = None
+    """The client's stream once its response started: a failure then ends it with an error
+    event and [DONE] (app.py)."""
 
     @property
     def stream(self) -> bool:

@@ -40,6 +40,14 @@ class Intake:
                 f"request body exceeds {self.settings.max_body_bytes} bytes",
                 kind="RequestTooLarge",
             ) from None
+        except UnicodeDecodeError as error:
+            message = f"request body is not valid {error.encoding}: {error.reason}"
+            raise GatewayError(400, message) from None
+        except LookupError:
+            message = f"request body's charset {request.charset!r} is unknown; send UTF-8"
+            raise GatewayError(400, message) from None
+        except RecursionError:
+            raise GatewayError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
         model = body.get("model")

@@ -44,6 +44,8 @@ class ClientWriter:
         self.response, self.exchange, self.metrics = response, exchange, metrics
         self.lock = asyncio.Lock()
         self.object_name = "chat.completion.chunk" if exchange.chat else "text_completion"
+        self.finished = False  # [DONE] was sent
+        exchange.writer = self
 
     def note_token(self) -> None:
         ex, now = self.exchange, time.monotonic()
@@ -69,6 +71,7 @@ class ClientWriter:
     async def done(self) -> None:
         async with self.lock:
             await self.response.write(b"data: [DONE]\n\n")
+            self.finished = True
 
 
 @dataclass(frozen=True)

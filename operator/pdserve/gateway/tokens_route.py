@@ -332,4 +332,11 @@ class TokensRoute:
                     pipeline.cancel()
                 await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
                 raise
+            except Exception:
+                # Anything else broke the stream (app.py's error path reports it on the
+                # stream): stop the derender calls and the engine's work for it too.
+                for pipeline in pipelines.values():
+                    pipeline.cancel()
+                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
+                raise
             return response

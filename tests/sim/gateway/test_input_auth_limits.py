@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from devtools.localplane import free_port
 from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
 
 
@@ -32,6 +33,8 @@ from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
         ),
         (json.dumps({**PLAIN, "stream": "yes"}).encode(), 400, "stream must be true or false"),
         (json.dumps({**PLAIN, "messages": []}).encode(), 400, "messages: must be a non-empty list"),
+        (b'{"messages": "\xff"}', 400, "request body is not valid utf-8"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "request body is nested too deeply"),
     ],
 )
 async def test_bad_requests_get_clear_errors(
@@ -48,6 +51,21 @@ async def test_bad_requests_get_clear_errors(
     )
     assert response.status_code == status
     assert response.json()["error"]["message"].startswith(message)
+
+
+async def test_render_down_everywhere_is_an_openai_502_without_addresses(stack: Stack) -> None:
+    decode = await stack.engine("both", engine("both"))
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = await stack.gateway(
+        routing(prefill=False, endpoints={"render": [ep(dead)], "decode": [ep(decode)]})
+    )
+    for body in (PLAIN, {**PLAIN, "stream": True}):
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 502, response.text
+        error = response.json()["error"]
+        assert error["type"] == "UpstreamError"
+        assert error["message"].startswith("render at a replica: ClientConnectorError")
+        assert "127.0.0.1" not in error["message"]
 
 
 async def test_api_keys_are_required_when_configured(stack: Stack) -> None:

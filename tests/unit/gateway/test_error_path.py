@@ -1,0 +1,199 @@
+"""The gateway's one error path: whatever a request raises, the client gets an OpenAI-shaped
+error with the right status (after its stream started: an error event and [DONE]), never a
+bare 500, a stack trace or an engine's address."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient, TestServer
+
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.endpoints import NoEndpoints
+from pdserve.gateway.errors import GatewayError, UpstreamFailed
+from tests.support.gateway_fakes import FakeUpstream, fake_gateway
+
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+PROMPT_IDS = list(range(1, 9))
+KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]}
+ANSWER = {"choices": [{"index": 0, "token_ids": [9], "finish_reason": "stop"}]}
+DERENDERED = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]}
+Served = tuple[TestClient[Any, Any], Gateway, FakeUpstream]
+
+
+def rendered() -> dict[str, Any]:
+    return {"token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 5}, "stream": False}
+
+
+def render_down(stage: str = "render") -> UpstreamFailed:
+    return UpstreamFailed(stage, f"{stage} at http://10.1.2.3:8000: HTTP 500: engine exploded")
+
+
+@pytest.fixture
+async def pd() -> AsyncIterator[Served]:
+    gateway, upstream = fake_gateway("tokens", "Disaggregated", api_keys=("key",))
+    async with TestClient(TestServer(gateway.app())) as client:
+        yield client, gateway, upstream
+
+
+async def post(client: TestClient[Any, Any], body: Any, **kwargs: Any) -> ClientResponse:
+    headers = {"Authorization": "Bearer key", "X-Request-Id": "req-7"}
+    headers.update(kwargs.pop("headers", {}))
+    if "data" not in kwargs:
+        kwargs["json"] = body
+    return await client.post("/v1/chat/completions", headers=headers, **kwargs)
+
+
+async def openai_error(response: ClientResponse, status: int) -> dict[str, Any]:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    assert "10.1.2.3" not in error["message"]
+    assert "Traceback" not in error["message"]
+    return error  # type: ignore[no-any-return]
+
+
+def requests_counted(gateway: Gateway, outcome: str) -> float:
+    return sum(
+        s.value
+        for m in gateway.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "pdserve_gateway_requests_total" and s.labels.get("outcome") == outcome
+    )
+
+
+async def test_render_failing_on_every_replica_is_a_502(pd: Served) -> None:
+    client, gateway, upstream = pd
+    upstream.script = {"render": [render_down()]}
+    error = await openai_error(await post(client, CHAT), 502)
+    assert error["type"] == "UpstreamError"
+    assert error["message"] == "render at a replica: HTTP 500: engine exploded"
+    assert requests_counted(gateway, "error_502") == 1
+
+
+async def test_an_upstream_timeout_is_a_504(pd: Served) -> None:
+    client, _, upstream = pd
+    upstream.script = {"render": [UpstreamFailed("render", "render timed out", timed_out=True)]}
+    await openai_error(await post(client, CHAT), 504)
+
+
+async def test_derender_failing_is_a_502(pd: Served) -> None:
+    client, _, upstream = pd
+    upstream.script = {
+        "render": [rendered()],
+        "prefill": [{"kv_transfer_params": KV}],
+        "decode": [ANSWER],
+        "derender": [render_down("derender")],
+    }
+    await openai_error(await post(client, CHAT), 502)
+    assert upstream.stages() == ["render", "prefill", "decode", "derender"]
+
+
+async def test_the_local_prefill_retry_on_decode_failing_too_is_a_502(pd: Served) -> None:
+    client, _, upstream = pd
+    upstream.script = {
+        "render": [rendered()],
+        "prefill": [{"kv_transfer_params": KV}],
+        "decode": [
+            UpstreamFailed("decode", "decode at http://10.1.2.3:8000: HTTP 500: KV transfer"),
+            render_down("decode"),
+        ],
+    }
+    error = await openai_error(await post(client, CHAT), 502)
+    assert error["message"].startswith("decode at a replica")
+    assert upstream.stages() == ["render", "prefill", "decode", "decode"]
+
+
+async def test_an_unexpected_failure_is_a_generic_500_logged_with_its_stack(
+    pd: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, gateway, upstream = pd
+    upstream.script = {"render": [KeyError("secret internal detail")]}
+    with caplog.at_level(logging.ERROR, logger="pdserve.gateway"):
+        error = await openai_error(await post(client, CHAT), 500)
+    assert error["message"] == "the gateway failed to serve the request (request id req-7)"
+    assert error["type"] == "InternalServerError"
+    assert "secret" not in error["message"]
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert record.request_id == "req-7"  # type: ignore[attr-defined]
+    assert record.exc_info is not None
+    assert record.exc_info[0] is KeyError
+    assert requests_counted(gateway, "error_500") == 1
+
+
+async def test_no_endpoints_is_still_a_503(pd: Served) -> None:
+    client, gateway, upstream = pd
+    upstream.script = {"render": [NoEndpoints("no healthy decode endpoint")]}
+    error = await openai_error(await post(client, CHAT), 503)
+    assert error["message"] == "no healthy decode endpoint"
+    assert requests_counted(gateway, "no_endpoints") == 1
+
+
+async def test_a_gateway_error_with_an_address_loses_it(pd: Served) -> None:
+    client, _, upstream = pd
+    upstream.script = {
+        "render": [GatewayError(502, "render at http://10.1.2.3:8000 answered non-JSON")]
+    }
+    error = await openai_error(await post(client, CHAT), 502)
+    assert error["message"] == "render at a replica answered non-JSON"
+
+
+@pytest.mark.parametrize(
+    ("data", "content_type", "message"),
+    [
+        (b'{"messages": "\xff\xfe"}', "application/json", "request body is not valid utf-8"),
+        (b"{}", "application/json; charset=no-such-charset", "request body's charset"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", "request body is nested too deeply"),
+        (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "application/json", "request body is nested"),
+    ],
+)
+async def test_bodies_that_cannot_be_read_are_400s(
+    pd: Served, data: bytes, content_type: str, message: str
+) -> None:
+    client, _, upstream = pd
+    response = await post(client, None, data=data, headers={"Content-Type": content_type})
+    error = await openai_error(response, 400)
+    assert error["message"].startswith(message)
+    assert upstream.calls == []
+
+
+async def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_and_done(
+    pd: Served,
+) -> None:
+    client, gateway, upstream = pd
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    upstream.script = {
+        "render": [rendered()],
+        "prefill": [{"kv_transfer_params": KV}],
+        "derender": [{"chunk": chunk}] * 4,
+    }
+    event = {"choices": [{"index": 0, "token_ids": [10], "finish_reason": None}]}
+    upstream.stream_lines = [f"data: {json.dumps(event)}\n".encode(), b"data: {not json\n"]
+    response = await post(client, {**CHAT, "stream": True})
+    assert response.status == 200
+    text = await response.text()
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500
+    assert error["message"] == "the gateway failed to serve the request (request id req-7)"
+    assert requests_counted(gateway, "error_500") == 1
+    assert upstream.aborted == [("http://decode", ["req-7"])]  # the engine stops working
+
+
+async def test_other_endpoints_answer_openai_errors_too(pd: Served) -> None:
+    client, _, _ = pd
+    error = await openai_error(await client.get("/v1/models"), 401)
+    assert error["type"] == "AuthenticationError"
+    error = await openai_error(await client.get("/v1/nothing-here"), 404)
+    assert error["message"] == "Not Found"
+    response = await client.get("/v1/chat/completions")
+    assert (await openai_error(response, 405))["type"] == "APIError"
+    assert "POST" in response.headers["Allow"]
