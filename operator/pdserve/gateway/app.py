@@ -274,6 +274,7 @@ class Gateway:
             try:
                 self.intake.authorize(request)
                 body = await self.intake.read_body(request)
+                body = self.intake.check_body(body, chat=chat)
                 request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
                 plan = await self.planner.plan()
                 exchange = Exchange(

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.openai_schema import InvalidRequest, validate_request
 from pdserve.gateway.settings import GatewaySettings
 
 
@@ -50,16 +51,19 @@ class Intake:
             raise GatewayError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
+        return body
+
+    def check_body(self, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+        """The body read, checked against the served model, the OpenAI schema and the
+        max-tokens cap; the same dict goes upstream (the cap's default filled in)."""
         model = body.get("model")
         if model is not None and model != self.model:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
         body["model"] = self.model
-        for field in ("max_tokens", "max_completion_tokens", "n"):
-            value = body.get(field)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise GatewayError(400, f"{field} must be a positive integer", param=field)
+        try:
+            validate_request(body, chat=chat)
+        except InvalidRequest as error:
+            raise GatewayError(400, error.message, param=error.param) from None
         cap = self.settings.max_tokens_cap
         if cap is not None:
             for field in ("max_tokens", "max_completion_tokens"):
@@ -67,8 +71,6 @@ class Intake:
                     raise GatewayError(400, f"{field} may be at most {cap}", param=field)
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
                 body["max_tokens"] = cap
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise GatewayError(400, "stream must be true or false", param="stream")
         return body
 
     def upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from devtools.localplane import free_port
-from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
+from tests.support.sim_gateway import PLAIN, Stack, engine, ep, finished, routing
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,10 @@ from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
         ),
         (json.dumps({**PLAIN, "stream": "yes"}).encode(), 400, "stream must be true or false"),
         (json.dumps({**PLAIN, "messages": []}).encode(), 400, "messages: must be a non-empty list"),
+        (json.dumps({**PLAIN, "best_of": -1}).encode(), 400, "best_of must be a positive integer"),
+        (json.dumps({**PLAIN, "logprobs": "abc"}).encode(), 400, "logprobs must be true or false"),
+        (json.dumps({**PLAIN, "temperature": "hot"}).encode(), 400, "temperature must be a"),
+        (json.dumps({**PLAIN, "stream_options": 1}).encode(), 400, "stream_options must be an"),
         (b'{"messages": "\xff"}', 400, "request body is not valid utf-8"),
         (b"[" * 100_000 + b"]" * 100_000, 400, "request body is nested too deeply"),
     ],
@@ -51,6 +55,14 @@ async def test_bad_requests_get_clear_errors(
     )
     assert response.status_code == status
     assert response.json()["error"]["message"].startswith(message)
+    assert finished(stack.engines["both"]) == 0
+    render_calls = sum(
+        sample.value
+        for metric in stack.renders[0].metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "pdserve_sim_render_requests_total"
+    )
+    assert render_calls == 0  # refused before any render server or engine was called
 
 
 async def test_render_down_everywhere_is_an_openai_502_without_addresses(stack: Stack) -> None:
