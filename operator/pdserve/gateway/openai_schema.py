@@ -238,6 +238,17 @@ class CompletionRequest(Sampling):
         return self
 
 
+def logprobs_asked(body: dict[str, Any], *, chat: bool) -> str | None:
+    """The parameter of a (valid) body that asks for log probabilities, if any."""
+    if chat and (body.get("logprobs") or (body.get("top_logprobs") or 0) > 0):
+        return "logprobs"
+    if not chat and body.get("logprobs") is not None:
+        return "logprobs"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    return None
+
+
 # Which field a model-level check is about: its error carries this as its type.
 _WHOLE_BODY_CHECKS = {"best_of", "top_logprobs", "prompt", "messages"}
 

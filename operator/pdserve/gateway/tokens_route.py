@@ -21,6 +21,7 @@ from pdserve.gateway.errors import GatewayError, upstream_message
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_schema import logprobs_asked
 from pdserve.gateway.placement import Placement
 from pdserve.gateway.planner import RoutePlanner
 from pdserve.gateway.settings import GatewaySettings
@@ -63,6 +64,16 @@ class TokensRoute:
         self.metrics = metrics
 
     async def serve(self, ex: Exchange) -> web.StreamResponse:
+        if ex.stream and (param := logprobs_asked(ex.body, chat=ex.chat)) is not None:
+            # A streamed choice is derendered from its token ids alone (streaming.py): the
+            # engine's log probabilities would be dropped, so refuse rather than omit them.
+            raise GatewayError(
+                400,
+                f"{param} is not available with stream: true on this model (its render "
+                "servers derender streamed tokens without their log probabilities); send "
+                "stream: false to get them",
+                param=param,
+            )
         render_endpoint, rendered = await self.upstream.post_json(
             "render",
             ex.selection.pools["render"],

@@ -39,6 +39,11 @@ from tests.support.sim_gateway import PLAIN, Stack, engine, ep, finished, routin
         (json.dumps({**PLAIN, "stream_options": 1}).encode(), 400, "stream_options must be an"),
         (b'{"messages": "\xff"}', 400, "request body is not valid utf-8"),
         (b"[" * 100_000 + b"]" * 100_000, 400, "request body is nested too deeply"),
+        (
+            json.dumps({**PLAIN, "stream": True, "logprobs": True}).encode(),
+            400,
+            "logprobs is not available with stream: true",
+        ),
     ],
 )
 async def test_bad_requests_get_clear_errors(

@@ -189,3 +189,53 @@ async def test_a_valid_body_goes_to_render_as_the_client_sent_it(
     [sent] = upstream.sent("render")
     assert sent == body
     assert json.dumps(sent) == json.dumps(body)  # same keys, same order, same types
+
+
+@pytest.mark.parametrize(
+    ("chat", "changes", "param"),
+    [
+        (True, {"logprobs": True}, "logprobs"),
+        (True, {"logprobs": True, "top_logprobs": 3}, "logprobs"),
+        (False, {"logprobs": 0}, "logprobs"),
+        (True, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+async def test_streamed_logprobs_are_refused_where_derender_would_drop_them(
+    served: tuple[TestClient[Any, Any], FakeUpstream],
+    chat: bool,
+    changes: dict[str, Any],
+    param: str,
+) -> None:
+    client, upstream = served
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = await client.post(path, json={**body_of(chat, changes), "stream": True})
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["param"] == param
+    assert f"{param} is not available with stream: true" in error["message"]
+    assert upstream.calls == []
+
+
+async def test_logprobs_unstreamed_or_without_them_go_to_render(
+    served: tuple[TestClient[Any, Any], FakeUpstream],
+) -> None:
+    client, upstream = served
+    for body in ({**CHAT, "logprobs": True}, {**CHAT, "stream": True, "logprobs": False}):
+        upstream.script = {"render": [RuntimeError("stop after render")]}
+        await client.post("/v1/chat/completions", json=body)
+    assert [sent["logprobs"] for sent in upstream.sent("render")] == [True, False]
+
+
+async def test_openai_engines_stream_logprobs_through() -> None:
+    gateway, upstream = fake_gateway("openai", "Aggregated")
+    event = {"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": {"content": []}}]}
+    upstream.stream_lines = [f"data: {json.dumps(event)}\n".encode(), b"data: [DONE]\n"]
+    async with TestClient(TestServer(gateway.app())) as client:
+        body = {**CHAT, "stream": True, "logprobs": True, "top_logprobs": 2}
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status == 200
+        text = await response.text()
+    [sent] = upstream.sent("decode_stream")
+    assert sent["logprobs"] is True
+    assert sent["top_logprobs"] == 2
+    assert json.loads(text.splitlines()[0].removeprefix("data: ")) == event
