@@ -97,7 +97,7 @@ class Gateway:
                 self.upstream, hops, self.planner, placement, self.metrics
             )
         self.admission_handlers = AdmissionHandlers(
-            self.admission, self.peers, self.intake, hold_seconds=s.prefill_timeout
+            self.admission, self.peers, self.intake, hold_seconds=s.first_byte_timeout
         )
         self.request_log = RequestLog(s.request_log) if s.request_log else None
 

@@ -169,31 +169,41 @@ class TokensRoute:
         kv: dict[str, Any] | None,
         prefill_endpoint: Endpoint | None,
     ) -> AsyncIterator[tuple[Endpoint, aiohttp.ClientResponse]]:
-        """Open the decode SSE stream; a KV load failure before any token is retried once with
-        local prefill on decode."""
+        """Open the decode SSE stream, trying the next decode replica when one fails or does
+        not answer (never one that already did); a KV load failure before any token is retried
+        once with local prefill on decode, on another replica when there is one (the engine
+        that could not pull the KV answered, so it may serve the retry when it is alone)."""
         attempts: list[dict[str, Any] | None] = [kv, None] if kv is not None else [None]
         tried: list[Endpoint] = []
-        failure = "no decode endpoint"
+        kv_failed: list[Endpoint] = []
+        deadline = self.upstream.deadline(ex.started)
+        failure, status = "no decode endpoint", 503
         for attempt_kv in attempts:
             local_ids = generate["token_ids"] if attempt_kv is None else None
             affinity = self.placement.affinity(ex, "decode", local_ids)
+            candidates = self.hops.decode_candidates(ex, with_kv=attempt_kv is not None)
             while (
-                endpoint := self.upstream.endpoints.pick(
-                    self.hops.decode_candidates(ex, with_kv=attempt_kv is not None),
-                    tried,
-                    affinity,
-                )
+                endpoint := self.upstream.endpoints.pick(candidates, tried + kv_failed, affinity)
+                or self.upstream.endpoints.pick(candidates, tried, affinity)
             ) is not None:
                 body = tokens_decode_body(generate, attempt_kv)
                 async with counted(endpoint):
                     try:
                         response = await self.upstream.post_stream(
-                            endpoint, GENERATE_PATH, body, ex.headers
+                            endpoint, GENERATE_PATH, body, ex.headers, deadline=deadline
                         )
-                    except (TimeoutError, aiohttp.ClientError) as error:
+                    except TimeoutError:
+                        tried.append(endpoint)
+                        self.metrics.retries.labels("decode", "timeout").inc()
+                        wait = self.settings.first_byte_timeout
+                        failure = f"decode at {endpoint.url}: no answer within {wait:g} s"
+                        status = 504
+                        continue
+                    except aiohttp.ClientError as error:
                         tried.append(endpoint)
                         self.metrics.retries.labels("decode", "connect").inc()
                         failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                        status = 502
                         continue
                     if response.status == 200:
                         self.placement.remember(ex, "decode", endpoint, local_ids)
@@ -207,14 +217,16 @@ class TokensRoute:
                 if 400 <= response.status < 500:
                     raise GatewayError(response.status, message, kind="UpstreamError")
                 failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
+                status = 502
                 if attempt_kv is not None and "KV transfer" in message:
                     self.planner.fallback("kv_load_failed")
                     await self.upstream.abort(prefill_endpoint, [ex.request_id])
-                    tried = []
+                    kv_failed.append(endpoint)
                     break  # next attempt: local prefill
                 tried.append(endpoint)
                 self.metrics.retries.labels("decode", "upstream_error").inc()
-        raise GatewayError(502, failure, kind="UpstreamError")
+        kind = "GatewayTimeout" if status == 504 else "UpstreamError"
+        raise GatewayError(status, failure, kind=kind)
 
     def stream_derender(self, ex: Exchange, prompt_ids: list[int]) -> StreamDerender:
         async def post(body: DerenderStreamRequest) -> dict[str, Any]:
