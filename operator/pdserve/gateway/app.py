@@ -255,7 +255,9 @@ class Gateway:
                 route = exchange.route
                 response = await self.completion_route.serve(exchange)
                 route = exchange.route  # Auto mode decides P/D or local inside serve()
-                self.metrics.requests.labels(route, "ok").inc()
+                failed = exchange.stream_error  # a stream that ended with an error event
+                outcome = "ok" if failed is None else f"error_{failed}"
+                self.metrics.requests.labels(route, outcome).inc()
                 self.metrics.e2e.labels(route).observe(time.monotonic() - started)
                 if self.request_log is not None:
                     self.request_log.record(exchange.log_entry())

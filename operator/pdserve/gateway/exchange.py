@@ -38,6 +38,8 @@ class Exchange:
     sent_at_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    stream_error: int | None = None
+    """The status of the error event a stream ended with (the request failed after its 200)."""
 
     @property
     def stream(self) -> bool:

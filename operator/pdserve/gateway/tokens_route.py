@@ -30,6 +30,7 @@ from pdserve.gateway.streaming import (
     ClientWriter,
     DerenderPipeline,
     StreamDerender,
+    StreamTimeout,
     sse_data,
 )
 from pdserve.gateway.upstream import UpstreamClient, counted
@@ -257,9 +258,14 @@ class TokensRoute:
         kv: dict[str, Any] | None,
         prefill_endpoint: Endpoint | None,
     ) -> web.StreamResponse:
+        """Relay decode's stream through the derender pipelines. It ends with every choice's
+        finish_reason, or, when decode broke, went quiet past the idle timeout or the deadline,
+        sent a malformed event or `[DONE]` before a finish_reason, with an error event (and
+        decode is told to abort); `[DONE]` either way."""
         prompt_ids = generate["token_ids"]
         ex.prompt_tokens = len(prompt_ids)
         derender = self.stream_derender(ex, prompt_ids)
+        s = self.settings
         async with self.open_decode_stream(ex, generate, kv, prefill_endpoint) as (
             decode,
             upstream,
@@ -269,50 +275,67 @@ class TokensRoute:
             writer = ClientWriter(response, ex, self.metrics)
             pipelines: dict[int, DerenderPipeline] = {}
             usage: dict[str, Any] | None = None
-            finished = False
+            done = False  # decode's [DONE]
             broke = ""
+            timed_out = False
             opened = time.monotonic()
             first_event = True
             last_event: float | None = None
             try:
                 try:
-                    async with aclosing(sse_data(upstream.content)) as events:
+                    lines = sse_data(
+                        upstream.content,
+                        first_by=opened + s.first_byte_timeout,
+                        idle=s.idle_timeout,
+                        deadline=self.upstream.deadline(ex.started),
+                    )
+                    async with aclosing(lines) as events:
                         async for data in events:
                             if data == DONE:
-                                finished = True
+                                done = True
                                 break
-                            event = json.loads(data)
-                            if "error" in event:
-                                broke = f"decode reported: {event['error']}"
-                                break
-                            if event.get("choices"):
-                                now = time.monotonic()
-                                if last_event is not None:
-                                    self.planner.note_step(decode, now - last_event, now)
-                                last_event = now
-                            if first_event and event.get("choices"):
-                                first_event = False
-                                self.metrics.stage.labels("decode_first_token").observe(
-                                    now - opened
-                                )
-                                self.planner.note_handoff(ex, now, len(prompt_ids))
-                            if event.get("usage") is not None:
-                                usage = event["usage"]
-                            for choice in event.get("choices") or []:
-                                tokens = list(choice.get("token_ids") or [])
-                                ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
-                                index = int(choice.get("index", 0))
-                                if index not in pipelines:
-                                    pipelines[index] = DerenderPipeline(
-                                        derender, index, writer, self.metrics
+                            try:
+                                event = json.loads(data)
+                                if "error" in event:
+                                    broke = f"decode reported: {event['error']}"
+                                    break
+                                choices = event.get("choices")
+                                if choices:
+                                    now = time.monotonic()
+                                    if last_event is not None:
+                                        self.planner.note_step(decode, now - last_event, now)
+                                    last_event = now
+                                if first_event and choices:
+                                    first_event = False
+                                    self.metrics.stage.labels("decode_first_token").observe(
+                                        now - opened
                                     )
-                                pipelines[index].push(tokens, choice.get("finish_reason"))
+                                    self.planner.note_handoff(ex, now, len(prompt_ids))
+                                if event.get("usage") is not None:
+                                    usage = event["usage"]
+                                for choice in choices or []:
+                                    tokens = list(choice.get("token_ids") or [])
+                                    ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
+                                    index = int(choice.get("index", 0))
+                                    if index not in pipelines:
+                                        pipelines[index] = DerenderPipeline(
+                                            derender, index, writer, self.metrics
+                                        )
+                                    pipelines[index].push(tokens, choice.get("finish_reason"))
+                            except (ValueError, TypeError, AttributeError) as error:
+                                broke = f"decode sent a malformed event ({error})"
+                                break
+                except StreamTimeout as error:
+                    broke, timed_out = str(error), True
                 except (TimeoutError, aiohttp.ClientError) as error:
                     broke = f"decode stream broke ({type(error).__name__})"
+                finished = done and bool(pipelines) and all(p.finished for p in pipelines.values())
+                if not finished and not broke:
+                    broke = "sent [DONE] before a finish_reason" if done else "closed it"
+                    broke = f"decode {broke}"
                 # Flush what was generated before reporting anything, so chunks stay in order.
                 results = await asyncio.gather(
-                    *(p.close(complete=finished) for p in pipelines.values()),
-                    return_exceptions=True,
+                    *(p.close() for p in pipelines.values()), return_exceptions=True
                 )
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if finished:
@@ -320,10 +343,10 @@ class TokensRoute:
                 if failed:
                     await writer.error(502, f"derender failed: {failed[0]}")
                 elif not finished:
-                    # The engine went away mid-stream: say so instead of truncating silently.
-                    reason = f": {broke}" if broke else ""
+                    # Say the answer is cut short instead of truncating it silently.
                     await writer.error(
-                        502, f"decode stream ended before the answer was complete{reason}"
+                        504 if timed_out else 502,
+                        f"decode stream ended before the answer was complete: {broke}",
                     )
                 options = ex.body.get("stream_options") or {}
                 if finished and not failed and usage is not None and options.get("include_usage"):
@@ -344,4 +367,7 @@ class TokensRoute:
                     pipeline.cancel()
                 await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
                 raise
+            if not finished:
+                # Decode may still be generating (a stalled stream): stop it.
+                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
             return response

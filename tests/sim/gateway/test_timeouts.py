@@ -113,3 +113,12 @@ async def test_the_local_prefill_retry_after_a_kv_load_failure_uses_another_deco
         'pdserve_gateway_fallbacks_total{reason="kv_load_failed"} 1.0'
         in (await client.get("/metrics")).text
     )
+
+
+async def test_a_stream_decode_drops_is_counted_as_failed_not_ok(stack: Stack) -> None:
+    client = await pd_stack(stack)
+    await fault(stack, "decode", drop_stream_after=3)
+    events = await asyncio.wait_for(sse_events(client, {**PLAIN, "max_tokens": 100}), HANG)
+    assert events[-1] == "[DONE]"
+    assert "ended before the answer was complete" in events[-2]["error"]["message"]
+    assert await outcomes(client) == {"error_502": 1}
