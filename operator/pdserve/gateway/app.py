@@ -225,6 +225,11 @@ class Gateway:
     async def handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
         route = "unknown"
+        try:
+            await self.intake.receive(request)  # before a slot: slow bodies hold none
+        except GatewayError as error:
+            self.metrics.requests.labels(route, f"error_{error.status}").inc()
+            return error_response(error)
         if self._slots.locked():
             self.metrics.requests.labels(route, "rejected").inc()
             return error_response(

@@ -7,6 +7,7 @@ hang (the old fixed 300 s timeouts)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -122,3 +123,35 @@ async def test_a_stream_decode_drops_is_counted_as_failed_not_ok(stack: Stack) -
     assert events[-1] == "[DONE]"
     assert "ended before the answer was complete" in events[-2]["error"]["message"]
     assert await outcomes(client) == {"error_502": 1}
+
+
+async def test_a_slow_body_gets_408_and_holds_no_in_flight_slot(stack: Stack) -> None:
+    client = await pd_stack(stack, max_inflight=1, body_timeout=0.5)
+    host, port = client.base_url.host, client.base_url.port
+    assert port is not None
+    body = json.dumps(PLAIN).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:10]  # ... and the rest never comes
+        )
+        await writer.drain()
+        # Another client is served meanwhile: the slow body holds no slot.
+        response = await asyncio.wait_for(client.post("/v1/chat/completions", json=PLAIN), HANG)
+        assert response.status_code == 200, response.text
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HANG)
+        assert head.startswith(b"HTTP/1.1 408"), head
+        [length] = [
+            int(h.split(b":", 1)[1])
+            for h in head.split(b"\r\n")
+            if h.lower().startswith(b"content-length:")
+        ]
+        payload = await reader.readexactly(length)
+    finally:
+        writer.close()
+    error = json.loads(payload)["error"]
+    assert (error["code"], error["type"]) == (408, "RequestTimeout")
+    assert "did not arrive within 0.5 s" in error["message"]
