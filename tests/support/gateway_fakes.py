@@ -3,7 +3,10 @@ from a script, so routes run without sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -57,20 +60,24 @@ class Call:
     stage: str
     path: str
     body: dict[str, Any]
+    url: str = ""
 
 
 class FakeStream:
-    """The part of aiohttp's response a decode stream reads."""
+    """The part of aiohttp's response a decode stream reads; `stall`: after its lines the
+    engine goes quiet instead of closing the stream."""
 
-    def __init__(self, lines: list[bytes]) -> None:
+    def __init__(self, lines: list[bytes], *, stall: bool = False) -> None:
         self.status = 200
-        self.lines = lines
+        self.lines, self.stall = lines, stall
 
     @property
     def content(self) -> AsyncIterator[bytes]:
         async def lines() -> AsyncIterator[bytes]:
             for line in self.lines:
                 yield line
+            if self.stall:
+                await asyncio.Event().wait()  # a hung engine: nothing more, ever
 
         return lines()
 
@@ -79,12 +86,15 @@ class FakeStream:
 
 class FakeUpstream(UpstreamClient):
     """Answers each stage with the next scripted outcome: a JSON answer, or an exception to
-    raise. Streams answer with `stream_lines`."""
+    raise. Streams answer with `stream_lines` (then go quiet with `stream_stalls`)."""
 
-    def __init__(self, endpoints: Endpoints, metrics: GatewayMetrics) -> None:
-        super().__init__(endpoints, metrics, GatewaySettings())
+    def __init__(
+        self, endpoints: Endpoints, metrics: GatewayMetrics, settings: GatewaySettings
+    ) -> None:
+        super().__init__(endpoints, metrics, settings)
         self.script: dict[str, list[Any]] = {}
         self.stream_lines: list[bytes] = []
+        self.stream_stalls = False
         self.calls: list[Call] = []
         self.aborted: list[tuple[str, list[str]]] = []
 
@@ -106,18 +116,29 @@ class FakeUpstream(UpstreamClient):
         retry: bool = True,
         affinity: Mapping[str, int] | None = None,
         prefill_tokens: int = 0,
+        deadline: float | None = None,
+        tried: list[Endpoint] | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
-        self.calls.append(Call(stage, path, copy.deepcopy(dict(body))))
+        self.calls.append(Call(stage, path, copy.deepcopy(dict(body)), candidates[0].url))
+        if tried is not None:
+            tried.append(candidates[0])
         outcome = self.script[stage].pop(0)
         if isinstance(outcome, Exception):
             raise outcome
         return candidates[0], copy.deepcopy(outcome)
 
     async def post_stream(
-        self, endpoint: Endpoint, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        *,
+        deadline: float | None = None,
     ) -> aiohttp.ClientResponse:
-        self.calls.append(Call("decode_stream", path, copy.deepcopy(dict(body))))
-        return cast(aiohttp.ClientResponse, FakeStream(self.stream_lines))
+        self.calls.append(Call("decode_stream", path, copy.deepcopy(dict(body)), endpoint.url))
+        stream = FakeStream(self.stream_lines, stall=self.stream_stalls)
+        return cast(aiohttp.ClientResponse, stream)
 
     async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
         if endpoint is not None:
@@ -141,7 +162,7 @@ class Rig:
             request_id="req-1",
             selection=selection,
             pd=self.planner.wants_pd(selection),
-            started=0.0,
+            started=time.monotonic(),
             tokens_api=isinstance(self.route, TokensRoute),
             headers={"X-Request-Id": "req-1"},
         )
@@ -150,11 +171,11 @@ class Rig:
         return float(self.metrics.fallbacks.labels(reason)._value.get())
 
 
-def rig(engine_api: str = "tokens", mode: str = "Disaggregated") -> Rig:
-    """A route wired as app.py wires it, on the fake upstream."""
-    cfg, settings = config(engine_api, mode), GatewaySettings()
+def rig(engine_api: str = "tokens", mode: str = "Disaggregated", **settings_: Any) -> Rig:
+    """A route wired as app.py wires it, on the fake upstream (GatewaySettings: `settings_`)."""
+    cfg, settings = config(engine_api, mode), GatewaySettings(**settings_)
     endpoints, metrics = Endpoints(cfg), GatewayMetrics()
-    upstream = FakeUpstream(endpoints, metrics)
+    upstream = FakeUpstream(endpoints, metrics, settings)
     admission = PrefillAdmission(settings.fair_queue)
     peers = PeerAdmission(admission, lambda: upstream.session)
     planner = RoutePlanner(
@@ -178,10 +199,27 @@ def fake_gateway(
     with aiohttp's test client."""
     with mock.patch(
         "pdserve.gateway.app.UpstreamClient",
-        lambda endpoints, metrics, _settings: FakeUpstream(endpoints, metrics),
+        lambda endpoints, metrics, settings: FakeUpstream(endpoints, metrics, settings),
     ):
         gateway = Gateway(
             config(engine_api, mode), GatewaySettings(load_scrape_seconds=None, **settings)
         )
     assert isinstance(gateway.upstream, FakeUpstream)
     return gateway, gateway.upstream
+
+
+def written(exchange: Exchange) -> list[Any]:
+    """The SSE events a streamed answer wrote to its (mocked) client, `[DONE]` as the string."""
+    write = cast(mock.Mock, exchange.request._payload_writer.write)  # make_mocked_request's
+    data = b"".join(call.args[0] for call in write.call_args_list).decode()
+    events: list[Any] = []
+    for line in data.splitlines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def pending_tasks() -> list[asyncio.Task[Any]]:
+    """Tasks still running besides the caller's (what a finished request must not leave)."""
+    return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]

@@ -109,7 +109,7 @@ class Gateway:
                 self.upstream, hops, self.planner, placement, self.metrics
             )
         self.admission_handlers = AdmissionHandlers(
-            self.admission, self.peers, self.intake, hold_seconds=s.prefill_timeout
+            self.admission, self.peers, self.intake, hold_seconds=s.first_byte_timeout
         )
         self.request_log = RequestLog(s.request_log) if s.request_log else None
 
@@ -259,6 +259,11 @@ class Gateway:
     async def handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
         route = "unknown"
+        try:
+            await self.intake.receive(request)  # before a slot: slow bodies hold none
+        except GatewayError as error:
+            self.metrics.requests.labels(route, f"error_{error.status}").inc()
+            return error_response(error)
         if self._slots.locked():
             self.metrics.requests.labels(route, "rejected").inc()
             return error_response(
@@ -291,7 +296,9 @@ class Gateway:
                 route = exchange.route
                 response = await self.completion_route.serve(exchange)
                 route = exchange.route  # Auto mode decides P/D or local inside serve()
-                self.metrics.requests.labels(route, "ok").inc()
+                failed = exchange.stream_error  # a stream that ended with an error event
+                outcome = "ok" if failed is None else f"error_{failed}"
+                self.metrics.requests.labels(route, outcome).inc()
                 self.metrics.e2e.labels(route).observe(time.monotonic() - started)
                 if self.request_log is not None:
                     self.request_log.record(exchange.log_entry())

@@ -44,6 +44,8 @@ class Exchange:
     writer: ClientWriter | None = None
     """The client's stream once its response started: a failure then ends it with an error
     event and [DONE] (app.py)."""
+    stream_error: int | None = None
+    """The status of the error event a stream ended with (the request failed after its 200)."""
 
     @property
     def stream(self) -> bool:

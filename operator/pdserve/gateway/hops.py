@@ -1,6 +1,7 @@
 """The P/D hops both route families share: prefill (with the long-prompt admission slot and
 the KV lease check), and a non-streamed decode that falls back to local prefill when it
-cannot load prefill's KV."""
+cannot load prefill's KV. Prefill waits at most the first-byte timeout, a non-streamed decode
+(whose first byte is its whole answer) until the request's deadline."""
 
 from __future__ import annotations
 
@@ -114,9 +115,10 @@ class Hops:
                         path,
                         body,
                         exchange.headers,
-                        self.settings.prefill_timeout,
+                        self.settings.first_byte_timeout,
                         affinity=affinity,
                         prefill_tokens=prompt_tokens,
+                        deadline=self.upstream.deadline(exchange.started),
                     )
                     elapsed = time.monotonic() - begun
                     self.planner.policy.health.observe_prefill(elapsed, prompt_tokens)
@@ -135,10 +137,16 @@ class Hops:
         prefill_endpoint: Endpoint | None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """One non-streamed decode call. If it fails loading prefill's KV (local_body is the
-        same request without kv_transfer_params), retry once with local prefill on decode."""
+        """One non-streamed decode call (local_body: the same request without
+        kv_transfer_params, when body carries prefill's). If decode cannot load prefill's KV,
+        retry once with local prefill, on another decode replica when there is one (that
+        engine answered, so it may serve the retry when it is the only one); if the decode
+        replicas given prefill's KV fail or hang, retry locally on one that has not. A decode
+        failure is no KV-load fallback. None left: 502; past the deadline: 504."""
         # Decode prefills itself unless KV arrives: then its own prefix cache matters.
         local = local_body is None
+        deadline = self.upstream.deadline(exchange.started)
+        tried: list[Endpoint] = []
         try:
             endpoint, answer = await self.upstream.post_json(
                 "decode",
@@ -146,23 +154,37 @@ class Hops:
                 path,
                 body,
                 exchange.headers,
-                self.settings.decode_timeout,
+                self.settings.request_timeout,
                 affinity=self.placement.affinity(exchange, "decode", token_ids if local else None),
+                deadline=deadline,
+                tried=tried,
             )
             self.placement.remember(exchange, "decode", endpoint, token_ids if local else None)
         except UpstreamFailed as error:
-            if local_body is None:
+            pool = self.decode_candidates(exchange, with_kv=False)
+            untried = [e for e in pool if all(e is not t for t in tried)]
+            kv_failed = "KV transfer" in str(error)  # post_json stops at the first one
+            if kv_failed and not untried:
+                untried = [tried[-1]]  # the engine that answered it could not pull the KV
+            if local_body is None or not untried:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
-            self.planner.fallback("kv_load_failed")
+            if kv_failed:
+                self.planner.fallback("kv_load_failed")
+            else:
+                self.upstream.metrics.retries.labels("decode", "upstream_error").inc()
             await self.upstream.abort(prefill_endpoint, [exchange.request_id])
-            endpoint, answer = await self.upstream.post_json(
-                "decode",
-                exchange.selection.pools["decode"],
-                path,
-                local_body,
-                exchange.headers,
-                self.settings.decode_timeout,
-            )
+            try:
+                endpoint, answer = await self.upstream.post_json(
+                    "decode",
+                    untried,
+                    path,
+                    local_body,
+                    exchange.headers,
+                    self.settings.request_timeout,
+                    deadline=deadline,
+                )
+            except UpstreamFailed as again:
+                raise GatewayError(502, str(again), kind="UpstreamError") from None
             exchange.served_by["decode"] = endpoint.label
         assert isinstance(answer, dict)
         return answer

@@ -1,7 +1,9 @@
-"""Request intake: the API key, the body's size and shape, the headers passed upstream."""
+"""Request intake: the API key, the body's size, arrival time and shape, the headers passed
+upstream."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
@@ -29,6 +31,25 @@ class Intake:
             matched |= hmac.compare_digest(token.encode(), key.encode())
         if not matched:
             raise GatewayError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+
+    async def receive(self, request: web.Request) -> None:
+        """Receive the whole body (aiohttp keeps it for read_body) within the body timeout and
+        the size cap, before the request takes an in-flight slot: a client that sends its body
+        slowly holds no slot, and gets 408."""
+        timeout = self.settings.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()
+        except TimeoutError:
+            raise GatewayError(
+                408, f"the request body did not arrive within {timeout:g} s", kind="RequestTimeout"
+            ) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise GatewayError(
+                413,
+                f"request body exceeds {self.settings.max_body_bytes} bytes",
+                kind="RequestTooLarge",
+            ) from None
 
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         try:

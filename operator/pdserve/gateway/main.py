@@ -58,11 +58,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a request waits for a complete set of render/prefill/decode endpoints "
         "of one parity hash (a rollout or restart) before 503 (default %(default)s; 0: none)",
     )
+    for flag, field, what in TIMEOUT_FLAGS:
+        parser.add_argument(
+            flag,
+            dest=field,
+            type=seconds,
+            default=getattr(GatewaySettings, field),
+            help=f"{what} (default %(default)s)",
+        )
     parser.add_argument(
         "--api-key-file",
         type=Path,
         help="file with one API key per line (default: env PDSERVE_API_KEY)",
     )
+
+
+# Every wait of a request, bounded: docs/gateway.md#timeouts.
+TIMEOUT_FLAGS = (
+    ("--connect-timeout-seconds", "connect_timeout", "opening a connection to an engine"),
+    (
+        "--first-byte-timeout-seconds",
+        "first_byte_timeout",
+        "an upstream call's first response byte, a stream's first event (a prefill)",
+    ),
+    ("--idle-timeout-seconds", "idle_timeout", "between two events of an engine stream"),
+    ("--body-timeout-seconds", "body_timeout", "receiving a client's request body (then 408)"),
+    (
+        "--request-timeout-seconds",
+        "request_timeout",
+        "a whole request (then 504, or an error event in a stream)",
+    ),
+)
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def api_keys(path: Path | None) -> tuple[str, ...]:
@@ -81,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             max_inflight=args.max_inflight,
             max_tokens_cap=args.max_tokens_cap,
             endpoint_wait_seconds=args.endpoint_wait_seconds,
+            **{field: getattr(args, field) for _, field, _ in TIMEOUT_FLAGS},
             api_keys=api_keys(args.api_key_file),
             derender_pipelining=args.pipelining,
             request_log=args.request_log,

@@ -5,6 +5,7 @@ Streams are passed through event by event."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -20,7 +21,7 @@ from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.placement import Placement
 from pdserve.gateway.planner import RoutePlanner
-from pdserve.gateway.streaming import DONE, SSE_HEADERS, ClientWriter, sse_data
+from pdserve.gateway.streaming import DONE, SSE_HEADERS, ClientWriter, StreamTimeout, sse_data
 from pdserve.gateway.upstream import UpstreamClient, counted
 from pdserve.vllm.protocol import (
     openai_decode_body,
@@ -88,9 +89,23 @@ class OpenAIRoute:
         body: dict[str, Any],
         prefilled: Callable[[], None],
     ) -> web.StreamResponse:
+        """Pass decode's events through. The stream ends with every choice's finish_reason, or
+        with an error event (decode's own, or the gateway's when decode broke, went quiet past
+        the idle timeout or the deadline, sent a malformed event or `[DONE]` before a
+        finish_reason; decode is then told to abort); `[DONE]` either way."""
+        s = self.upstream.settings
+        deadline = self.upstream.deadline(ex.started)
         try:
-            upstream = await self.upstream.post_stream(endpoint, path, body, ex.headers)
-        except (TimeoutError, aiohttp.ClientError) as error:
+            upstream = await self.upstream.post_stream(
+                endpoint, path, body, ex.headers, deadline=deadline
+            )
+        except TimeoutError:
+            raise GatewayError(
+                504,
+                f"decode at {endpoint.url}: no answer within {s.first_byte_timeout:g} s",
+                kind="GatewayTimeout",
+            ) from None
+        except aiohttp.ClientError as error:
             raise GatewayError(
                 502,
                 f"decode at {endpoint.url}: {type(error).__name__}: {error}",
@@ -108,15 +123,34 @@ class OpenAIRoute:
             writer = ClientWriter(response, ex, self.metrics)
             done = False
             broke = ""
+            status = 502
             events = 0
+            finishes: dict[int, bool] = {}  # choice index -> its finish_reason came
             last_event: float | None = None
+            opened = time.monotonic()
             try:
                 try:
-                    async with aclosing(sse_data(upstream.content)) as lines:
-                        async for data in lines:
+                    lines = sse_data(
+                        upstream.content,
+                        first_by=opened + s.first_byte_timeout,
+                        idle=s.idle_timeout,
+                        deadline=deadline,
+                    )
+                    async with aclosing(lines) as stream:
+                        async for data in stream:
                             if data == DONE:
                                 done = True
-                                self.planner.policy.observe_output(events)
+                                break
+                            try:
+                                event = json.loads(data)
+                                if "error" in event:  # decode's own error event: pass it on
+                                    ex.stream_error = status
+                                for choice in event.get("choices") or []:
+                                    index = int(choice.get("index", 0))
+                                    finished = choice.get("finish_reason") is not None
+                                    finishes[index] = finishes.get(index, False) or finished
+                            except (ValueError, TypeError, AttributeError) as error:
+                                broke = f"decode sent a malformed event ({error})"
                                 break
                             now = time.monotonic()
                             if last_event is not None:
@@ -128,16 +162,27 @@ class OpenAIRoute:
                             prefilled()
                             writer.note_token()
                             await writer.write_line(data)
+                except StreamTimeout as error:
+                    broke, status = str(error), 504
                 except (TimeoutError, aiohttp.ClientError) as error:
-                    broke = f": decode stream broke ({type(error).__name__})"
-                if not done:
+                    broke = f"decode stream broke ({type(error).__name__})"
+                complete = done and bool(finishes) and all(finishes.values())
+                if complete and ex.stream_error is None:
+                    self.planner.policy.observe_output(events)
+                elif ex.stream_error is None:
+                    if not broke:
+                        broke = "sent [DONE] before a finish_reason" if done else "closed it"
+                        broke = f"decode {broke}"
                     await writer.error(
-                        502, f"decode stream ended before the answer was complete{broke}"
+                        status, f"decode stream ended before the answer was complete: {broke}"
                     )
                 await writer.done()
             except (ConnectionResetError, asyncio.CancelledError):
                 await asyncio.shield(self.upstream.abort(endpoint, [ex.request_id]))
                 raise
+            if not complete:
+                # Decode may still be generating (a stalled stream): stop it.
+                await asyncio.shield(self.upstream.abort(endpoint, [ex.request_id]))
             return response
         finally:
             upstream.release()

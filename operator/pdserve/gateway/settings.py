@@ -16,13 +16,24 @@ class GatewaySettings:
     max_body_bytes: int = 16 * 1024**2
     max_tokens_cap: int | None = None
     api_keys: tuple[str, ...] = ()
-    connect_timeout: float = 2.0
+    # Every wait is bounded (docs/gateway.md#timeouts). Opening a connection to an engine or
+    # render server: a reachable one on the cluster network answers in milliseconds.
+    connect_timeout: float = 5.0
+    # An upstream call's first response byte, and a stream's first event: a long prompt's
+    # prefill (or a local prefill on decode behind a queue) takes tens of seconds on vLLM.
+    first_byte_timeout: float = 120.0
+    # Between two events of a decode stream: one decode step is milliseconds, so a minute
+    # of silence is a hung or preempted-forever engine, not a slow one.
+    idle_timeout: float = 60.0
+    # Receiving the client's request body (before it takes an in-flight slot): 408 after.
+    body_timeout: float = 30.0
+    # The whole request, from its first byte to its last (a non-streamed decode, whose first
+    # byte is the whole answer, is bounded by this alone): 504, or an error event in a stream.
+    request_timeout: float = 600.0
     # How long a request waits for a complete, parity-consistent set of endpoints (a pool's
     # only replica being replaced) before 503; 0: fail at once.
     endpoint_wait_seconds: float = 30.0
-    render_timeout: float = 30.0
-    prefill_timeout: float = 300.0
-    decode_timeout: float = 300.0
+    render_timeout: float = 30.0  # one render or derender call (CPU only, no queue)
     # vLLM closes idle connections after ~5 s: reuse only younger ones, or requests reset.
     keepalive_expiry: float = 4.0
     lease_margin_seconds: float = 1.0

@@ -1,16 +1,17 @@
-"""Streaming to the client: the one SSE reader for engine streams, the client writer (which
-measures TTFT/ITL as the client sees them), and the derender pipeline of a tokens stream."""
+"""Streaming to the client: the one SSE reader for engine streams (every wait in it bounded),
+the client writer (which measures TTFT/ITL as the client sees them), and the derender pipeline
+of a tokens stream. A stream the gateway answers always ends with a finish_reason or an error
+event, then `[DONE]`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.errors import error_body
@@ -26,13 +27,39 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
-async def sse_data(content: aiohttp.StreamReader) -> AsyncGenerator[str, None]:
+class StreamTimeout(TimeoutError):
+    """An engine stream went quiet for longer than it may."""
+
+
+async def sse_data(
+    content: AsyncIterable[bytes],
+    *,
+    first_by: float,
+    idle: float,
+    deadline: float,
+    stage: str = "decode",
+) -> AsyncGenerator[str, None]:
     """What each `data:` line of an engine's SSE stream carries, DONE included; other lines
-    (comments, blank separators) are skipped. Read errors propagate to the caller."""
-    async for raw in content:
-        line = raw.decode().rstrip("\r\n")
+    (comments, blank separators) are skipped. The first data line must come by `first_by`,
+    each next one within `idle` seconds of the last, all by `deadline` (monotonic times):
+    otherwise StreamTimeout. Read errors propagate to the caller."""
+    lines = aiter(content)
+    until, why = first_by, "no first event"
+    while True:
+        now = time.monotonic()
+        if deadline < until:
+            until, why = deadline, "the request's deadline passed"
+        try:
+            async with asyncio.timeout(max(0.0, until - now)):
+                raw = await anext(lines)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise StreamTimeout(f"{stage} stream timed out: {why}") from None
+        line = raw.decode(errors="replace").rstrip("\r\n")
         if line.startswith("data: "):
             yield line.removeprefix("data: ")
+            until, why = time.monotonic() + idle, f"no event for {idle:g} s"
 
 
 class ClientWriter:
@@ -66,7 +93,10 @@ class ClientWriter:
         await self.response.write(f"data: {data}\n\n".encode())
 
     async def error(self, status: int, message: str) -> None:
-        await self.send(error_body(status, message, "UpstreamError"))
+        """End the stream as failed (the request counts as such): an error event."""
+        self.exchange.stream_error = status
+        kind = "GatewayTimeout" if status == 504 else "UpstreamError"
+        await self.send(error_body(status, message, kind))
 
     async def done(self) -> None:
         async with self.lock:
@@ -99,12 +129,19 @@ class DerenderPipeline:
         self.queue: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
         self.task = asyncio.create_task(self.run())
         self.calls = 0
+        self.finished = False
+        """The engine sent this choice's finish_reason."""
 
     def push(self, token_ids: list[int], finish: str | None) -> None:
+        if self.finished:
+            return  # nothing comes after a finish reason
+        self.finished = finish is not None
         self.queue.put_nowait((token_ids, finish))
 
-    async def close(self, *, complete: bool) -> None:
-        if not complete:
+    async def close(self) -> None:
+        """Derender what is still queued and end; a choice the engine never finished ends
+        without a finish reason (the route then reports the stream as broken)."""
+        if not self.finished:
             self.queue.put_nowait(([], "__abandoned__"))
         await self.task
 

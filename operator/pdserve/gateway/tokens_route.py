@@ -31,6 +31,7 @@ from pdserve.gateway.streaming import (
     ClientWriter,
     DerenderPipeline,
     StreamDerender,
+    StreamTimeout,
     sse_data,
 )
 from pdserve.gateway.upstream import UpstreamClient, counted
@@ -180,31 +181,41 @@ class TokensRoute:
         kv: dict[str, Any] | None,
         prefill_endpoint: Endpoint | None,
     ) -> AsyncIterator[tuple[Endpoint, aiohttp.ClientResponse]]:
-        """Open the decode SSE stream; a KV load failure before any token is retried once with
-        local prefill on decode."""
+        """Open the decode SSE stream, trying the next decode replica when one fails or does
+        not answer (never one that already did); a KV load failure before any token is retried
+        once with local prefill on decode, on another replica when there is one (the engine
+        that could not pull the KV answered, so it may serve the retry when it is alone)."""
         attempts: list[dict[str, Any] | None] = [kv, None] if kv is not None else [None]
         tried: list[Endpoint] = []
-        failure = "no decode endpoint"
+        kv_failed: list[Endpoint] = []
+        deadline = self.upstream.deadline(ex.started)
+        failure, status = "no decode endpoint", 503
         for attempt_kv in attempts:
             local_ids = generate["token_ids"] if attempt_kv is None else None
             affinity = self.placement.affinity(ex, "decode", local_ids)
+            candidates = self.hops.decode_candidates(ex, with_kv=attempt_kv is not None)
             while (
-                endpoint := self.upstream.endpoints.pick(
-                    self.hops.decode_candidates(ex, with_kv=attempt_kv is not None),
-                    tried,
-                    affinity,
-                )
+                endpoint := self.upstream.endpoints.pick(candidates, tried + kv_failed, affinity)
+                or self.upstream.endpoints.pick(candidates, tried, affinity)
             ) is not None:
                 body = tokens_decode_body(generate, attempt_kv)
                 async with counted(endpoint):
                     try:
                         response = await self.upstream.post_stream(
-                            endpoint, GENERATE_PATH, body, ex.headers
+                            endpoint, GENERATE_PATH, body, ex.headers, deadline=deadline
                         )
-                    except (TimeoutError, aiohttp.ClientError) as error:
+                    except TimeoutError:
+                        tried.append(endpoint)
+                        self.metrics.retries.labels("decode", "timeout").inc()
+                        wait = self.settings.first_byte_timeout
+                        failure = f"decode at {endpoint.url}: no answer within {wait:g} s"
+                        status = 504
+                        continue
+                    except aiohttp.ClientError as error:
                         tried.append(endpoint)
                         self.metrics.retries.labels("decode", "connect").inc()
                         failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                        status = 502
                         continue
                     if response.status == 200:
                         self.placement.remember(ex, "decode", endpoint, local_ids)
@@ -218,14 +229,16 @@ class TokensRoute:
                 if 400 <= response.status < 500:
                     raise GatewayError(response.status, message, kind="UpstreamError")
                 failure = f"decode at {endpoint.url}: HTTP {response.status}: {message}"
+                status = 502
                 if attempt_kv is not None and "KV transfer" in message:
                     self.planner.fallback("kv_load_failed")
                     await self.upstream.abort(prefill_endpoint, [ex.request_id])
-                    tried = []
+                    kv_failed.append(endpoint)
                     break  # next attempt: local prefill
                 tried.append(endpoint)
                 self.metrics.retries.labels("decode", "upstream_error").inc()
-        raise GatewayError(502, failure, kind="UpstreamError")
+        kind = "GatewayTimeout" if status == 504 else "UpstreamError"
+        raise GatewayError(status, failure, kind=kind)
 
     def stream_derender(self, ex: Exchange, prompt_ids: list[int]) -> StreamDerender:
         async def post(body: DerenderStreamRequest) -> dict[str, Any]:
@@ -256,9 +269,14 @@ class TokensRoute:
         kv: dict[str, Any] | None,
         prefill_endpoint: Endpoint | None,
     ) -> web.StreamResponse:
+        """Relay decode's stream through the derender pipelines. It ends with every choice's
+        finish_reason, or, when decode broke, went quiet past the idle timeout or the deadline,
+        sent a malformed event or `[DONE]` before a finish_reason, with an error event (and
+        decode is told to abort); `[DONE]` either way."""
         prompt_ids = generate["token_ids"]
         ex.prompt_tokens = len(prompt_ids)
         derender = self.stream_derender(ex, prompt_ids)
+        s = self.settings
         async with self.open_decode_stream(ex, generate, kv, prefill_endpoint) as (
             decode,
             upstream,
@@ -268,50 +286,67 @@ class TokensRoute:
             writer = ClientWriter(response, ex, self.metrics)
             pipelines: dict[int, DerenderPipeline] = {}
             usage: dict[str, Any] | None = None
-            finished = False
+            done = False  # decode's [DONE]
             broke = ""
+            timed_out = False
             opened = time.monotonic()
             first_event = True
             last_event: float | None = None
             try:
                 try:
-                    async with aclosing(sse_data(upstream.content)) as events:
+                    lines = sse_data(
+                        upstream.content,
+                        first_by=opened + s.first_byte_timeout,
+                        idle=s.idle_timeout,
+                        deadline=self.upstream.deadline(ex.started),
+                    )
+                    async with aclosing(lines) as events:
                         async for data in events:
                             if data == DONE:
-                                finished = True
+                                done = True
                                 break
-                            event = json.loads(data)
-                            if "error" in event:
-                                broke = f"decode reported: {event['error']}"
-                                break
-                            if event.get("choices"):
-                                now = time.monotonic()
-                                if last_event is not None:
-                                    self.planner.note_step(decode, now - last_event, now)
-                                last_event = now
-                            if first_event and event.get("choices"):
-                                first_event = False
-                                self.metrics.stage.labels("decode_first_token").observe(
-                                    now - opened
-                                )
-                                self.planner.note_handoff(ex, now, len(prompt_ids))
-                            if event.get("usage") is not None:
-                                usage = event["usage"]
-                            for choice in event.get("choices") or []:
-                                tokens = list(choice.get("token_ids") or [])
-                                ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
-                                index = int(choice.get("index", 0))
-                                if index not in pipelines:
-                                    pipelines[index] = DerenderPipeline(
-                                        derender, index, writer, self.metrics
+                            try:
+                                event = json.loads(data)
+                                if "error" in event:
+                                    broke = f"decode reported: {event['error']}"
+                                    break
+                                choices = event.get("choices")
+                                if choices:
+                                    now = time.monotonic()
+                                    if last_event is not None:
+                                        self.planner.note_step(decode, now - last_event, now)
+                                    last_event = now
+                                if first_event and choices:
+                                    first_event = False
+                                    self.metrics.stage.labels("decode_first_token").observe(
+                                        now - opened
                                     )
-                                pipelines[index].push(tokens, choice.get("finish_reason"))
+                                    self.planner.note_handoff(ex, now, len(prompt_ids))
+                                if event.get("usage") is not None:
+                                    usage = event["usage"]
+                                for choice in choices or []:
+                                    tokens = list(choice.get("token_ids") or [])
+                                    ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
+                                    index = int(choice.get("index", 0))
+                                    if index not in pipelines:
+                                        pipelines[index] = DerenderPipeline(
+                                            derender, index, writer, self.metrics
+                                        )
+                                    pipelines[index].push(tokens, choice.get("finish_reason"))
+                            except (ValueError, TypeError, AttributeError) as error:
+                                broke = f"decode sent a malformed event ({error})"
+                                break
+                except StreamTimeout as error:
+                    broke, timed_out = str(error), True
                 except (TimeoutError, aiohttp.ClientError) as error:
                     broke = f"decode stream broke ({type(error).__name__})"
+                finished = done and bool(pipelines) and all(p.finished for p in pipelines.values())
+                if not finished and not broke:
+                    broke = "sent [DONE] before a finish_reason" if done else "closed it"
+                    broke = f"decode {broke}"
                 # Flush what was generated before reporting anything, so chunks stay in order.
                 results = await asyncio.gather(
-                    *(p.close(complete=finished) for p in pipelines.values()),
-                    return_exceptions=True,
+                    *(p.close() for p in pipelines.values()), return_exceptions=True
                 )
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if finished:
@@ -319,10 +354,10 @@ class TokensRoute:
                 if failed:
                     await writer.error(502, f"derender failed: {failed[0]}")
                 elif not finished:
-                    # The engine went away mid-stream: say so instead of truncating silently.
-                    reason = f": {broke}" if broke else ""
+                    # Say the answer is cut short instead of truncating it silently.
                     await writer.error(
-                        502, f"decode stream ended before the answer was complete{reason}"
+                        504 if timed_out else 502,
+                        f"decode stream ended before the answer was complete: {broke}",
                     )
                 options = ex.body.get("stream_options") or {}
                 if finished and not failed and usage is not None and options.get("include_usage"):
@@ -350,4 +385,7 @@ class TokensRoute:
                     pipeline.cancel()
                 await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
                 raise
+            if not finished:
+                # Decode may still be generating (a stalled stream): stop it.
+                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
             return response

@@ -1,6 +1,7 @@
 """Calls to the engines and render servers: one JSON POST retried across a pool's replicas,
-streamed POSTs, aborts. Every call has a timeout; an engine that cannot be reached is marked
-down so the next pick skips it."""
+streamed POSTs, aborts. Every call has a timeout (and none outlives the request's deadline);
+an engine that cannot be reached or does not answer in time is marked down so the next pick
+skips it, and a retry never goes back to a replica that already failed the request."""
 
 from __future__ import annotations
 
@@ -67,23 +68,45 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
 
-    def stream_timeout(self) -> aiohttp.ClientTimeout:
-        """No total limit for a stream; a read that stalls this long fails it."""
-        s = self.settings
-        return aiohttp.ClientTimeout(
-            total=None, sock_connect=s.connect_timeout, sock_read=s.decode_timeout
+    def deadline(self, started: float) -> float:
+        """When a request that began at `started` (monotonic) has to be answered."""
+        return started + self.settings.request_timeout
+
+    def past_deadline(self, stage: str, endpoint: Endpoint | None) -> GatewayError:
+        where = f" at {endpoint.url}" if endpoint is not None else ""
+        return GatewayError(
+            504,
+            f"{stage}{where} did not answer within the request's limit of "
+            f"{self.settings.request_timeout:g} s",
+            kind="GatewayTimeout",
         )
 
     async def post_stream(
-        self, endpoint: Endpoint, path: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        *,
+        deadline: float | None = None,
     ) -> aiohttp.ClientResponse:
-        """Open a streamed POST; an engine that cannot be reached is marked down (the error
-        propagates for the caller to retry or report)."""
+        """Open a streamed POST: its response headers within the first-byte timeout (and the
+        deadline); the events are read with their own timeouts (streaming.sse_data). An engine
+        that cannot be reached or does not answer is marked down (the error propagates for the
+        caller to retry or report); GatewayError 504 once the deadline has passed."""
+        wait = self.settings.first_byte_timeout
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                raise self.past_deadline("decode", endpoint)
         try:
-            return await self.session.post(
-                f"{endpoint.url}{path}", json=body, headers=dict(headers),
-                timeout=self.stream_timeout(),
-            )  # fmt: skip
+            async with asyncio.timeout(wait):
+                return await self.session.post(
+                    f"{endpoint.url}{path}", json=body, headers=dict(headers),
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, sock_connect=self.settings.connect_timeout
+                    ),
+                )  # fmt: skip
         except (TimeoutError, aiohttp.ClientError):
             self.endpoints.mark_down(endpoint)
             raise
@@ -100,14 +123,22 @@ class UpstreamClient:
         retry: bool = True,
         affinity: Mapping[str, int] | None = None,
         prefill_tokens: int = 0,
+        deadline: float | None = None,
+        tried: list[Endpoint] | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
-        """POST to one replica of a pool; on connection errors or 5xx try the next one.
-        `prefill_tokens`: the prompt the call prefills, counted on the replica meanwhile."""
-        tried: list[Endpoint] = []
+        """POST to one replica of a pool; on connection errors, timeouts or 5xx try the next
+        one. `prefill_tokens`: the prompt the call prefills, counted on the replica meanwhile.
+        `deadline` (monotonic): no attempt outlives it; GatewayError 504 once it has passed.
+        `tried`: replicas not to use, and where the ones this call used are added, so the
+        caller's next attempt can skip them too."""
+        tried = [] if tried is None else tried
         last = "no endpoint"
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
             begun = time.monotonic()
+            limit = timeout if deadline is None else min(timeout, deadline - begun)
+            if limit <= 0:
+                raise self.past_deadline(stage, None)
             on_render = stage in ("render", "derender")
             if on_render:
                 self.metrics.render_inflight.labels(endpoint.label).inc()
@@ -119,15 +150,20 @@ class UpstreamClient:
                         json=body,
                         headers=dict(headers),
                         timeout=aiohttp.ClientTimeout(
-                            total=timeout, sock_connect=self.settings.connect_timeout
+                            total=limit, sock_connect=self.settings.connect_timeout
                         ),
                     ) as response,
                 ):
                     status = response.status
                     payload = await response.read()
             except (TimeoutError, aiohttp.ClientError) as error:
-                last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
                 self.endpoints.mark_down(endpoint)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self.past_deadline(stage, endpoint) from None
+                if isinstance(error, TimeoutError):
+                    last = f"{stage} at {endpoint.url}: no answer within {limit:g} s"
+                else:
+                    last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
             else:
                 if status < 500:
                     self.metrics.stage.labels(stage).observe(time.monotonic() - begun)
