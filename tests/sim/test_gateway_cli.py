@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -143,4 +144,35 @@ def test_discovery_without_cluster_credentials_says_where_they_come_from(tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert "needs cluster credentials" in proc.stderr
     assert "--kubeconfig" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("api-key-file", "--api-key-file"),
+        ("peer-key-file", "--peer-key-file"),
+        ("PDSERVE_API_KEY", "PDSERVE_API_KEY"),
+        ("PDSERVE_PEER_KEY", "PDSERVE_PEER_KEY"),
+    ],
+)
+def test_an_empty_key_is_a_start_up_error_never_serving_everyone(
+    tmp_path: Path, setting: str, named: str
+) -> None:
+    """An empty Secret or key file (a key that failed to arrive) stops the gateway, naming
+    where the key was to come from and what to do."""
+    config = write_config(tmp_path / "routing.json", {"render": "http://r", "decode": "http://d"})
+    args = [sys.executable, "-m", "pdserve.cli", "gateway", "--config", str(config)]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    env |= {k: v for k, v in os.environ.items() if k == "PYTHONPATH"}  # this checkout's code
+    if setting.startswith("PDSERVE_"):
+        env[setting] = "  \n"
+    else:
+        (tmp_path / "keys").write_text("\n  \n")
+        args += [f"--{setting}", str(tmp_path / "keys")]
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=30, check=False, env=env
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr
     assert "Traceback" not in proc.stderr

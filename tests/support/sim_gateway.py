@@ -220,10 +220,15 @@ def local_url(above: str = "") -> str:
 
 
 async def gateway_replicas(
-    stack: Stack, hang: int, extra_peers: tuple[str, ...] = (), max_wait: float = 30
+    stack: Stack,
+    hang: int,
+    extra_peers: tuple[str, ...] = (),
+    max_wait: float = 30,
+    **settings: Any,
 ) -> Replicas:
     """Two gateway replicas over one prefill replica with a long-prefill limit of 1, each
-    knowing the other (and its own URL), the prefill engine hanging the next `hang` requests."""
+    knowing the other (and its own URL), the prefill engine hanging the next `hang` requests;
+    `settings`: more GatewaySettings of both (keys)."""
     render = await stack.render()
     prefill = await stack.engine("prefill", engine("prefill"))
     decode = await stack.engine("decode", engine("decode"))
@@ -239,7 +244,9 @@ async def gateway_replicas(
     gateways, clients = [], []
     for mine, theirs in (urls, urls[::-1]):
         config = routing(endpoints={**endpoints, "peers": [theirs, *extra_peers], "selfUrl": mine})
-        gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair))
+        gateway = Gateway(
+            GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair, **settings)
+        )
         await stack.start(gateway, int(mine.rsplit(":", 1)[1]))
         gateways.append(gateway)
         clients.append(

@@ -1,9 +1,13 @@
 """The admission endpoints peer gateways call (see peers.py): what this replica counts
-against the shared long-prefill limit, and holding a slot for a peer's long prefill."""
+against the shared long-prefill limit, and holding a slot for a peer's long prefill. Both need
+the peer key or an API key when one is set (intake.py checks it before they run); a hold waits in
+the one fair queue like this replica's own long requests, ends at a deadline, and one peer has
+at most `max_holds_per_peer` holds open (a peer cannot have more requests in flight)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from contextlib import suppress
 
 from aiohttp import web
@@ -22,10 +26,14 @@ class AdmissionHandlers:
         intake: Intake,
         *,
         hold_seconds: float,
+        max_holds_per_peer: int = 256,
     ) -> None:
         self.admission, self.peers, self.intake = admission, peers, intake
         self.hold_seconds = hold_seconds
         """At most this long a slot is held for a peer (its prefill call's own timeout)."""
+        self.max_holds_per_peer = max_holds_per_peer
+        self.holds: Counter[str] = Counter()
+        """Holds open (queued or granted) per peer address."""
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admission", self.admission_state)
@@ -48,10 +56,6 @@ class AdmissionHandlers:
         peers.py); `granted <replica>` answers when one of the prefill replicas it named has
         room, and the slot is held until the peer closes the connection (aiohttp then cancels
         this handler, which releases it)."""
-        try:
-            self.intake.authorize(request)  # a slot held here blocks every replica's documents
-        except GatewayError as error:
-            return error_response(error)
         if (leader := self.peers.leader()) is not None:
             # Two replicas running queues at once would break the limit: the asking replica
             # admits on its own (counting this one's holdings) until their views agree.
@@ -67,7 +71,24 @@ class AdmissionHandlers:
         except (ValueError, TypeError):
             message = "replicas: expected the prefill replica URLs the request may use, best first"
             return error_response(GatewayError(400, message, param="replicas"))
-        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        peer = request.remote or "unknown"
+        if self.holds[peer] >= self.max_holds_per_peer:
+            # Queued holds are admitted anyway once they age: unbounded ones would overrun the
+            # limit for every replica's documents.
+            message = f"this peer already has {self.holds[peer]} admission holds open"
+            return error_response(GatewayError(429, message))
+        self.holds[peer] += 1
+        try:
+            return await self._hold(request, replicas)
+        finally:
+            self.holds[peer] -= 1
+            if self.holds[peer] <= 0:
+                del self.holds[peer]
+
+    async def _hold(self, request: web.Request, replicas: list[str]) -> web.StreamResponse:
+        # The deadline, for the peer: the slot goes back then, whatever its prefill does.
+        deadline = {"X-PDServe-Hold-Seconds": f"{self.hold_seconds:g}"}
+        response = web.StreamResponse(headers={"Content-Type": "text/plain", **deadline})
         async with self.admission.admit(LONG, replicas) as replica:
             try:
                 await response.prepare(request)

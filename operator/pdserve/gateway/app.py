@@ -72,10 +72,9 @@ class Gateway:
         self.upstream = UpstreamClient(self.endpoints, self.metrics, s)
         self.intake = Intake(config.model, s)
         self.admission = PrefillAdmission(s.fair_queue)
-        keys = s.api_keys
-        self.peers = PeerAdmission(
-            self.admission, lambda: self.upstream.session, api_key=keys[0] if keys else None
-        )
+        # Peers present the peer key when one is set, else the gateway's own API key.
+        peer_key = next(iter(s.peer_keys or s.api_keys), None)
+        self.peers = PeerAdmission(self.admission, lambda: self.upstream.session, api_key=peer_key)
         if config.endpoints is not None:
             own = config.endpoints.self_url
             self.peers.set_peers(
@@ -109,8 +108,9 @@ class Gateway:
                 self.upstream, hops, self.planner, placement, self.metrics
             )
         self.admission_handlers = AdmissionHandlers(
-            self.admission, self.peers, self.intake, hold_seconds=s.first_byte_timeout
-        )
+            self.admission, self.peers, self.intake, hold_seconds=s.first_byte_timeout,
+            max_holds_per_peer=s.max_inflight,
+        )  # fmt: skip
         self.request_log = RequestLog(s.request_log) if s.request_log else None
 
     @property
@@ -128,7 +128,8 @@ class Gateway:
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.settings.max_body_bytes, middlewares=[self._errors]
+            client_max_size=self.settings.max_body_bytes,
+            middlewares=[self.intake.middleware, self._errors],
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -206,8 +207,7 @@ class Gateway:
             return web.json_response({"ready": False, "reason": str(error)}, status=503)
         return web.json_response({"ready": True})
 
-    async def models(self, request: web.Request) -> web.Response:
-        self.intake.authorize(request)
+    async def models(self, _: web.Request) -> web.Response:
         return web.json_response(
             {
                 "object": "list",
@@ -277,7 +277,6 @@ class Gateway:
             self.metrics.inflight.inc()
             exchange: Exchange | None = None
             try:
-                self.intake.authorize(request)
                 body = await self.intake.read_body(request)
                 body = self.intake.check_body(body, chat=chat)
                 request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"

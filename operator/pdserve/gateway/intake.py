@@ -1,36 +1,82 @@
-"""Request intake: the API key, the body's size, arrival time and shape, the headers passed
-upstream."""
+"""Request intake: the API key (and the peers' key), the body's size, arrival time and shape,
+the headers passed upstream.
+
+Who may call what, when keys are set (`authorize`, run by `middleware` before every handler):
+`/health` and `/ready` are open (probes); `/v1/*`, and any path not named here, needs an API key;
+`/metrics`, `/status` and the peer admission endpoints (`/admission*`) take an API key or the
+peer key (the gateway replicas, the operator, a metrics scraper)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.openai_schema import InvalidRequest, validate_request
 from pdserve.gateway.settings import GatewaySettings
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Probes: they say nothing about the model's traffic and must work without a key."""
+PEER_PATHS = frozenset({"/metrics", "/status", "/admission", "/admission/hold"})
+"""Operational and peer endpoints: an API key or the peer key."""
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _digest(secret: bytes) -> bytes:
+    # Compared as fixed-length digests: the time taken says nothing about a key's length.
+    return hashlib.sha256(secret).digest()
+
+
+def bearer_token(request: web.Request) -> bytes | None:
+    """The Authorization header's Bearer token as sent (bytes: a header that is not UTF-8
+    still compares, and never matches), None without one."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    # aiohttp decodes header bytes with surrogateescape: this gives the original bytes back.
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 class Intake:
     def __init__(self, model: str, settings: GatewaySettings) -> None:
         self.model, self.settings = model, settings
+        self._api = [_digest(k.encode()) for k in settings.api_keys]
+        self._peer = [_digest(k.encode()) for k in settings.peer_keys]
 
-    def authorize(self, request: web.Request) -> None:
-        keys = self.settings.api_keys
+    def authorize(self, request: web.Request, *, peer: bool = False) -> None:
+        """401 unless the request carries a key it may use: an API key, or with `peer` (the
+        operational and admission endpoints) also the peer key; nothing when no such key is
+        configured."""
+        keys = [*self._api, *self._peer] if peer else self._api
         if not keys:
             return
-        header = request.headers.get("Authorization", "")
-        token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        token = bearer_token(request)
+        digest = _digest(token or b"")
         # Compare against every key so the time taken says nothing about which one is close.
         matched = False
         for key in keys:
-            matched |= hmac.compare_digest(token.encode(), key.encode())
-        if not matched:
+            matched |= hmac.compare_digest(digest, key)
+        if token is None or not matched:
             raise GatewayError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every route but the probes behind the keys, before its handler runs (so an
+        unauthorized request learns nothing, not even whether the gateway is full)."""
+        path = request.path
+        if path not in OPEN_PATHS:
+            try:
+                self.authorize(request, peer=path in PEER_PATHS)
+            except GatewayError as error:
+                return error_response(error)
+        return await handler(request)
 
     async def receive(self, request: web.Request) -> None:
         """Receive the whole body (aiohttp keeps it for read_body) within the body timeout and

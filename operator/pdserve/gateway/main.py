@@ -71,6 +71,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="file with one API key per line (default: env PDSERVE_API_KEY)",
     )
+    parser.add_argument(
+        "--peer-key-file",
+        type=Path,
+        help="file with the key the gateway replicas call each other's admission endpoints "
+        "with, one per line, the first one sent (default: env PDSERVE_PEER_KEY; none: the API key)",
+    )
+
+
+class KeyConfigError(ValueError):
+    """A key flag or variable that is set but gives no usable key."""
+
+
+def load_keys(path: Path | None, flag: str, variable: str) -> tuple[str, ...]:
+    """The keys in `path` (one a line), else in the environment `variable`; none when neither is
+    set. Set but empty or only whitespace is an error: serving everyone is never the fallback
+    of a key that failed to arrive (an empty Secret, a file mounted wrong)."""
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise KeyConfigError(f"{flag} {path}: not UTF-8 text") from None
+        except OSError as error:
+            raise KeyConfigError(f"{flag} {path}: {error.strerror or error}") from None
+        keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+        if not keys:
+            raise KeyConfigError(
+                f"{flag} {path} holds no key (empty or only whitespace): write one key per "
+                f"line, or leave {flag} out to serve without one"
+            )
+        return keys
+    value = os.environ.get(variable)
+    if value is None:
+        return ()
+    if not value.strip():
+        raise KeyConfigError(
+            f"{variable} is set but empty (or only whitespace): set it to the key, or unset it "
+            "to serve without one"
+        )
+    return (value.strip(),)
 
 
 # Every wait of a request, bounded: docs/gateway.md#timeouts.
@@ -99,10 +138,11 @@ def seconds(text: str) -> float:
 
 
 def api_keys(path: Path | None) -> tuple[str, ...]:
-    if path is not None:
-        return tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
-    key = os.environ.get("PDSERVE_API_KEY", "").strip()
-    return (key,) if key else ()
+    return load_keys(path, "--api-key-file", "PDSERVE_API_KEY")
+
+
+def peer_keys(path: Path | None) -> tuple[str, ...]:
+    return load_keys(path, "--peer-key-file", "PDSERVE_PEER_KEY")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,10 +156,11 @@ def run(args: argparse.Namespace) -> int:
             endpoint_wait_seconds=args.endpoint_wait_seconds,
             **{field: getattr(args, field) for _, field, _ in TIMEOUT_FLAGS},
             api_keys=api_keys(args.api_key_file),
+            peer_keys=peer_keys(args.peer_key_file),
             derender_pipelining=args.pipelining,
             request_log=args.request_log,
         )
-    except (ConfigError, OSError) as error:
+    except (ConfigError, KeyConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     gateway = Gateway(config, settings)

@@ -53,7 +53,7 @@ class PeerAdmission:
         self.client = client
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
-        # The gateway's own API key: the replicas of one gateway share it.
+        # The peer key (else the gateway's own API key): the replicas of one gateway share it.
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.self_url: str | None = None
         """This replica's own URL as its peers reach it; None: it cannot take part in electing
@@ -108,7 +108,9 @@ class PeerAdmission:
 
     async def _ask(self, url: str) -> PeerState | None:
         try:
-            async with self.client().get(f"{url}/admission", timeout=self.timeout) as response:
+            async with self.client().get(
+                f"{url}/admission", headers=self.headers, timeout=self.timeout
+            ) as response:
                 if response.status != 200:
                     return None
                 return PeerState.parse(await response.json())

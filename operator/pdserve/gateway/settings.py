@@ -16,6 +16,9 @@ class GatewaySettings:
     max_body_bytes: int = 16 * 1024**2
     max_tokens_cap: int | None = None
     api_keys: tuple[str, ...] = ()
+    # The peers' key: the replicas of one gateway (and operational readers) call the admission
+    # endpoints, /metrics and /status with it (or an API key); the first one is sent.
+    peer_keys: tuple[str, ...] = ()
     # Every wait is bounded (docs/gateway.md#timeouts). Opening a connection to an engine or
     # render server: a reachable one on the cluster network answers in milliseconds.
     connect_timeout: float = 5.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.errors import error_body
+from pdserve.gateway.errors import error_body, without_addresses
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.vllm.protocol import ChunkChoice, DerenderStreamRequest, derender_chunk_body
+
+log = logging.getLogger("pdserve.gateway")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = "[DONE]"
@@ -93,10 +96,14 @@ class ClientWriter:
         await self.response.write(f"data: {data}\n\n".encode())
 
     async def error(self, status: int, message: str) -> None:
-        """End the stream as failed (the request counts as such): an error event."""
+        """End the stream as failed (the request counts as such): an error event. Its message
+        names the failed call's replica: the log keeps it, the client is not told."""
         self.exchange.stream_error = status
         kind = "GatewayTimeout" if status == 504 else "UpstreamError"
-        await self.send(error_body(status, message, kind))
+        request_id = self.exchange.request_id
+        log.warning("%s: stream ended with %d: %s", request_id, status, message,
+                    extra={"request_id": request_id})  # fmt: skip
+        await self.send(error_body(status, without_addresses(message), kind))
 
     async def done(self) -> None:
         async with self.lock:

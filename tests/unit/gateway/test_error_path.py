@@ -200,8 +200,31 @@ async def test_other_endpoints_answer_openai_errors_too(pd: Served) -> None:
     client, _, _ = pd
     error = await openai_error(await client.get("/v1/models"), 401)
     assert error["type"] == "AuthenticationError"
-    error = await openai_error(await client.get("/v1/nothing-here"), 404)
+    key = {"Authorization": "Bearer key"}  # without one, every path but the probes is a 401
+    error = await openai_error(await client.get("/v1/nothing-here", headers=key), 404)
     assert error["message"] == "Not Found"
-    response = await client.get("/v1/chat/completions")
+    response = await client.get("/v1/chat/completions", headers=key)
     assert (await openai_error(response, 405))["type"] == "APIError"
     assert "POST" in response.headers["Allow"]
+
+
+async def test_a_stream_broken_by_its_derender_does_not_name_the_render_server(
+    pd: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "pdserve.gateway")
+    client, _, upstream = pd
+    upstream.script = {
+        "render": [rendered()],
+        "prefill": [{"kv_transfer_params": KV}],
+        "derender": [render_down("derender")],
+    }
+    event = {"choices": [{"index": 0, "token_ids": [10], "finish_reason": "stop"}]}
+    upstream.stream_lines = [f"data: {json.dumps(event)}\n".encode(), b"data: [DONE]\n"]
+    response = await post(client, {**CHAT, "stream": True})
+    text = await response.text()
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["message"].startswith("derender failed: derender at a replica")
+    assert "10.1.2.3" not in text
+    assert "derender at http://10.1.2.3:8000" in caplog.text  # the log keeps it

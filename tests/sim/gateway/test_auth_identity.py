@@ -1,0 +1,176 @@
+"""Who may call the gateway: every endpoint but the probes behind the keys (the peers' key for
+the operational and admission ones), bounded and expiring admission holds, and no engine address
+in a client's error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from devtools.localplane import free_port
+from tests.support.sim_gateway import (
+    LONG,
+    PLAIN,
+    Stack,
+    engine,
+    ep,
+    gateway_replicas,
+    pd_stack,
+    routing,
+    until,
+)
+
+API = {"Authorization": "Bearer client-key"}
+PEER = {"Authorization": "Bearer peer-key"}
+KEYS: dict[str, Any] = {"api_keys": ("client-key",), "peer_keys": ("peer-key",)}
+
+CLIENT_ROUTES = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+]
+PEER_ROUTES = [("GET", "/metrics"), ("GET", "/status"), ("GET", "/admission")]
+
+
+async def aggregated(stack: Stack, **settings: Any) -> httpx.AsyncClient:
+    render = await stack.render()
+    decode = await stack.engine("both", engine("both"))
+    endpoints = {"render": [ep(render)], "decode": [ep(decode)]}
+    return await stack.gateway(routing(prefill=False, endpoints=endpoints), **settings)
+
+
+async def call(
+    client: httpx.AsyncClient, method: str, path: str, headers: dict[str, Any] | None = None
+) -> httpx.Response:
+    body = {**PLAIN, "max_tokens": 5}
+    if path == "/v1/completions":
+        body = {"model": PLAIN["model"], "prompt": "hi", "max_tokens": 5}
+    if path == "/admission/hold":
+        body = {"replicas": ["http://p0"]}
+    if method == "GET":
+        return await client.get(path, headers=headers)
+    return await client.post(path, json=body, headers=headers)
+
+
+def assert_unauthorized(response: httpx.Response) -> None:
+    assert response.status_code == 401, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("AuthenticationError", 401)
+    assert "Authorization: Bearer" in error["message"]
+
+
+async def test_every_endpoint_but_the_probes_needs_a_key(stack: Stack) -> None:
+    client = await aggregated(stack, **KEYS)
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/ready")).status_code == 200
+    for method, path in [*CLIENT_ROUTES, *PEER_ROUTES, ("POST", "/admission/hold")]:
+        assert_unauthorized(await call(client, method, path))
+        assert_unauthorized(await call(client, method, path, {"Authorization": "Bearer nope"}))
+        assert_unauthorized(await call(client, method, path, {"Authorization": "client-key"}))
+    for method, path in [*CLIENT_ROUTES, *PEER_ROUTES]:
+        assert (await call(client, method, path, API)).status_code == 200, path
+    # The peers' key opens the operational and admission endpoints, not the model.
+    for method, path in PEER_ROUTES:
+        assert (await call(client, method, path, PEER)).status_code == 200, path
+    for method, path in CLIENT_ROUTES:
+        assert_unauthorized(await call(client, method, path, PEER))
+    # An unknown path is refused as unauthorized too: it says nothing without a key.
+    assert_unauthorized(await client.get("/v1/unknown"))
+    assert (await client.get("/v1/unknown", headers=API)).status_code == 404
+
+
+async def test_a_non_utf8_authorization_header_is_refused_as_unauthorized(stack: Stack) -> None:
+    client = await aggregated(stack, **KEYS)
+    for method, path in [*CLIENT_ROUTES, *PEER_ROUTES]:
+        garbled = await call(client, method, path, {"Authorization": b"Bearer \xff\xfe\x80key"})
+        assert_unauthorized(garbled)
+
+
+async def test_a_peer_key_alone_guards_the_peer_endpoints_only(stack: Stack) -> None:
+    client = await aggregated(stack, peer_keys=("peer-key",))
+    assert (await call(client, "POST", "/v1/chat/completions")).status_code == 200
+    for method, path in PEER_ROUTES:
+        assert_unauthorized(await call(client, method, path))
+        assert (await call(client, method, path, PEER)).status_code == 200
+
+
+async def test_keyed_replicas_find_each_other_and_admit_through_the_leader(stack: Stack) -> None:
+    """With keys set the replicas' polls and holds carry the peer key: they still elect one
+    leader, and a follower's document holds its slot there."""
+    replicas = await gateway_replicas(stack, hang=1, **KEYS)
+    for client in replicas.clients:
+        client.headers.update(API)
+    leader = replicas.gateways[replicas.leader]
+    follower = replicas.gateways[replicas.follower]
+    assert follower.peers.leader() == replicas.urls[replicas.leader]
+    document = asyncio.create_task(
+        replicas.clients[replicas.follower].post("/v1/chat/completions", json=LONG)
+    )
+    await until(lambda: replicas.reached_prefill(1) == 1)
+    assert leader.admission.long_in_flight == 1
+    assert follower.admission.long_in_flight == 0
+    assert follower.peers.leader_errors == 0
+    document.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await document
+    await until(lambda: leader.admission.long_in_flight == 0)
+
+
+async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack) -> None:
+    """A peer has at most max_inflight holds open (queued or granted): more would be admitted
+    anyway once they age, overrunning the limit for every replica's documents."""
+    client = await pd_stack(stack, max_inflight=2)
+    gateway = stack.gateway_server
+    async with contextlib.AsyncExitStack() as holds:
+        lines = []  # each hold's line iterator, kept open with its connection
+        for replica in ("http://p0", "http://p1"):
+            granted = await holds.enter_async_context(
+                client.stream("POST", "/admission/hold", json={"replicas": [replica]})
+            )
+            assert granted.status_code == 200
+            lines.append(granted.aiter_lines())
+            assert await lines[-1].__anext__() == f"granted {replica}"
+        refused = await client.post("/admission/hold", json={"replicas": ["http://p2"]})
+        assert refused.status_code == 429
+        assert "admission holds open" in refused.json()["error"]["message"]
+        assert gateway.admission.in_flight == {"http://p0": 1, "http://p1": 1}
+    await until(lambda: not gateway.admission.in_flight and not gateway.admission_handlers.holds)
+    async with client.stream("POST", "/admission/hold", json={"replicas": ["http://p2"]}) as again:
+        assert again.status_code == 200  # the peer may hold slots again
+
+
+async def test_a_hold_ends_at_its_deadline(stack: Stack) -> None:
+    """A holder that never closes its connection loses the slot after the hold's deadline (its
+    prefill call's own timeout), which the grant names."""
+    client = await pd_stack(stack, first_byte_timeout=0.5)
+    gateway = stack.gateway_server
+    async with client.stream("POST", "/admission/hold", json={"replicas": ["http://p0"]}) as held:
+        assert held.headers["X-PDServe-Hold-Seconds"] == "0.5"
+        lines = [line async for line in held.aiter_lines()]  # ends by itself
+    assert lines == ["granted http://p0"]
+    assert gateway.admission.in_flight == {}
+
+
+async def test_client_errors_do_not_name_engine_addresses(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    render = await stack.render()
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    endpoints = {"render": [ep(render)], "decode": [ep(gone)]}
+    client = await stack.gateway(
+        routing(prefill=False, endpoints=endpoints), load_scrape_seconds=None
+    )
+    caplog.set_level(logging.WARNING, "pdserve.gateway")
+    for stream in (False, True):
+        stack.gateway_server.endpoints.pools["decode"][0].down_until = 0.0  # try it again
+        failed = await client.post("/v1/chat/completions", json={**PLAIN, "stream": stream})
+        assert failed.status_code == 502, failed.text
+        message = failed.json()["error"]["message"]
+        assert "127.0.0.1" not in message, message
+        assert message.startswith("decode at a replica")
+    assert gone in caplog.text  # the log keeps where it failed
