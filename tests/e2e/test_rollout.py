@@ -95,10 +95,11 @@ class GatewayLogs:
                         self.lines.append(content)
 
     def requests(self) -> dict[str, dict[str, Any]]:
-        """The request log's entries by request id."""
+        """The request log's entries by the client's X-Request-Id (`request_id` is the
+        gateway's own)."""
         self.read()
         entries = (json.loads(line) for line in self.lines if line.startswith('{"request_id"'))
-        return {entry["request_id"]: entry for entry in entries}
+        return {entry["client_request_id"]: entry for entry in entries}
 
     def close(self) -> None:
         for handle in self.files.values():

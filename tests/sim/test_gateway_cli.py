@@ -94,13 +94,17 @@ async def test_gateway_process_serves_and_logs_each_request(
             )
             assert response.status_code == 200
             assert response.text.rstrip().endswith("data: [DONE]")
+            assert response.headers["X-Request-Id"] == "req-42"
+            own_id = response.headers["X-PDServe-Request-Id"]
         wait_until(
             "the request log",
             lambda: log_file.exists() and log_file.read_text().strip() != "",
             timeout=10,
         )
         [entry] = [json.loads(line) for line in log_file.read_text().splitlines()]
-        assert entry["request_id"] == "req-42"
+        # The gateway's own id (what the engines were told), and the client's beside it.
+        assert (entry["request_id"], entry["client_request_id"]) == (own_id, "req-42")
+        assert own_id.startswith("pdserve-")
         assert entry["class"] == "document"
         assert entry["requested_output_tokens"] == 12
         assert entry["sent_at_ms"] <= entry["first_token_at_ms"] <= entry["finished_at_ms"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
@@ -38,7 +37,12 @@ from pdserve.gateway.errors import (
     error_response,
     http_error_response,
 )
-from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.exchange import (
+    Exchange,
+    client_request_id,
+    echo_request_id,
+    gateway_request_id,
+)
 from pdserve.gateway.fairqueue import PrefillAdmission
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.intake import Intake
@@ -131,6 +135,7 @@ class Gateway:
             client_max_size=self.settings.max_body_bytes,
             middlewares=[self.intake.middleware, self._errors],
         )
+        app.on_response_prepare.append(echo_request_id)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -191,7 +196,7 @@ class Gateway:
         except Exception as error:
             if client_went_away(error):
                 raise
-            request_id = request.headers.get("X-Request-Id")
+            request_id = gateway_request_id(request)
             answer = client_error(error, request_id)
             self._log_failure(error, answer, request_id)
             return error_response(answer)
@@ -279,13 +284,15 @@ class Gateway:
             try:
                 body = await self.intake.read_body(request)
                 body = self.intake.check_body(body, chat=chat)
-                request_id = request.headers.get("X-Request-Id") or f"pdserve-{uuid.uuid4().hex}"
+                # The engines' request id is the gateway's own: clients' ids may collide.
+                request_id = gateway_request_id(request)
                 plan = await self.planner.plan()
                 exchange = Exchange(
                     request=request,
                     body=body,
                     chat=chat,
                     request_id=request_id,
+                    client_request_id=client_request_id(request),
                     selection=plan.selection,
                     pd=plan.pd,
                     started=started,
@@ -315,7 +322,7 @@ class Gateway:
         """The one error path of a completion request: whatever it raised answers as an OpenAI
         error (errors.client_error), or, once its stream started, as an error event and
         [DONE] on that stream."""
-        request_id = exchange.request_id if exchange else request.headers.get("X-Request-Id")
+        request_id = exchange.request_id if exchange else gateway_request_id(request)
         answer = client_error(error, request_id)
         route = exchange.route if exchange else route
         outcome = "no_endpoints" if isinstance(error, NoEndpoints) else f"error_{answer.status}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,36 @@ from pdserve.gateway.request_log import p95
 if TYPE_CHECKING:
     from pdserve.gateway.streaming import ClientWriter
 
+REQUEST_ID = web.RequestKey("pdserve_request_id", str)
+"""The gateway's own id of a request (what the engines are told), once it has one."""
+CLIENT_ID_LIMIT = 256
+
+
+def gateway_request_id(request: web.Request) -> str:
+    """The gateway's own id of `request` (given on first use): unique, whatever the client
+    sends, so one client's id never names another's work on the engines."""
+    if (own := request.get(REQUEST_ID)) is None:
+        own = request[REQUEST_ID] = f"pdserve-{uuid.uuid4().hex}"
+    return own
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The client's `X-Request-Id`, for the log and the response header: printable ASCII of at
+    most 256 characters, else none (it is never an engine's request id: clients' ids collide)."""
+    value = request.headers.get("X-Request-Id")
+    if value and len(value) <= CLIENT_ID_LIMIT and value.isascii() and value.isprintable():
+        return value
+    return None
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response names the request: the client's `X-Request-Id` back, and the gateway's
+    own id (the request log's `request_id`) as `X-PDServe-Request-Id`."""
+    if (client := client_request_id(request)) is not None:
+        response.headers["X-Request-Id"] = client
+    if (own := request.get(REQUEST_ID)) is not None:
+        response.headers["X-PDServe-Request-Id"] = own
+
 
 @dataclass
 class Exchange:
@@ -23,6 +54,7 @@ class Exchange:
     body: dict[str, Any]
     chat: bool
     request_id: str
+    """The gateway's own, unique per request: what the engines' work (and aborts) go by."""
     selection: Selection
     pd: bool  # the request goes through a prefill replica (Auto mode may still change it)
     started: float
@@ -46,6 +78,8 @@ class Exchange:
     event and [DONE] (app.py)."""
     stream_error: int | None = None
     """The status of the error event a stream ended with (the request failed after its 200)."""
+    client_request_id: str | None = None
+    """The client's `X-Request-Id`, for the log only."""
 
     @property
     def stream(self) -> bool:
@@ -78,6 +112,7 @@ class Exchange:
         gap_p95 = p95(self.gaps)
         return {
             "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
             "class": self.request.headers.get(
                 "X-PDServe-Class", "chat" if self.chat else "completion"
             ),

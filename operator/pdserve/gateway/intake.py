@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.gateway.errors import GatewayError, error_response
+from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, validate_request
 from pdserve.gateway.settings import GatewaySettings
 
@@ -70,6 +71,7 @@ class Intake:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every route but the probes behind the keys, before its handler runs (so an
         unauthorized request learns nothing, not even whether the gateway is full)."""
+        gateway_request_id(request)  # named from the start: logs, errors, the response header
         path = request.path
         if path not in OPEN_PATHS:
             try:

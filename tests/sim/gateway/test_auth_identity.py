@@ -1,12 +1,16 @@
-"""Who may call the gateway: every endpoint but the probes behind the keys (the peers' key for
-the operational and admission ones), bounded and expiring admission holds, and no engine address
-in a client's error."""
+"""Who may call the gateway and how a request is named: every endpoint but the probes behind the
+keys (the peers' key for the operational and admission ones), bounded and expiring admission
+holds, no engine address in a client's error, and the gateway's own request ids (a client's
+X-Request-Id is logged and echoed, never an engine's id)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -174,3 +178,86 @@ async def test_client_errors_do_not_name_engine_addresses(
         assert "127.0.0.1" not in message, message
         assert message.startswith("decode at a replica")
     assert gone in caplog.text  # the log keeps where it failed
+
+
+# ---- request ids -------------------------------------------------------------------------------
+async def first_token(lines: AsyncIterator[str]) -> str:
+    """Read up to the first chunk; `lines` stays open (a dropped iterator closes the stream)."""
+    async for line in lines:
+        if line.startswith("data: {"):
+            return line
+    raise AssertionError("the stream ended before its first chunk")
+
+
+async def test_clients_reusing_one_request_id_do_not_touch_each_others_work(
+    stack: Stack,
+) -> None:
+    """Two clients send the same X-Request-Id; the second leaves mid-stream. Its abort ends its
+    own work on the engine: the first still gets its whole answer."""
+    client = await pd_stack(stack)
+    decode = stack.engines["decode"]
+    headers = {"X-Request-Id": "shared"}
+    body = {
+        **PLAIN,
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as first:
+        assert first.headers["X-Request-Id"] == "shared"
+        first_lines = first.aiter_lines()
+        lines = [await first_token(first_lines)]
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers=headers
+        ) as second:
+            second_lines = second.aiter_lines()
+            await first_token(second_lines)
+            assert len(decode.core.running) == 2
+        # The second client left: its work is aborted, the first's goes on.
+        await until(lambda: len(decode.core.running) <= 1)
+        lines += [line async for line in first_lines if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert not [e for e in events if "error" in e]
+    assert events[-1]["usage"]["completion_tokens"] == 3000
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_the_response_echoes_the_client_id_and_names_the_gateway_id(
+    stack: Stack, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    client = await pd_stack(stack, request_log=log, **KEYS)
+    headers = {**API, "X-Request-Id": "mine-1"}
+    answer = await client.post("/v1/chat/completions", json=PLAIN, headers=headers)
+    assert answer.status_code == 200
+    assert answer.headers["X-Request-Id"] == "mine-1"
+    own = answer.headers["X-PDServe-Request-Id"]
+    assert own.startswith("pdserve-")
+    assert answer.json()["id"] == own
+    streamed = await client.post(
+        "/v1/chat/completions", json={**PLAIN, "stream": True}, headers=headers
+    )
+    assert streamed.headers["X-Request-Id"] == "mine-1"
+    assert streamed.headers["X-PDServe-Request-Id"] not in ("mine-1", own)
+    refused = await client.get("/v1/models", headers={"X-Request-Id": "mine-2"})
+    assert (refused.status_code, refused.headers["X-Request-Id"]) == (401, "mine-2")
+    # An id that is no printable ASCII (or too long) is neither echoed nor logged.
+    odd = await client.post(
+        "/v1/chat/completions", json=PLAIN, headers={**API, "X-Request-Id": "x" * 300}
+    )
+    assert odd.status_code == 200
+    assert "X-Request-Id" not in odd.headers
+
+    def entries() -> list[dict[str, Any]]:
+        text = log.read_text() if log.exists() else ""
+        return [json.loads(line) for line in text.splitlines()]
+
+    await until(lambda: len(entries()) == 3)
+    first, second, third = entries()
+    assert (first["request_id"], first["client_request_id"]) == (own, "mine-1")
+    assert second["client_request_id"] == "mine-1"
+    assert second["request_id"] == streamed.headers["X-PDServe-Request-Id"]
+    assert third["client_request_id"] is None
+    assert third["request_id"].startswith("pdserve-")

@@ -1,4 +1,5 @@
-"""The gateway's keys without sockets: loading them (fail closed) and checking a request's."""
+"""The gateway's keys without sockets: loading them (fail closed), checking a request's, and
+the client ids it keeps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.exchange import client_request_id
 from pdserve.gateway.intake import Intake
 from pdserve.gateway.main import KeyConfigError, api_keys, peer_keys
 from pdserve.gateway.settings import GatewaySettings
@@ -17,12 +19,14 @@ def intake(**settings: tuple[str, ...]) -> Intake:
     return Intake("m", GatewaySettings(**settings))  # type: ignore[arg-type]
 
 
-def request(authorization: str | None = None) -> object:
+def request(authorization: str | None = None, request_id: str | None = None) -> object:
     """What the checks read of a request: its headers, as aiohttp decodes them (bytes that are
     not UTF-8 as surrogate escapes)."""
     headers = {}
     if authorization is not None:
         headers["Authorization"] = authorization
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
     return SimpleNamespace(headers=headers)
 
 
@@ -101,3 +105,20 @@ def test_keys_come_from_the_file_else_the_variable_else_none(
         api_keys(path)
     with pytest.raises(KeyConfigError, match=r"--api-key-file .*missing"):
         api_keys(tmp_path / "missing")
+
+
+# ---- client ids ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("header", "kept"),
+    [
+        ("req-42", "req-42"),
+        (None, None),
+        ("", None),
+        ("x" * 257, None),
+        ("tab\there", None),
+        ("caf\u00e9", None),
+        (b"\xff".decode("utf-8", "surrogateescape"), None),
+    ],
+)
+def test_only_a_printable_ascii_client_id_is_kept(header: str | None, kept: str | None) -> None:
+    assert client_request_id(request(request_id=header)) == kept  # type: ignore[arg-type]

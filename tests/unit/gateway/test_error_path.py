@@ -118,12 +118,14 @@ async def test_an_unexpected_failure_is_a_generic_500_logged_with_its_stack(
     client, gateway, upstream = pd
     upstream.script = {"render": [KeyError("secret internal detail")]}
     with caplog.at_level(logging.ERROR, logger="pdserve.gateway"):
-        error = await openai_error(await post(client, CHAT), 500)
-    assert error["message"] == "the gateway failed to serve the request (request id req-7)"
+        response = await post(client, CHAT)
+        error = await openai_error(response, 500)
+    own = response.headers["X-PDServe-Request-Id"]  # the gateway's id, not the client's req-7
+    assert error["message"] == f"the gateway failed to serve the request (request id {own})"
     assert error["type"] == "InternalServerError"
     assert "secret" not in error["message"]
     [record] = [r for r in caplog.records if r.exc_info]
-    assert record.request_id == "req-7"  # type: ignore[attr-defined]
+    assert record.request_id == own  # type: ignore[attr-defined]
     assert record.exc_info is not None
     assert record.exc_info[0] is KeyError
     assert requests_counted(gateway, "error_500") == 1
@@ -191,9 +193,10 @@ async def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_an
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 500
-    assert error["message"] == "the gateway failed to serve the request (request id req-7)"
+    own = response.headers["X-PDServe-Request-Id"]
+    assert error["message"] == f"the gateway failed to serve the request (request id {own})"
     assert requests_counted(gateway, "error_500") == 1
-    assert upstream.aborted == [("http://decode", ["req-7"])]  # the engine stops working
+    assert upstream.aborted == [("http://decode", [own])]  # the engine stops working
 
 
 async def test_other_endpoints_answer_openai_errors_too(pd: Served) -> None:
