@@ -14,7 +14,6 @@ from aiohttp import web
 
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.fairqueue import LONG, PrefillAdmission
-from pdserve.gateway.intake import Intake
 from pdserve.gateway.peers import GRANTED, PeerAdmission
 
 
@@ -23,12 +22,11 @@ class AdmissionHandlers:
         self,
         admission: PrefillAdmission,
         peers: PeerAdmission,
-        intake: Intake,
         *,
         hold_seconds: float,
         max_holds_per_peer: int = 256,
     ) -> None:
-        self.admission, self.peers, self.intake = admission, peers, intake
+        self.admission, self.peers = admission, peers
         self.hold_seconds = hold_seconds
         """At most this long a slot is held for a peer (its prefill call's own timeout)."""
         self.max_holds_per_peer = max_holds_per_peer

@@ -112,7 +112,7 @@ class Gateway:
                 self.upstream, hops, self.planner, placement, self.metrics
             )
         self.admission_handlers = AdmissionHandlers(
-            self.admission, self.peers, self.intake, hold_seconds=s.first_byte_timeout,
+            self.admission, self.peers, hold_seconds=s.first_byte_timeout,
             max_holds_per_peer=s.max_inflight,
         )  # fmt: skip
         self.request_log = RequestLog(s.request_log) if s.request_log else None
