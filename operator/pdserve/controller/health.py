@@ -6,19 +6,20 @@ derived from its TTFT SLO. Reconcile reads the cached verdict into TransportHeal
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
+from pdserve.contract.metrics import GATEWAY_PD_DEGRADED, GATEWAY_PD_RECENT_FAILURES
 from pdserve.controller.scraper import Key, PeriodicScraper
-from pdserve.vllm.metrics import TransferCounters, parse_transfer_counters
+from pdserve.vllm.metrics import TransferCounters, parse_transfer_counters, sum_samples
 
 log = logging.getLogger("pdserve.health")
 # Share of the TTFT SLO a KV handoff may take: prefill and decode's first step need the rest.
 TRANSFER_SHARE_OF_TTFT = 0.5
+GATEWAY_STATE = {GATEWAY_PD_DEGRADED: "degraded", GATEWAY_PD_RECENT_FAILURES: "failures"}
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class TransportMonitor(PeriodicScraper):
         self, key: Key, urls: Sequence[str], budget: float | None, gateways: Sequence[str] = ()
     ) -> None:
         """`urls`: decode engines' /metrics; `gateways`: the model's gateway base URLs, whose
-        /status says whether Auto mode degraded P/D to local prefill."""
+        /metrics say whether Auto mode degraded P/D to local prefill."""
         entry = self.tracked.get(key)
         if entry is None:
             entry = self.tracked[key] = _Tracked(list(urls), budget)
@@ -138,20 +139,22 @@ class TransportMonitor(PeriodicScraper):
             )  # fmt: skip
         return entry.verdict
 
-    async def _gateway_state(self, url: str) -> dict[str, Any] | None:
-        text = await self.fetch_text(f"{url}/status")
+    async def _gateway_state(self, url: str) -> dict[str, float] | None:
+        """A gateway's Auto-mode state from its /metrics (open without the API key)."""
+        text = await self.fetch_text(f"{url}/metrics")
+        if text is None:
+            return None
         try:
-            state = None if text is None else json.loads(text)
+            return sum_samples(text, lambda name, _: GATEWAY_STATE.get(name))
         except ValueError:
             return None
-        return state if isinstance(state, dict) else None
 
     async def _gateway_fallback(self, gateways: list[str]) -> str | None:
         states = [s for s in await asyncio.gather(*map(self._gateway_state, gateways)) if s]
-        degraded = [s for s in states if s.get("pdDegraded")]
+        degraded = [s for s in states if s.get("degraded")]
         if not degraded:
             return None
-        failures = sum(int(s.get("recentFailures") or 0) for s in degraded)
+        failures = sum(int(s.get("failures", 0)) for s in degraded)
         return (
             f"{len(degraded)} of {len(states)} gateway replicas prefill everything locally: "
             f"{failures} recent P/D handoff failures (failed or expired transfers, handoffs over "

@@ -232,6 +232,9 @@ class Gateway:
         self.metrics.prefill_oldest_wait.set(self.admission.oldest_wait())
         self.metrics.prefill_aged.set(self.admission.aged)
         self.metrics.admission_leader_errors.set(self.peers.leader_errors)
+        # Read live: what the operator's transport monitor reports as GatewayFallback.
+        self.metrics.pd_degraded.set(int(self.policy.health.degraded))
+        self.metrics.pd_recent_failures.set(len(self.policy.health.failures))
         return web.Response(
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )

@@ -2,9 +2,10 @@
 the headers passed upstream.
 
 Who may call what, when keys are set (`authorize`, run by `middleware` before every handler):
-`/health` and `/ready` are open (probes); `/v1/*`, and any path not named here, needs an API key;
-`/metrics`, `/status` and the peer admission endpoints (`/admission*`) take an API key or the
-peer key (the gateway replicas, the operator, a metrics scraper)."""
+`/health` and `/ready` (probes) and `/metrics` (Prometheus, as vLLM's own: counts and latencies
+by route, stage, reason and pod name, never a request's content or an address) are open;
+`/v1/*`, and any path not named here, needs an API key; `/status` and the peer admission
+endpoints (`/admission*`) take an API key or the peer key (the gateway replicas)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, validate_request
 from pdserve.gateway.settings import GatewaySettings
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
-"""Probes: they say nothing about the model's traffic and must work without a key."""
-PEER_PATHS = frozenset({"/metrics", "/status", "/admission", "/admission/hold"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Probes and the metrics scrape: they must work without a key (the kubelet, Prometheus, the
+operator's transport monitor), and say nothing a key protects."""
+PEER_PATHS = frozenset({"/status", "/admission", "/admission/hold"})
 """Operational and peer endpoints: an API key or the peer key."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

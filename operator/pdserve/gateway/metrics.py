@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.contract.metrics import GATEWAY_RENDER_CALL_SECONDS, RENDER_POD_LABEL
+from pdserve.contract.metrics import (
+    GATEWAY_PD_DEGRADED,
+    GATEWAY_PD_RECENT_FAILURES,
+    GATEWAY_RENDER_CALL_SECONDS,
+    RENDER_POD_LABEL,
+)
 
 LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -91,8 +96,14 @@ class GatewayMetrics:
             registry=r,
         )
         self.pd_degraded = Gauge(
-            "pdserve_gateway_pd_degraded",
+            GATEWAY_PD_DEGRADED,
             "1 while Auto mode routes everything local because the P/D path is failing",
+            registry=r,
+        )
+        self.pd_recent_failures = Gauge(
+            GATEWAY_PD_RECENT_FAILURES,
+            "Recent P/D handoff failures (failed or expired transfers, handoffs over the TTFT "
+            "budget) Auto mode counts towards degrading",
             registry=r,
         )
         self.prefill_queue = Gauge(

@@ -38,7 +38,9 @@ CLIENT_ROUTES = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
 ]
-PEER_ROUTES = [("GET", "/metrics"), ("GET", "/status"), ("GET", "/admission")]
+PEER_ROUTES = [("GET", "/status"), ("GET", "/admission")]
+# Open like the probes: Prometheus and the operator's transport monitor scrape it without a key.
+OPEN_ROUTES = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]
 
 
 async def aggregated(stack: Stack, **settings: Any) -> httpx.AsyncClient:
@@ -70,8 +72,10 @@ def assert_unauthorized(response: httpx.Response) -> None:
 
 async def test_every_endpoint_but_the_probes_needs_a_key(stack: Stack) -> None:
     client = await aggregated(stack, **KEYS)
-    assert (await client.get("/health")).status_code == 200
-    assert (await client.get("/ready")).status_code == 200
+    for method, path in OPEN_ROUTES:
+        assert (await call(client, method, path)).status_code == 200, path
+    metrics = (await client.get("/metrics")).text
+    assert "127.0.0.1" not in metrics  # counts by route, stage and pod name: no address
     for method, path in [*CLIENT_ROUTES, *PEER_ROUTES, ("POST", "/admission/hold")]:
         assert_unauthorized(await call(client, method, path))
         assert_unauthorized(await call(client, method, path, {"Authorization": "Bearer nope"}))
