@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.errors import error_body
+from pdserve.gateway.errors import error_body, without_addresses
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.vllm.protocol import ChunkChoice, DerenderStreamRequest, derender_chunk_body
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = "[DONE]"
+log = logging.getLogger("pdserve.gateway")
 
 
 def sse(data: Any) -> bytes:
@@ -93,10 +95,16 @@ class ClientWriter:
         await self.response.write(f"data: {data}\n\n".encode())
 
     async def error(self, status: int, message: str) -> None:
-        """End the stream as failed (the request counts as such): an error event."""
-        self.exchange.stream_error = status
+        """End the stream as failed (the request counts as such): an error event, without
+        the upstream addresses the message may name (the log has them)."""
+        ex = self.exchange
+        ex.stream_error = status
+        log.warning(
+            "%s: stream ended with %d: %s", ex.request_id, status, message,
+            extra={"request_id": ex.request_id},
+        )  # fmt: skip
         kind = "GatewayTimeout" if status == 504 else "UpstreamError"
-        await self.send(error_body(status, message, kind))
+        await self.send(error_body(status, without_addresses(message), kind))
 
     async def done(self) -> None:
         async with self.lock:
