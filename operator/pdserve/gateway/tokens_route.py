@@ -17,7 +17,7 @@ from aiohttp import web
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import DecodeKv
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, upstream_message
+from pdserve.gateway.errors import GatewayError, UpstreamFailed, upstream_message
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
@@ -352,7 +352,8 @@ class TokensRoute:
                 if finished:
                     self.planner.policy.observe_output(ex.output_tokens or 0)
                 if failed:
-                    await writer.error(502, f"derender failed: {failed[0]}")
+                    slow = isinstance(failed[0], UpstreamFailed) and failed[0].timed_out
+                    await writer.error(504 if slow else 502, f"derender failed: {failed[0]}")
                 elif not finished:
                     # Say the answer is cut short instead of truncating it silently.
                     await writer.error(

@@ -132,7 +132,7 @@ class UpstreamClient:
         `tried`: replicas not to use, and where the ones this call used are added, so the
         caller's next attempt can skip them too."""
         tried = [] if tried is None else tried
-        last = "no endpoint"
+        last, timed_out = "no endpoint", False
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
             begun = time.monotonic()
@@ -160,7 +160,8 @@ class UpstreamClient:
                 self.endpoints.mark_down(endpoint)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise self.past_deadline(stage, endpoint) from None
-                if isinstance(error, TimeoutError):
+                timed_out = isinstance(error, TimeoutError)
+                if timed_out:
                     last = f"{stage} at {endpoint.url}: no answer within {limit:g} s"
                 else:
                     last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
@@ -178,7 +179,7 @@ class UpstreamClient:
                             kind="UpstreamError",
                         ) from None
                 message = upstream_message(payload)
-                last = f"{stage} at {endpoint.url}: HTTP {status}: {message}"
+                last, timed_out = f"{stage} at {endpoint.url}: HTTP {status}: {message}", False
                 if "KV transfer" in last:
                     raise UpstreamFailed(stage, last, status)
             finally:
@@ -194,7 +195,7 @@ class UpstreamClient:
                 last,
                 extra={"request_id": headers.get("X-Request-Id")},
             )
-        raise UpstreamFailed(stage, last)
+        raise UpstreamFailed(stage, last, timed_out=timed_out)
 
     async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
         if endpoint is None:
