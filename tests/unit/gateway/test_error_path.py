@@ -175,6 +175,14 @@ async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(pd: 
     assert upstream.calls == []
 
 
+async def test_an_unknown_expectation_is_a_417_in_the_openai_shape(pd: Served) -> None:
+    client, _, upstream = pd
+    response = await post(client, CHAT, headers={"Expect": "0"})
+    error = await openai_error(response, 417)
+    assert error["message"].startswith("unknown Expect: 0")
+    assert upstream.calls == []
+
+
 async def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_and_done(
     pd: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
