@@ -7,7 +7,7 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 from unittest import mock
@@ -86,14 +86,16 @@ class FakeStream:
 
 class FakeUpstream(UpstreamClient):
     """Answers each stage with the next scripted outcome: a JSON answer, or an exception to
-    raise. Streams answer with `stream_lines` (then go quiet with `stream_stalls`)."""
+    raise; or, when a stage's script is a function, what it answers for the call's body (every
+    call). Streams answer with `stream_lines` (a function: of the body), then go quiet with
+    `stream_stalls`."""
 
     def __init__(
         self, endpoints: Endpoints, metrics: GatewayMetrics, settings: GatewaySettings
     ) -> None:
         super().__init__(endpoints, metrics, settings)
-        self.script: dict[str, list[Any]] = {}
-        self.stream_lines: list[bytes] = []
+        self.script: dict[str, list[Any] | Callable[[dict[str, Any]], Any]] = {}
+        self.stream_lines: list[bytes] | Callable[[dict[str, Any]], list[bytes]] = []
         self.stream_stalls = False
         self.calls: list[Call] = []
         self.aborted: list[tuple[str, list[str]]] = []
@@ -122,7 +124,8 @@ class FakeUpstream(UpstreamClient):
         self.calls.append(Call(stage, path, copy.deepcopy(dict(body)), candidates[0].url))
         if tried is not None:
             tried.append(candidates[0])
-        outcome = self.script[stage].pop(0)
+        script = self.script[stage]
+        outcome = script(copy.deepcopy(dict(body))) if callable(script) else script.pop(0)
         if isinstance(outcome, Exception):
             raise outcome
         return candidates[0], copy.deepcopy(outcome)
@@ -137,7 +140,9 @@ class FakeUpstream(UpstreamClient):
         deadline: float | None = None,
     ) -> aiohttp.ClientResponse:
         self.calls.append(Call("decode_stream", path, copy.deepcopy(dict(body)), endpoint.url))
-        stream = FakeStream(self.stream_lines, stall=self.stream_stalls)
+        lines = self.stream_lines
+        lines = lines(copy.deepcopy(dict(body))) if callable(lines) else lines
+        stream = FakeStream(lines, stall=self.stream_stalls)
         return cast(aiohttp.ClientResponse, stream)
 
     async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:

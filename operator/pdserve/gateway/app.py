@@ -35,6 +35,7 @@ from pdserve.gateway.errors import (
     client_went_away,
     error_body,
     error_response,
+    expect_continue,
     http_error_response,
 )
 from pdserve.gateway.exchange import (
@@ -136,13 +137,14 @@ class Gateway:
             middlewares=[self.intake.middleware, self._errors],
         )
         app.on_response_prepare.append(echo_request_id)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/status", self.status)
+        expect = expect_continue
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        app.router.add_get("/v1/models", self.models, expect_handler=expect)
+        app.router.add_get("/health", self.health, expect_handler=expect)
+        app.router.add_get("/ready", self.ready, expect_handler=expect)
+        app.router.add_get("/metrics", self.metrics_endpoint, expect_handler=expect)
+        app.router.add_get("/status", self.status, expect_handler=expect)
         self.admission_handlers.add_routes(app)
         app.on_startup.append(self._start_background)
         app.on_cleanup.append(self._close)

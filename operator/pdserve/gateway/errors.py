@@ -117,3 +117,17 @@ def http_error_response(error: web.HTTPException) -> web.Response:
     kind = GatewayError(error.status, error.reason).kind
     body = error_body(error.status, error.reason, kind)
     return web.json_response(body, status=error.status, headers=headers)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's handling of `Expect` (100 Continue for `100-continue`), with its refusal of
+    any other value in the OpenAI shape (aiohttp's own is text/plain, before middlewares)."""
+    expect = request.headers.get("Expect", "")
+    if request.version != aiohttp.HttpVersion11:
+        return None
+    if expect.lower() != "100-continue":
+        message = f"unknown Expect: {expect}; only 100-continue is understood"
+        return error_response(GatewayError(417, message, kind="ExpectationFailed"))
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not started
+    return None

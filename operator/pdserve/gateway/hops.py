@@ -186,5 +186,13 @@ class Hops:
             except UpstreamFailed as again:
                 raise GatewayError(502, str(again), kind="UpstreamError") from None
             exchange.served_by["decode"] = endpoint.label
-        assert isinstance(answer, dict)
+        if not (isinstance(answer, dict) and has_choices(answer)):
+            # Nothing to derender or pass on: a broken engine (or what stands in front of it).
+            raise GatewayError(502, "decode answered without choices", kind="UpstreamError")
         return answer
+
+
+def has_choices(answer: Mapping[str, Any]) -> bool:
+    """An upstream answer carries what a client's answer is made of: a list of choices."""
+    choices = answer.get("choices")
+    return isinstance(choices, list) and bool(choices) and all(isinstance(c, dict) for c in choices)

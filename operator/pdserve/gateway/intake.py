@@ -100,6 +100,12 @@ class Intake:
                 f"request body exceeds {self.settings.max_body_bytes} bytes",
                 kind="RequestTooLarge",
             ) from None
+        except web.RequestPayloadError:
+            # aiohttp could not decode it (a gzip or deflate body that is not): the client's
+            # mistake, not the gateway's failure.
+            encoding = request.headers.get("Content-Encoding", "none")
+            message = f"request body could not be read as sent (Content-Encoding: {encoding})"
+            raise GatewayError(400, message) from None
 
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -120,6 +126,8 @@ class Intake:
             raise GatewayError(400, message) from None
         except RecursionError:
             raise GatewayError(400, "request body is nested too deeply") from None
+        except ValueError:  # Python's limit on an integer's digits (4300)
+            raise GatewayError(400, "request body has a number too long to read") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
         return body

@@ -96,13 +96,15 @@ class ClientWriter:
         await self.response.write(f"data: {data}\n\n".encode())
 
     async def error(self, status: int, message: str) -> None:
-        """End the stream as failed (the request counts as such): an error event. Its message
-        names the failed call's replica: the log keeps it, the client is not told."""
-        self.exchange.stream_error = status
+        """End the stream as failed (the request counts as such): an error event, without
+        the upstream addresses the message may name (the log has them)."""
+        ex = self.exchange
+        ex.stream_error = status
+        log.warning(
+            "%s: stream ended with %d: %s", ex.request_id, status, message,
+            extra={"request_id": ex.request_id},
+        )  # fmt: skip
         kind = "GatewayTimeout" if status == 504 else "UpstreamError"
-        request_id = self.exchange.request_id
-        log.warning("%s: stream ended with %d: %s", request_id, status, message,
-                    extra={"request_id": request_id})  # fmt: skip
         await self.send(error_body(status, without_addresses(message), kind))
 
     async def done(self) -> None:

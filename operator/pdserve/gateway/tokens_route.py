@@ -17,9 +17,9 @@ from aiohttp import web
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import DecodeKv
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, upstream_message
+from pdserve.gateway.errors import GatewayError, UpstreamFailed, upstream_message
 from pdserve.gateway.exchange import Exchange
-from pdserve.gateway.hops import Hops
+from pdserve.gateway.hops import Hops, has_choices
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_schema import logprobs_asked
 from pdserve.gateway.placement import Placement
@@ -88,6 +88,12 @@ class TokensRoute:
         if len(generates) != 1:
             raise GatewayError(400, "send one prompt per request", param="prompt")
         generate = generates[0]
+        if not (
+            isinstance(generate, dict)
+            and isinstance(generate.get("token_ids"), list)
+            and isinstance(generate.get("sampling_params"), dict)
+        ):
+            raise GatewayError(502, "render answered without token ids", kind="UpstreamError")
         generate["request_id"] = ex.request_id
         self.planner.decide_auto(ex, len(generate["token_ids"]))
         prefill_endpoint: Endpoint | None = None
@@ -162,7 +168,8 @@ class TokensRoute:
             ex.headers,
             self.settings.render_timeout,
         )
-        assert isinstance(result, dict)
+        if not (isinstance(result, dict) and has_choices(result)):
+            raise GatewayError(502, "derender answered without choices", kind="UpstreamError")
         result["model"] = model
         result["id"] = ex.request_id
         usage = result.get("usage") or {}
@@ -352,7 +359,8 @@ class TokensRoute:
                 if finished:
                     self.planner.policy.observe_output(ex.output_tokens or 0)
                 if failed:
-                    await writer.error(502, f"derender failed: {failed[0]}")
+                    slow = isinstance(failed[0], UpstreamFailed) and failed[0].timed_out
+                    await writer.error(504 if slow else 502, f"derender failed: {failed[0]}")
                 elif not finished:
                     # Say the answer is cut short instead of truncating it silently.
                     await writer.error(

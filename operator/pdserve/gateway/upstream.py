@@ -126,13 +126,14 @@ class UpstreamClient:
         deadline: float | None = None,
         tried: list[Endpoint] | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
-        """POST to one replica of a pool; on connection errors, timeouts or 5xx try the next
-        one. `prefill_tokens`: the prompt the call prefills, counted on the replica meanwhile.
+        """POST to one replica of a pool; on connection errors, timeouts, 5xx or a 200 that
+        is not JSON try the next one. `prefill_tokens`: the prompt the call prefills, counted
+        on the replica meanwhile.
         `deadline` (monotonic): no attempt outlives it; GatewayError 504 once it has passed.
         `tried`: replicas not to use, and where the ones this call used are added, so the
         caller's next attempt can skip them too."""
         tried = [] if tried is None else tried
-        last = "no endpoint"
+        last, timed_out = "no endpoint", False
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
             tried.append(endpoint)
             begun = time.monotonic()
@@ -160,7 +161,8 @@ class UpstreamClient:
                 self.endpoints.mark_down(endpoint)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise self.past_deadline(stage, endpoint) from None
-                if isinstance(error, TimeoutError):
+                timed_out = isinstance(error, TimeoutError)
+                if timed_out:
                     last = f"{stage} at {endpoint.url}: no answer within {limit:g} s"
                 else:
                     last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
@@ -171,16 +173,13 @@ class UpstreamClient:
                         raise GatewayError(status, upstream_message(payload), kind="UpstreamError")
                     try:
                         return endpoint, json.loads(payload)
-                    except json.JSONDecodeError:
-                        raise GatewayError(
-                            502,
-                            f"{stage} at {endpoint.url} answered non-JSON",
-                            kind="UpstreamError",
-                        ) from None
-                message = upstream_message(payload)
-                last = f"{stage} at {endpoint.url}: HTTP {status}: {message}"
-                if "KV transfer" in last:
-                    raise UpstreamFailed(stage, last, status)
+                    except ValueError:  # a broken replica (or what stands in front of it)
+                        last, timed_out = f"{stage} at {endpoint.url} answered non-JSON", False
+                else:
+                    message = upstream_message(payload)
+                    last, timed_out = f"{stage} at {endpoint.url}: HTTP {status}: {message}", False
+                    if "KV transfer" in last:
+                        raise UpstreamFailed(stage, last, status)
             finally:
                 if on_render:
                     self.metrics.render_inflight.labels(endpoint.label).dec()
@@ -194,7 +193,7 @@ class UpstreamClient:
                 last,
                 extra={"request_id": headers.get("X-Request-Id")},
             )
-        raise UpstreamFailed(stage, last)
+        raise UpstreamFailed(stage, last, timed_out=timed_out)
 
     async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
         if endpoint is None:

@@ -50,9 +50,13 @@ class OpenAIApi:
         if body.get("stream"):
             return await self._openai_stream(request, body, sequences, prompt_ids, derender_path)
         choices = []
-        for index, seq in enumerate(sequences):
-            ids, finish = await self.requests.collect(seq)
-            choices.append({"index": index, "token_ids": ids, "finish_reason": finish})
+        try:
+            for index, seq in enumerate(sequences):
+                ids, finish = await self.requests.collect(seq)
+                choices.append({"index": index, "token_ids": ids, "finish_reason": finish})
+        except asyncio.CancelledError:
+            self.requests.abort(sequences)  # the client went away (vLLM aborts it too)
+            raise
         derendered = await derender_path(
             {
                 "stream": False,

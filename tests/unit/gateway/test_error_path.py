@@ -155,6 +155,7 @@ async def test_a_gateway_error_with_an_address_loses_it(pd: Served) -> None:
         (b"{}", "application/json; charset=no-such-charset", "request body's charset"),
         (b"[" * 100_000 + b"]" * 100_000, "application/json", "request body is nested too deeply"),
         (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "application/json", "request body is nested"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "application/json", "request body has a number"),
     ],
 )
 async def test_bodies_that_cannot_be_read_are_400s(
@@ -164,6 +165,23 @@ async def test_bodies_that_cannot_be_read_are_400s(
     response = await post(client, None, data=data, headers={"Content-Type": content_type})
     error = await openai_error(response, 400)
     assert error["message"].startswith(message)
+    assert upstream.calls == []
+
+
+async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(pd: Served) -> None:
+    client, _, upstream = pd
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    response = await post(client, None, data=b"not gzip", headers=headers)
+    error = await openai_error(response, 400)
+    assert error["message"] == "request body could not be read as sent (Content-Encoding: gzip)"
+    assert upstream.calls == []
+
+
+async def test_an_unknown_expectation_is_a_417_in_the_openai_shape(pd: Served) -> None:
+    client, _, upstream = pd
+    response = await post(client, CHAT, headers={"Expect": "0"})
+    error = await openai_error(response, 417)
+    assert error["message"].startswith("unknown Expect: 0")
     assert upstream.calls == []
 
 

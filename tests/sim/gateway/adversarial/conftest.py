@@ -1,0 +1,23 @@
+"""The adversarial suite's outcome table, printed at the end of a run that used it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from _pytest.terminal import TerminalReporter
+
+from tests.support.outcomes import TALLY
+
+# Hypothesis keeps caches (the constants it found in the code) in its storage directory, by
+# default .hypothesis/ in the repository: keep them out of it (the fuzz tests set database=None).
+os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "pdserve-hypothesis")
+)
+
+
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
+    if TALLY.counts:
+        terminalreporter.write_sep("=", "gateway adversarial outcomes")
+        terminalreporter.write_line(TALLY.table())

@@ -1,0 +1,226 @@
+"""Clients that misbehave on the wire, on loopback simulators: bodies sent slowly (stalled,
+trickled, chunked and stalled) get a 408 within the body timeout while other clients are
+served; a client that goes away mid-stream or mid-answer has its engine work aborted and frees
+its in-flight slot; framing aiohttp's HTTP parser refuses is answered (known: in text/plain)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdserve.gateway.app import Gateway
+from pdserve.sim.engine_core import SchedulerConfig
+from tests.support.fault_proxy import FaultProxy
+from tests.support.outcomes import (
+    TALLY,
+    Outcome,
+    Verdict,
+    judge_json,
+    requests_by_outcome,
+    settled,
+)
+from tests.support.sim_gateway import PLAIN, Stack, engine, ep, pd_stack, routing, until
+
+HANG = 15.0  # seconds: only a hang detector
+BODY = json.dumps(PLAIN).encode()
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+
+
+async def read_answer(reader: asyncio.StreamReader) -> Verdict:
+    """One HTTP/1.1 answer with a Content-Length, judged."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    fields = dict(
+        line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line
+    )  # fmt: skip
+    headers = {k.strip().lower(): v.strip() for k, v in fields.items()}
+    payload = await reader.readexactly(int(headers[b"content-length"]))
+    content_type = headers.get(b"content-type", b"").split(b";")[0].decode()
+    return judge_json(status, content_type, payload, chat=True)
+
+
+async def stalled(writer: asyncio.StreamWriter) -> None:
+    writer.write(HEAD + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
+    await writer.drain()  # ... and the rest never comes
+
+
+async def trickled(writer: asyncio.StreamWriter) -> None:
+    """The whole body, one byte at a time, far slower than the body timeout allows."""
+    writer.write(HEAD + f"Content-Length: {len(BODY)}\r\n\r\n".encode())
+    for byte in BODY:
+        writer.write(bytes([byte]))
+        await writer.drain()
+        await asyncio.sleep(0.05)  # pacing the client, not waiting for the gateway
+
+
+async def chunked_and_stalled(writer: asyncio.StreamWriter) -> None:
+    writer.write(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"a\r\n" + BODY[:10] + b"\r\n")
+    await writer.drain()  # ... no more chunks, no last one
+
+
+SLOW: list[Callable[[asyncio.StreamWriter], Coroutine[Any, Any, None]]] = [
+    stalled,
+    trickled,
+    chunked_and_stalled,
+]
+
+
+async def test_slow_bodies_get_408_within_the_body_timeout_while_others_are_served(
+    stack: Stack,
+) -> None:
+    client = await pd_stack(stack, max_inflight=1, body_timeout=0.5)
+    gateway = stack.gateway_server
+    host, port = client.base_url.host, client.base_url.port
+    assert port is not None
+    connections = [await asyncio.open_connection(host, port) for _ in SLOW]
+    senders = [asyncio.create_task(send(w)) for send, (_, w) in zip(SLOW, connections, strict=True)]
+    try:
+        # Meanwhile other clients are served: the slow bodies hold no in-flight slot.
+        for _ in range(3):
+            response = await asyncio.wait_for(client.post("/v1/chat/completions", json=PLAIN), HANG)
+            TALLY.add("slow clients: others served meanwhile", _served(response.status_code))
+            assert response.status_code == 200, response.text
+        for reader, _ in connections:
+            verdict = await asyncio.wait_for(read_answer(reader), HANG)
+            TALLY.add("slow clients: body sent slowly", verdict)
+            assert verdict.outcome is Outcome.CLEAR_ERROR, verdict
+            assert verdict.status == 408, verdict
+            assert verdict.error is not None
+            assert verdict.error["type"] == "RequestTimeout"
+    finally:
+        for task in senders:
+            task.cancel()
+        for _, writer in connections:
+            writer.close()
+    await until(lambda: gateway.metrics.inflight._value.get() == 0, HANG)
+    assert requests_by_outcome(gateway) == {"ok": 3, "error_408": 3}
+
+
+def _served(status: int) -> Verdict:
+    return Verdict(Outcome.ANSWERED if status == 200 else Outcome.CORRUPTED, status)
+
+
+async def long_answer_stack(stack: Stack, api: str) -> tuple[Gateway, str, FaultProxy]:
+    """P/D whose decode engine takes seconds per answer (a long one with ignore_eos), behind a
+    pass-through proxy that records the aborts it is sent."""
+    slow = engine("decode", api=api)
+    slow.scheduler = SchedulerConfig(time_scale=0.5)  # ~10 ms a token
+    decode = FaultProxy(await stack.engine("decode", slow))
+    endpoints: dict[str, Any] = {
+        "prefill": [ep(await stack.engine("prefill", engine("prefill", api=api)))],
+        "decode": [ep(await stack.start(decode))],
+    }
+    if api == "tokens":
+        endpoints["render"] = [ep(await stack.render())]
+    config = routing(api, render=api == "tokens", endpoints=endpoints)
+    client = await stack.gateway(config, load_scrape_seconds=None)
+    return stack.gateway_server, str(client.base_url).rstrip("/"), decode
+
+
+LONG_ANSWER = {**PLAIN, "max_tokens": 3000, "ignore_eos": True}
+
+
+def decoding(stack: Stack) -> bool:
+    return bool(stack.engines["decode"].core.running)
+
+
+async def left(stack: Stack, gateway: Gateway, decode: FaultProxy) -> Verdict:
+    """What the gateway did after its client left: its engine work stopped, its slot freed,
+    not counted as ok (answered); or work left running (hang)."""
+    try:
+        await until(lambda: settled(stack, gateway), HANG)
+    except TimeoutError:
+        return Verdict(Outcome.HANG, None, "engine work or the in-flight slot left behind")
+    if "ok" in requests_by_outcome(gateway):
+        return Verdict(Outcome.CORRUPTED, None, "a request its client left counted as ok")
+    return Verdict(Outcome.ANSWERED, None)
+
+
+@pytest.mark.parametrize("api", ["tokens", "openai"])
+async def test_a_client_leaving_mid_stream_has_its_engine_work_aborted(
+    stack: Stack, api: str
+) -> None:
+    gateway, url, decode = await long_answer_stack(stack, api)
+    async with aiohttp.ClientSession() as session:
+        body = {**LONG_ANSWER, "stream": True}
+        response = await session.post(f"{url}/v1/chat/completions", json=body)
+        assert response.status == 200
+        events = 0
+        while events < 3:
+            line = await asyncio.wait_for(response.content.readline(), HANG)
+            events += line.startswith(b"data: ")
+        assert decoding(stack)
+        response.close()  # the client goes away mid-stream
+    verdict = await left(stack, gateway, decode)
+    TALLY.add(f"client leaves mid-stream ({api} route)", verdict)
+    assert verdict.outcome is Outcome.ANSWERED, verdict
+    [(_, request_id)] = [c for c in decode.calls if c[0] != "/abort_requests"]
+    assert request_id in decode.aborted  # the gateway told decode, not only a closed socket
+
+
+@pytest.mark.parametrize("api", ["tokens", "openai"])
+async def test_a_client_leaving_mid_answer_has_its_engine_work_aborted(
+    stack: Stack, api: str
+) -> None:
+    gateway, url, decode = await long_answer_stack(stack, api)
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(f"{url}/v1/chat/completions", json=LONG_ANSWER))
+        await until(lambda: decoding(stack), HANG)
+        request.cancel()  # the client goes away while decode works on its answer
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    verdict = await left(stack, gateway, decode)
+    TALLY.add(f"client leaves mid-answer ({api} route)", verdict)
+    assert verdict.outcome is Outcome.ANSWERED, verdict
+
+
+# Framing aiohttp's HTTP parser refuses before the application sees the request: answered
+# at once (no hang), but in aiohttp's text/plain, not the OpenAI shape.
+FRAMING = [
+    pytest.param(
+        HEAD + b"Content-Encoding: br\r\n" + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY,
+        id="unsupported-content-encoding",
+    ),
+    pytest.param(
+        HEAD + b"Content-Encoding: deflate\r\nContent-Length: 4\r\n\r\nx\x9c\xabV",
+        id="compressed-body-cut-short",
+    ),
+    pytest.param(
+        HEAD + b"Transfer-Encoding: chunked\r\n" + f"Content-Length: {len(BODY)}\r\n\r\n".encode(),
+        id="length-and-chunked",
+    ),
+    pytest.param(
+        HEAD + b"X-Big: " + b"x" * 10_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        id="header-over-8-kib",
+    ),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="aiohttp's HTTP parser answers these itself in text/plain (RequestHandler."
+    "handle_error), before any route or middleware; the gateway would need its own protocol "
+    "handler",
+)
+@pytest.mark.parametrize("request_bytes", FRAMING)
+async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
+    stack: Stack, request_bytes: bytes
+) -> None:
+    client = await pd_stack(stack)
+    assert client.base_url.port is not None
+    reader, writer = await asyncio.open_connection(client.base_url.host, client.base_url.port)
+    try:
+        writer.write(request_bytes)
+        await writer.drain()
+        verdict = await asyncio.wait_for(read_answer(reader), HANG)
+    finally:
+        writer.close()
+    TALLY.add("framing aiohttp's parser refuses (known, xfail)", verdict)
+    assert verdict.status is not None
+    assert 400 <= verdict.status < 500  # answered, as the client's mistake
+    assert verdict.outcome is Outcome.CLEAR_ERROR, verdict
