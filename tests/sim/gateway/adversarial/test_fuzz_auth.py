@@ -1,0 +1,144 @@
+"""Fuzzing who may call what (hypothesis, deterministic), with an API key and a peer key set:
+random Authorization headers (schemes, near-miss keys, whitespace, undecodable bytes) on every
+endpoint, against the whole gateway on the fake upstream.
+
+Only the exact key the endpoint takes opens it; anything else is an OpenAI-shaped JSON 401 that
+reaches no upstream; never a 5xx. The probes and /metrics are open whatever is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.gateway.app import Gateway
+from tests.support.gateway_fakes import MODEL, FakeUpstream, fake_gateway
+from tests.support.outcomes import TALLY, Outcome, Verdict
+
+API_KEY, PEER_KEY = "client-key-0123", "peer-key-4567"
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+# path -> (method, the keys that open it; None: open to anyone)
+ENDPOINTS: dict[str, tuple[str, frozenset[str] | None]] = {
+    "/health": ("GET", None),
+    "/ready": ("GET", None),
+    "/metrics": ("GET", None),
+    "/v1/models": ("GET", frozenset({API_KEY})),
+    "/v1/chat/completions": ("POST", frozenset({API_KEY})),
+    "/status": ("GET", frozenset({API_KEY, PEER_KEY})),
+    "/admission": ("GET", frozenset({API_KEY, PEER_KEY})),
+}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+class Served:
+    """The whole gateway with both keys set, on its own event loop for all examples."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.gateway: Gateway
+        self.upstream: FakeUpstream
+        self.gateway, self.upstream = fake_gateway(
+            "openai", "Aggregated", endpoint_wait_seconds=0,
+            api_keys=(API_KEY,), peer_keys=(PEER_KEY,),
+        )  # fmt: skip
+        answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                               "finish_reason": "stop"}]}  # fmt: skip
+        self.upstream.script = {"decode": lambda _: answer}
+        self.server = TestServer(self.gateway.app())
+        self.session = self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> aiohttp.ClientSession:
+        await self.server.start_server()
+        return aiohttp.ClientSession()
+
+    def call(self, path: str, authorization: bytes | None) -> tuple[int, str, bytes]:
+        self.upstream.calls.clear()
+        method, _ = ENDPOINTS[path]
+        # Raw header bytes: aiohttp would refuse to send some of them as str.
+        headers = (
+            {} if authorization is None else {"Authorization": authorization.decode("latin-1")}
+        )
+
+        async def send() -> tuple[int, str, bytes]:
+            body = json.dumps(CHAT).encode() if method == "POST" else None
+            async with self.session.request(
+                method, str(self.server.make_url(path)), data=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as answer:  # fmt: skip
+                return answer.status, answer.content_type, await answer.read()
+
+        return self.loop.run_until_complete(send())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.run_until_complete(self.server.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    served = Served()
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def near_misses(key: str) -> st.SearchStrategy[str]:
+    return st.sampled_from([key[:-1], key + "x", key.upper(), f" {key} x", key[1:], ""])
+
+
+tokens = st.one_of(
+    st.sampled_from([API_KEY, PEER_KEY]),
+    near_misses(API_KEY),
+    near_misses(PEER_KEY),
+    # No control characters: the client refuses to send them (header injection).
+    st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=40),
+)
+schemes = st.sampled_from(["Bearer", "bearer", "BEARER", "Basic", "Token", ""])
+printable = st.builds(lambda s, t, sep: f"{s}{sep}{t}".encode(), schemes, tokens,
+                      st.sampled_from([" ", "  ", "\t", ""]))  # fmt: skip
+raw = st.binary(max_size=40).filter(lambda b: all(32 <= c != 127 for c in b))
+authorization = st.none() | printable | raw.map(lambda b: b"Bearer " + b)
+
+
+def expected_open(path: str, header: bytes | None) -> bool:
+    _, keys = ENDPOINTS[path]
+    if keys is None:
+        return True
+    if header is None:
+        return False
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and token.strip().decode("latin-1") in keys
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(ENDPOINTS)), header=authorization)
+def test_only_the_key_an_endpoint_takes_opens_it(
+    served: Served, path: str, header: bytes | None
+) -> None:
+    status, content_type, payload = served.call(path, header)
+    verdict = Verdict(Outcome.ANSWERED if status == 200 else Outcome.CLEAR_ERROR, status)
+    TALLY.add("fuzz: authorization headers", verdict)
+    assert status < 500, (status, payload[:200])
+    if expected_open(path, header):
+        assert status == 200, (path, header, status, payload[:200])
+        return
+    assert status == 401, (path, header, status, payload[:200])
+    assert content_type == "application/json"
+    error: dict[str, Any] = json.loads(payload)["error"]
+    assert (error["type"], error["code"]) == ("AuthenticationError", 401)
+    assert served.upstream.calls == []  # refused before any upstream
