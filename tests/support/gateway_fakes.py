@@ -84,6 +84,10 @@ class FakeStream:
     def release(self) -> None: ...
 
 
+HANG = object()
+"""A scripted outcome: the call never answers (until the caller is cancelled)."""
+
+
 class FakeUpstream(UpstreamClient):
     """Answers each stage with the next scripted outcome: a JSON answer, or an exception to
     raise; or, when a stage's script is a function, what it answers for the call's body (every
@@ -99,6 +103,8 @@ class FakeUpstream(UpstreamClient):
         self.stream_stalls = False
         self.calls: list[Call] = []
         self.aborted: list[tuple[str, list[str]]] = []
+        self.hanging = asyncio.Event()
+        """Set when a call scripted to HANG is under way."""
 
     def stages(self) -> list[str]:
         return [c.stage for c in self.calls]
@@ -126,6 +132,9 @@ class FakeUpstream(UpstreamClient):
             tried.append(candidates[0])
         script = self.script[stage]
         outcome = script(copy.deepcopy(dict(body))) if callable(script) else script.pop(0)
+        if outcome is HANG:
+            self.hanging.set()
+            await asyncio.Event().wait()  # until the caller is cancelled
         if isinstance(outcome, Exception):
             raise outcome
         return candidates[0], copy.deepcopy(outcome)

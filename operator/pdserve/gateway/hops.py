@@ -5,6 +5,7 @@ cannot load prefill's KV. Prefill waits at most the first-byte timeout, a non-st
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -137,6 +138,31 @@ class Hops:
         prefill_endpoint: Endpoint | None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
+        """`_decode_once`, and when the client goes away meanwhile, an abort to the decode
+        replica working on it: vLLM's API server takes a closed connection as one, but an
+        engine (or a proxy in front of it) that keeps the work going on is told as well."""
+        tried: list[Endpoint] = []  # the replicas called, in order (then the retry's)
+        retried: list[Endpoint] = []
+        try:
+            return await self._decode_once(
+                exchange, path, body, local_body, prefill_endpoint, token_ids, tried, retried
+            )
+        except asyncio.CancelledError:
+            if called := retried or tried:
+                await asyncio.shield(self.upstream.abort(called[-1], [exchange.request_id]))
+            raise
+
+    async def _decode_once(
+        self,
+        exchange: Exchange,
+        path: str,
+        body: dict[str, Any],
+        local_body: dict[str, Any] | None,
+        prefill_endpoint: Endpoint | None,
+        token_ids: list[int] | None,
+        tried: list[Endpoint],
+        retried: list[Endpoint],
+    ) -> dict[str, Any]:
         """One non-streamed decode call (local_body: the same request without
         kv_transfer_params, when body carries prefill's). If decode cannot load prefill's KV,
         retry once with local prefill, on another decode replica when there is one (that
@@ -146,7 +172,6 @@ class Hops:
         # Decode prefills itself unless KV arrives: then its own prefix cache matters.
         local = local_body is None
         deadline = self.upstream.deadline(exchange.started)
-        tried: list[Endpoint] = []
         try:
             endpoint, answer = await self.upstream.post_json(
                 "decode",
@@ -182,6 +207,7 @@ class Hops:
                     exchange.headers,
                     self.settings.request_timeout,
                     deadline=deadline,
+                    tried=retried,
                 )
             except UpstreamFailed as again:
                 raise GatewayError(502, str(again), kind="UpstreamError") from None

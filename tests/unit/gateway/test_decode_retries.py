@@ -4,12 +4,13 @@ failed, and a decode crash is no KV-load fallback."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
 from pdserve.gateway.errors import GatewayError, UpstreamFailed
 from pdserve.gateway.main import add_arguments
-from tests.support.gateway_fakes import rig
+from tests.support.gateway_fakes import HANG, rig
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -60,3 +61,21 @@ def test_every_wait_has_a_flag() -> None:
     assert [getattr(defaults, f"{w}_timeout") for w in waits] == [5, 120, 60, 30, 600]
     with pytest.raises(SystemExit):
         parser.parse_args(["--config", "r.json", "--idle-timeout-seconds", "0"])
+
+
+@pytest.mark.parametrize("engine_api", ["tokens", "openai"])
+async def test_a_client_leaving_a_non_streamed_request_aborts_the_decode_working_on_it(
+    engine_api: str,
+) -> None:
+    r = rig(engine_api)
+    render = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 5}}
+    r.upstream.script = {
+        "render": [render], "prefill": [{"kv_transfer_params": KV}], "decode": [HANG],
+    }  # fmt: skip
+    exchange = r.exchange(CHAT)
+    serving = asyncio.create_task(r.route.serve(exchange))
+    await asyncio.wait_for(r.upstream.hanging.wait(), timeout=10)  # decode is under way
+    serving.cancel()  # what aiohttp does when the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    assert ("http://decode", [exchange.request_id]) in r.upstream.aborted
