@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, upstream_message
+from pdserve.gateway.errors import GatewayError, upstream_message, without_addresses
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
@@ -145,6 +145,7 @@ class OpenAIRoute:
                                 event = json.loads(data)
                                 if "error" in event:  # decode's own error event: pass it on
                                     ex.stream_error = status
+                                    data = scrubbed(event, data)
                                 for choice in event.get("choices") or []:
                                     index = int(choice.get("index", 0))
                                     finished = choice.get("finish_reason") is not None
@@ -186,3 +187,15 @@ class OpenAIRoute:
             return response
         finally:
             upstream.release()
+
+
+def scrubbed(event: dict[str, Any], data: str) -> str:
+    """An engine's error event as the client may see it: without the addresses its message may
+    name (the gateway's own error events are scrubbed the same way)."""
+    error = event.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return data
+    message = without_addresses(error["message"])
+    if message == error["message"]:
+        return data
+    return json.dumps({**event, "error": {**error, "message": message}})

@@ -129,3 +129,17 @@ async def test_a_finished_openai_stream_ends_with_its_finish_reason_and_no_error
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
     assert exchange.stream_error is None
     assert r.upstream.aborted == []
+
+
+async def test_an_engines_own_error_event_reaches_the_client_without_its_addresses() -> None:
+    r = openai_rig()
+    failure = {"message": "KV pull from http://10.0.3.7:5600 failed (host 10.0.3.7)", "code": 500}
+    r.upstream.stream_lines = [openai_chunk("a"), line({"error": failure}), b"data: [DONE]\n"]
+    exchange = r.exchange(CHAT)
+    await asyncio.wait_for(r.route.serve(exchange), HANG)
+    events = written(exchange)
+    [error] = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert "10.0.3.7" not in error["message"]
+    assert error["message"].startswith("KV pull from a replica failed")
+    assert error["code"] == 500  # the engine's event, passed on, not replaced
+    assert events[-1] == "[DONE]"
