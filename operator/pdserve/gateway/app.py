@@ -314,12 +314,24 @@ class Gateway:
                 if self.request_log is not None:
                     self.request_log.record(exchange.log_entry())
                 return response
+            except asyncio.CancelledError:
+                # The client went away (aiohttp cancels the handler; the routes abort the
+                # engines' work): no one to answer, but the request is counted and logged.
+                self._client_gone(exchange, route)
+                raise
             except Exception as error:
                 if client_went_away(error):
+                    self._client_gone(exchange, route)
                     raise
                 return await self.fail(request, exchange, route, error)
             finally:
                 self.metrics.inflight.dec()
+
+    def _client_gone(self, exchange: Exchange | None, route: str) -> None:
+        route = exchange.route if exchange else route
+        self.metrics.requests.labels(route, "client_gone").inc()
+        if self.request_log is not None and exchange is not None:
+            self.request_log.record(exchange.log_entry())
 
     async def fail(
         self, request: web.Request, exchange: Exchange | None, route: str, error: Exception

@@ -131,13 +131,14 @@ def decoding(stack: Stack) -> bool:
 
 async def left(stack: Stack, gateway: Gateway, decode: FaultProxy) -> Verdict:
     """What the gateway did after its client left: its engine work stopped, its slot freed,
-    not counted as ok (answered); or work left running (hang)."""
+    counted as client_gone (answered); or work left running (hang)."""
     try:
         await until(lambda: settled(stack, gateway), HANG)
     except TimeoutError:
         return Verdict(Outcome.HANG, None, "engine work or the in-flight slot left behind")
-    if "ok" in requests_by_outcome(gateway):
-        return Verdict(Outcome.CORRUPTED, None, "a request its client left counted as ok")
+    counted = requests_by_outcome(gateway)
+    if counted != {"client_gone": 1}:
+        return Verdict(Outcome.CORRUPTED, None, f"a request its client left counted as {counted}")
     return Verdict(Outcome.ANSWERED, None)
 
 
@@ -177,6 +178,8 @@ async def test_a_client_leaving_mid_answer_has_its_engine_work_aborted(
     verdict = await left(stack, gateway, decode)
     TALLY.add(f"client leaves mid-answer ({api} route)", verdict)
     assert verdict.outcome is Outcome.ANSWERED, verdict
+    [(_, request_id)] = [c for c in decode.calls if c[0] != "/abort_requests"]
+    await until(lambda: request_id in decode.aborted, HANG)  # told, not only a closed socket
 
 
 # Framing aiohttp's HTTP parser refuses before the application sees the request: answered
