@@ -7,20 +7,18 @@ reaches no upstream; never a 5xx. The probes and /metrics are open whatever is s
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.gateway.app import Gateway
-from tests.support.gateway_fakes import MODEL, FakeUpstream, fake_gateway
+from tests.support.gateway_fakes import MODEL, fake_gateway
 from tests.support.outcomes import TALLY, Outcome, Verdict
+from tests.support.served_gateway import ServedGateway
 
 API_KEY, PEER_KEY = "client-key-0123", "peer-key-4567"
 FUZZ = settings(
@@ -43,26 +41,18 @@ ENDPOINTS: dict[str, tuple[str, frozenset[str] | None]] = {
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-class Served:
-    """The whole gateway with both keys set, on its own event loop for all examples."""
+class Served(ServedGateway):
+    """The whole gateway with both keys set."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.gateway: Gateway
-        self.upstream: FakeUpstream
-        self.gateway, self.upstream = fake_gateway(
+        gateway, upstream = fake_gateway(
             "openai", "Aggregated", endpoint_wait_seconds=0,
             api_keys=(API_KEY,), peer_keys=(PEER_KEY,),
         )  # fmt: skip
         answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                "finish_reason": "stop"}]}  # fmt: skip
-        self.upstream.script = {"decode": lambda _: answer}
-        self.server = TestServer(self.gateway.app())
-        self.session = self.loop.run_until_complete(self._start())
-
-    async def _start(self) -> aiohttp.ClientSession:
-        await self.server.start_server()
-        return aiohttp.ClientSession()
+        upstream.script = {"decode": lambda _: answer}
+        super().__init__(gateway, upstream)
 
     def call(self, path: str, authorization: bytes | None) -> tuple[int, str, bytes]:
         self.upstream.calls.clear()
@@ -75,17 +65,12 @@ class Served:
         async def send() -> tuple[int, str, bytes]:
             body = json.dumps(CHAT).encode() if method == "POST" else None
             async with self.session.request(
-                method, str(self.server.make_url(path)), data=body, headers=headers,
+                method, self.url(path), data=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as answer:  # fmt: skip
                 return answer.status, answer.content_type, await answer.read()
 
-        return self.loop.run_until_complete(send())
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.session.close())
-        self.loop.run_until_complete(self.server.close())
-        self.loop.close()
+        return self.run(send())
 
 
 @pytest.fixture(scope="module")

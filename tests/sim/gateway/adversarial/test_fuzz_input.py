@@ -10,23 +10,20 @@ address; a body refused never reaches the upstream, and an invalid field's 400 n
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.gateway.app import Gateway
 from pdserve.gateway.openai_schema import ChatRequest, CompletionRequest
-from tests.support.gateway_fakes import MODEL, FakeUpstream, fake_gateway
+from tests.support.gateway_fakes import MODEL, fake_gateway
 from tests.support.outcomes import TALLY, Outcome, Verdict, exchange, judge_json
+from tests.support.served_gateway import ServedGateway
 
 CAP = 4096  # --max-tokens-cap
 HANG = 10.0  # seconds: only a hang detector
@@ -97,33 +94,24 @@ def decode_stream(body: dict[str, Any]) -> list[bytes]:
             b"data: [DONE]\n"]  # fmt: skip
 
 
-class Served:
-    """The whole gateway (tokens route, P/D) on the fake upstream, on its own event loop: one
-    for all of a test's examples."""
+class Served(ServedGateway):
+    """The whole gateway (tokens route, P/D) on the fake upstream."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.gateway: Gateway
-        self.upstream: FakeUpstream
-        self.gateway, self.upstream = fake_gateway(
+        gateway, upstream = fake_gateway(
             "tokens", "Disaggregated", max_tokens_cap=CAP, endpoint_wait_seconds=0
         )
-        self.upstream.script = {
+        upstream.script = {
             "render": render, "prefill": prefill, "decode": decode, "derender": derender,
         }  # fmt: skip
-        self.upstream.stream_lines = decode_stream
-        self.server = TestServer(self.gateway.app())
-        self.session = self.loop.run_until_complete(self._start())
-
-    async def _start(self) -> aiohttp.ClientSession:
-        await self.server.start_server()
-        return aiohttp.ClientSession(auto_decompress=False)
+        upstream.stream_lines = decode_stream
+        super().__init__(gateway, upstream, auto_decompress=False)
 
     def post(
         self, path: str, data: bytes, headers: dict[str, str], method: str = "POST"
     ) -> Verdict:
         self.upstream.calls.clear()
-        url = str(self.server.make_url(path))
+        url = self.url(path)
 
         async def send() -> Verdict:
             if method == "POST":
@@ -136,12 +124,7 @@ class Served:
                     answer.status, answer.content_type, payload, chat=True, leaks=LEAKS, sent=data
                 )
 
-        return self.loop.run_until_complete(send())
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.session.close())
-        self.loop.run_until_complete(self.server.close())
-        self.loop.close()
+        return self.run(send())
 
 
 @pytest.fixture(scope="module")
