@@ -95,11 +95,7 @@ class Intake:
                 408, f"the request body did not arrive within {timeout:g} s", kind="RequestTimeout"
             ) from None
         except web.HTTPRequestEntityTooLarge:
-            raise GatewayError(
-                413,
-                f"request body exceeds {self.settings.max_body_bytes} bytes",
-                kind="RequestTooLarge",
-            ) from None
+            raise self._too_large() from None
         except web.RequestPayloadError:
             # aiohttp could not decode it (a gzip or deflate body that is not): the client's
             # mistake, not the gateway's failure.
@@ -107,17 +103,17 @@ class Intake:
             message = f"request body could not be read as sent (Content-Encoding: {encoding})"
             raise GatewayError(400, message) from None
 
+    def _too_large(self) -> GatewayError:
+        limit = self.settings.max_body_bytes
+        return GatewayError(413, f"request body exceeds {limit} bytes", kind="RequestTooLarge")
+
     async def read_body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except json.JSONDecodeError as error:
             raise GatewayError(400, f"request body is not valid JSON: {error}") from None
         except web.HTTPRequestEntityTooLarge:
-            raise GatewayError(
-                413,
-                f"request body exceeds {self.settings.max_body_bytes} bytes",
-                kind="RequestTooLarge",
-            ) from None
+            raise self._too_large() from None
         except UnicodeDecodeError as error:
             message = f"request body is not valid {error.encoding}: {error.reason}"
             raise GatewayError(400, message) from None
