@@ -1,13 +1,17 @@
-"""The adversarial suite's outcome table, printed at the end of a run that used it."""
+"""The adversarial suite's outcome table, printed at the end of a run that used it, and the
+input fuzzers' gateway (test_fuzz_auth.py serves its own, with keys set)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from _pytest.terminal import TerminalReporter
 
+from tests.support.fuzz_gateway import Served
 from tests.support.outcomes import TALLY
 
 # Hypothesis keeps caches (the constants it found in the code) in its storage directory, by
@@ -21,3 +25,13 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     if TALLY.counts:
         terminalreporter.write_sep("=", "gateway adversarial outcomes")
         terminalreporter.write_line(TALLY.table())
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """The whole gateway on the fake upstream, one for all of a module's examples."""
+    gateway = Served()
+    try:
+        yield gateway
+    finally:
+        gateway.close()

@@ -10,10 +10,8 @@ never reaches the upstream, and an invalid field's 400 names it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,15 +19,6 @@ from tests.support.fuzz_bodies import JSON_HEADERS, encoded, text, valid_request
 from tests.support.fuzz_gateway import CAP, CHAT, COMPLETIONS, FUZZ, Served, check
 from tests.support.gateway_fakes import MODEL
 from tests.support.outcomes import Outcome
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    served = Served()
-    try:
-        yield served
-    finally:
-        served.close()
 
 
 @given(request=valid_request(), ascii_only=st.booleans())

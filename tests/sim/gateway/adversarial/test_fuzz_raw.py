@@ -7,26 +7,14 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.fuzz_bodies import JSON_HEADERS, KNOWN, encoded, json_value, text, valid_request
 from tests.support.fuzz_gateway import CHAT, COMPLETIONS, FUZZ, Served, check
 from tests.support.outcomes import Outcome
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    served = Served()
-    try:
-        yield served
-    finally:
-        served.close()
-
 
 # ---- anything at all -----------------------------------------------------------------------------
 
