@@ -18,25 +18,17 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from devtools.localplane import ControlPlaneError, wait_until
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, describe, model_status, pods, ready
+from tests.support.realcluster import (
+    MODEL_NAMESPACE,
+    Cluster,
+    describe,
+    model_status,
+    patch_dm,
+    pods,
+    settled,
+)
 
 GATEWAY = "app.kubernetes.io/component=gateway"
-
-
-def patch_dm(cluster: Cluster, patch: dict[str, Any]) -> None:
-    cluster.kubectl("patch", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--type=merge",
-                    "-p", json.dumps(patch))  # fmt: skip
-
-
-def settled(cluster: Cluster, parity: str | None = None) -> bool:
-    """Every pod of the model Ready, none terminating, all of one parity hash (`parity`)."""
-    current = pods(cluster, MODEL_NAMESPACE)
-    hashes = {p["metadata"]["annotations"].get(PARITY_HASH_ANNOTATION) for p in current}
-    return (
-        all(ready(p) and not p["metadata"].get("deletionTimestamp") for p in current)
-        and len(hashes) == 1
-        and (parity is None or hashes == {parity})
-    )
 
 
 @dataclass

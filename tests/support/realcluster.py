@@ -15,6 +15,7 @@ from devtools.clitools import ensure_cli_tools
 from devtools.images import Images
 from devtools.localplane import ADMIN_USER, ControlPlane
 from devtools.realnode import RealNode
+from pdserve.contract.names import PARITY_HASH_ANNOTATION
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -94,3 +95,19 @@ def operator_logs(cluster: Cluster) -> str:
         "logs", "-n", RELEASE_NAMESPACE, "deploy/pdserve", "--tail=40", check=False
     )  # fmt: skip
     return f"\noperator log:\n{logs.stdout}{logs.stderr}"
+
+
+def patch_dm(cluster: Cluster, patch: dict[str, Any]) -> None:
+    cluster.kubectl("patch", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--type=merge",
+                    "-p", json.dumps(patch))  # fmt: skip
+
+
+def settled(cluster: Cluster, parity: str | None = None) -> bool:
+    """Every pod of the model Ready, none terminating, all of one parity hash (`parity`)."""
+    current = pods(cluster, MODEL_NAMESPACE)
+    hashes = {p["metadata"]["annotations"].get(PARITY_HASH_ANNOTATION) for p in current}
+    return (
+        all(ready(p) and not p["metadata"].get("deletionTimestamp") for p in current)
+        and len(hashes) == 1
+        and (parity is None or hashes == {parity})
+    )
