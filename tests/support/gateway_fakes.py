@@ -19,6 +19,7 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.errors import LeaseExpiring
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.fairqueue import PrefillAdmission
 from pdserve.gateway.hops import Hops
@@ -35,7 +36,11 @@ from pdserve.gateway.upstream import UpstreamClient
 MODEL = "qwen"
 
 
-def config(engine_api: str = "tokens", mode: str = "Disaggregated") -> GatewayConfig:
+def config(
+    engine_api: str = "tokens",
+    mode: str = "Disaggregated",
+    kv_transfer: dict[str, Any] | None = None,
+) -> GatewayConfig:
     pool = {"service": "x", "port": 8000}
     urls = {"render": "http://render", "prefill": "http://prefill", "decode": "http://decode"}
     return GatewayConfig.model_validate(
@@ -51,6 +56,7 @@ def config(engine_api: str = "tokens", mode: str = "Disaggregated") -> GatewayCo
                 for pool_name, url in urls.items()
                 if engine_api == "tokens" or pool_name != "render"
             },
+            "kvTransfer": kv_transfer or {},
         }
     )  # fmt: skip
 
@@ -126,7 +132,10 @@ class FakeUpstream(UpstreamClient):
         prefill_tokens: int = 0,
         deadline: float | None = None,
         tried: list[Endpoint] | None = None,
+        start_by: float | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
+        if start_by is not None and time.monotonic() >= start_by:
+            raise LeaseExpiring(stage, f"prefill's KV lease runs out before {stage} could pull it")
         self.calls.append(Call(stage, path, copy.deepcopy(dict(body)), candidates[0].url))
         if tried is not None:
             tried.append(candidates[0])
@@ -185,9 +194,15 @@ class Rig:
         return float(self.metrics.fallbacks.labels(reason)._value.get())
 
 
-def rig(engine_api: str = "tokens", mode: str = "Disaggregated", **settings_: Any) -> Rig:
-    """A route wired as app.py wires it, on the fake upstream (GatewaySettings: `settings_`)."""
-    cfg, settings = config(engine_api, mode), GatewaySettings(**settings_)
+def rig(
+    engine_api: str = "tokens",
+    mode: str = "Disaggregated",
+    kv_transfer: dict[str, Any] | None = None,
+    **settings_: Any,
+) -> Rig:
+    """A route wired as app.py wires it, on the fake upstream (GatewaySettings: `settings_`;
+    `kv_transfer`: the routing config's kvTransfer)."""
+    cfg, settings = config(engine_api, mode, kv_transfer), GatewaySettings(**settings_)
     endpoints, metrics = Endpoints(cfg), GatewayMetrics()
     upstream = FakeUpstream(endpoints, metrics, settings)
     admission = PrefillAdmission(settings.fair_queue)
@@ -200,7 +215,8 @@ def rig(engine_api: str = "tokens", mode: str = "Disaggregated", **settings_: An
     hops = Hops(upstream, planner, placement, admission, peers, settings)
     route: TokensRoute | OpenAIRoute
     if engine_api == "tokens":
-        route = TokensRoute(cfg, settings, upstream, hops, planner, placement, DecodeKv(), metrics)
+        decode_kv = DecodeKv(ttl=cfg.kv_transfer.decode_blocks_ttl_seconds)
+        route = TokensRoute(cfg, settings, upstream, hops, planner, placement, decode_kv, metrics)
     else:
         route = OpenAIRoute(upstream, hops, planner, placement, metrics)
     return Rig(route, upstream, planner, metrics)

@@ -25,7 +25,13 @@ _NIXL_CEL = "!has(self.connector) || self.connector.startsWith('Nixl')"
 FIRST_CLASS_EXTRA_CONFIG = {
     "kv_lease_duration": "kvTransfer.leaseDurationSeconds",
     "bidirectional_kv_xfer": "kvTransfer.bidirectional",
+    "decoder_kv_blocks_ttl": "kvTransfer.decodeBlocksTtlSeconds",
 }
+
+
+class KvBufferDevice(StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
 
 
 class TransportVerification(StrEnum):
@@ -72,10 +78,27 @@ NIXL_ONLY = [
 ]
 
 
+def _decode_ttl_needs_bidirectional(kv: KvTransferSpec) -> str | None:
+    if kv.decode_blocks_ttl_seconds is not None and not kv.bidirectional:
+        return (
+            "decodeBlocksTtlSeconds needs bidirectional: true (decode holds a turn's KV for the "
+            "next turn only with bidirectional KV transfer)"
+        )
+    return None
+
+
+DECODE_TTL_NEEDS_BIDIRECTIONAL = CrossFieldRule(
+    "!has(self.decodeBlocksTtlSeconds) || (has(self.bidirectional) && self.bidirectional)",
+    "decodeBlocksTtlSeconds needs bidirectional: true",
+    ".decodeBlocksTtlSeconds",
+    _decode_ttl_needs_bidirectional,
+)
+
+
 class KvTransferSpec(ApiModel):
     """How prefill hands its KV cache to decode."""
 
-    model_config = with_rules(NIXL_ONLY)
+    model_config = with_rules([*NIXL_ONLY, DECODE_TTL_NEEDS_BIDIRECTIONAL])
 
     connector: KvConnector = KvConnector.nixl
     """vLLM KV connector."""
@@ -88,6 +111,13 @@ class KvTransferSpec(ApiModel):
     bidirectional: bool = False
     """Let prefill reuse KV that decode generated in a conversation (bidirectional_kv_xfer, set
     on both sides). NIXL only."""
+    decode_blocks_ttl_seconds: Annotated[int, Field(ge=1, le=86400)] | None = None
+    """With bidirectional: how long decode holds a turn's KV for the next turn's prefill
+    (decoder_kv_blocks_ttl); the gateway stops handing it out after this. vLLM's default is
+    480."""
+    kv_buffer_device: KvBufferDevice | None = None
+    """Where the connector buffers KV for transfer (kv_buffer_device): cuda (GPU memory) or
+    cpu (engines without a GPU, or staging through host memory). Default: vLLM's, cuda."""
     side_channel_port: Annotated[int, Field(ge=1024, le=65535)] = 5600
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT; data-parallel rank is added)."""
     ucx_net_devices: Annotated[str, Field(min_length=1)] | None = None

@@ -20,6 +20,8 @@ from pdserve.contract.names import (
 from pdserve.contract.routing import (
     ROUTING_DIR,
     ROUTING_KEY,
+    VLLM_DECODER_KV_BLOCKS_TTL_SECONDS,
+    VLLM_KV_LEASE_SECONDS,
     GatewayConfig,
     KvTransfer,
     PoolRef,
@@ -61,7 +63,12 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
         ),
         kv_transfer=KvTransfer(
             connector=kv.connector.value,
-            lease_duration_seconds=kv.lease_duration_seconds,
+            # The engines' durations, vLLM's defaults where the spec leaves them unset: the
+            # gateway judges leases on its own clock, never on an engine's expiry time.
+            prefill_lease_seconds=kv.lease_duration_seconds or VLLM_KV_LEASE_SECONDS,
+            decode_blocks_ttl_seconds=(
+                kv.decode_blocks_ttl_seconds or VLLM_DECODER_KV_BLOCKS_TTL_SECONDS
+            ),
             load_failure_policy=kv.load_failure_policy,
             bidirectional=kv.bidirectional,
             verify=kv.verify.value,

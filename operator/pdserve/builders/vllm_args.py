@@ -96,6 +96,8 @@ def kv_transfer_config(dm: DisaggregatedModel, role: str) -> dict[str, Any]:
     kv = dm.spec.kv_transfer
     extra: dict[str, Any] = dict(kv.extra_config)
     config: dict[str, Any] = {"kv_connector": kv.connector.value, "kv_role": role}
+    if kv.kv_buffer_device is not None:
+        config["kv_buffer_device"] = kv.kv_buffer_device.value
     if kv.connector in NIXL_CONNECTORS:
         if kv.load_failure_policy is not None:
             config["kv_load_failure_policy"] = kv.load_failure_policy
@@ -103,6 +105,8 @@ def kv_transfer_config(dm: DisaggregatedModel, role: str) -> dict[str, Any]:
             extra["kv_lease_duration"] = kv.lease_duration_seconds
         if kv.bidirectional:
             extra["bidirectional_kv_xfer"] = True
+            if kv.decode_blocks_ttl_seconds is not None:
+                extra["decoder_kv_blocks_ttl"] = kv.decode_blocks_ttl_seconds
     if extra:
         config["kv_connector_extra_config"] = extra
     return config

@@ -50,9 +50,22 @@ class Routing(_Model):
     slo: Slo = Field(default_factory=Slo)
 
 
+# vLLM's defaults (NixlConnector's kv_connector_extra_config), for a spec that leaves them unset.
+VLLM_KV_LEASE_SECONDS = 30
+VLLM_DECODER_KV_BLOCKS_TTL_SECONDS = 480
+
+
 class KvTransfer(_Model):
     connector: str = "NixlConnector"
-    lease_duration_seconds: int | None = None
+    # The engines' lease and TTL as durations, not the engines' expiry times: those are read
+    # off each engine's own monotonic clock (vLLM's time.perf_counter()), meaningless here.
+    # An int stays an int, as in Slo.
+    prefill_lease_seconds: int | float = Field(default=VLLM_KV_LEASE_SECONDS, gt=0)
+    """How long prefill holds a finished prefill's KV for decode to pull (kv_lease_duration):
+    a decode not sent within it, less the gateway's margin, prefills locally instead."""
+    decode_blocks_ttl_seconds: int | float = Field(default=VLLM_DECODER_KV_BLOCKS_TTL_SECONDS, gt=0)
+    """How long decode holds a turn's KV for the next turn's prefill (decoder_kv_blocks_ttl,
+    bidirectional only)."""
     load_failure_policy: str | None = None
     bidirectional: bool = False
     verify: Literal["Required", "Warn", "Off"] = "Warn"

@@ -79,30 +79,32 @@ class HeldKv:
     params: dict[str, Any]
     token_ids: tuple[int, ...]
     expires_at: float
+    """On the store's own monotonic clock."""
 
 
 class DecodeKv:
     """conversation id -> the decode engine's held KV of its last turn (bidirectional_kv_xfer),
     handed to the next turn's prefill only as far as the token ids really match: a reasoning
-    template that strips <think> from history changes the prompt right after the old one."""
+    template that strips <think> from history changes the prompt right after the old one.
+
+    How long decode holds it is the gateway's own reckoning: `ttl` (decoder_kv_blocks_ttl) from
+    when the turn's answer came. The engine's remote_blocks_expiry_time is a reading of its own
+    monotonic clock (vLLM's time.perf_counter()), meaningless in another process; it is passed
+    on untouched for the engines, which know each other's clock offsets."""
 
     def __init__(
         self,
         max_conversations: int = 100_000,
-        default_ttl: float = 480.0,
-        clock: Callable[[], float] = time.time,
+        ttl: float = 480.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max = max_conversations
-        self.default_ttl = default_ttl  # vLLM's decoder_kv_blocks_ttl
+        self.ttl = ttl
         self.clock = clock
         self.held: OrderedDict[str, HeldKv] = OrderedDict()
 
     def keep(self, conversation: str, params: Mapping[str, Any], token_ids: Sequence[int]) -> None:
-        expiry = params.get("remote_blocks_expiry_time")
-        expires_at = (
-            float(expiry) if isinstance(expiry, int | float) else self.clock() + self.default_ttl
-        )
-        self.held[conversation] = HeldKv(dict(params), tuple(token_ids), expires_at)
+        self.held[conversation] = HeldKv(dict(params), tuple(token_ids), self.clock() + self.ttl)
         self.held.move_to_end(conversation)
         while len(self.held) > self.max:
             self.held.popitem(last=False)

@@ -99,7 +99,7 @@ class Gateway:
         )
         self.prefixes = PrefixIndex()
         self.conversations = Conversations()
-        self.decode_kv = DecodeKv()
+        self.decode_kv = DecodeKv(ttl=config.kv_transfer.decode_blocks_ttl_seconds)
         placement = Placement(config.block_size, self.prefixes, self.conversations)
         hops = Hops(self.upstream, self.planner, placement, self.admission, self.peers, s)
         self.completion_route: TokensRoute | OpenAIRoute

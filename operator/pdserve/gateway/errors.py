@@ -43,6 +43,11 @@ class UpstreamFailed(Exception):
         self.stage, self.status, self.timed_out = stage, status, timed_out
 
 
+class LeaseExpiring(UpstreamFailed):
+    """Prefill's KV lease would run out before a decode sent now could pull it: decode
+    prefills locally instead."""
+
+
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 

@@ -1,7 +1,8 @@
-"""The P/D hops both route families share: prefill (with the long-prompt admission slot and
-the KV lease check), and a non-streamed decode that falls back to local prefill when it
-cannot load prefill's KV. Prefill waits at most the first-byte timeout, a non-streamed decode
-(whose first byte is its whole answer) until the request's deadline."""
+"""The P/D hops both route families share: prefill (with the long-prompt admission slot), the
+KV lease check before each decode sent to pull prefill's KV, and a non-streamed decode that
+falls back to local prefill when it cannot load prefill's KV (or its lease runs out first).
+Prefill waits at most the first-byte timeout, a non-streamed decode (whose first byte is its
+whole answer) until the request's deadline."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
-from pdserve.gateway.errors import GatewayError, UpstreamFailed
+from pdserve.gateway.errors import GatewayError, LeaseExpiring, UpstreamFailed
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.fairqueue import LONG, PrefillAdmission
 from pdserve.gateway.peers import PeerAdmission
@@ -76,19 +77,31 @@ class Hops:
         if not isinstance(params, dict):
             self.planner.fallback("no_kv_params")
             return None
-        expiry = params.get("remote_blocks_expiry_time")
-        if (
-            isinstance(expiry, int | float)
-            and expiry - time.time() < self.settings.lease_margin_seconds
-        ):
-            # The lease would run out before decode starts pulling: recompute instead.
-            self.planner.fallback("lease_expiring")
-            await self.upstream.abort(endpoint, [exchange.request_id])
-            return None
+        # The lease runs from about now (its remote_blocks_expiry_time, if any, is on the
+        # engine's own clock): each decode sent to pull the KV checks it (lease_ran_out).
         exchange.prefill_done_at = time.monotonic()
         exchange.prefilled_on = endpoint
         self.planner.policy.health.note_pd_prompt(prompt_tokens)
         return endpoint, params
+
+    def kv_start_by(self, exchange: Exchange) -> float | None:
+        """The latest moment (monotonic) a decode pulling prefill's KV may be sent: prefill
+        holds it for the routing config's lease from its answer on, less the margin for the
+        way there (once decode has the request, its heartbeats keep the lease alive)."""
+        if exchange.prefill_done_at is None:
+            return None
+        lease = self.planner.config.kv_transfer.prefill_lease_seconds
+        return exchange.prefill_done_at + lease - self.settings.lease_margin_seconds
+
+    async def lease_ran_out(self, exchange: Exchange, prefill_endpoint: Endpoint | None) -> bool:
+        """Whether a decode sent now would find prefill's KV gone. Then the request prefills
+        locally on decode: the fallback is counted and prefill lets its blocks go at once."""
+        start_by = self.kv_start_by(exchange)
+        if start_by is None or time.monotonic() < start_by:
+            return False
+        self.planner.fallback("lease_expiring")
+        await self.upstream.abort(prefill_endpoint, [exchange.request_id])
+        return True
 
     async def call_prefill(
         self,
@@ -168,7 +181,8 @@ class Hops:
         retry once with local prefill, on another decode replica when there is one (that
         engine answered, so it may serve the retry when it is the only one); if the decode
         replicas given prefill's KV fail or hang, retry locally on one that has not. A decode
-        failure is no KV-load fallback. None left: 502; past the deadline: 504."""
+        failure is no KV-load fallback. Past prefill's lease no replica is sent its KV: the
+        request prefills locally. None left: 502; past the deadline: 504."""
         # Decode prefills itself unless KV arrives: then its own prefix cache matters.
         local = local_body is None
         deadline = self.upstream.deadline(exchange.started)
@@ -183,6 +197,7 @@ class Hops:
                 affinity=self.placement.affinity(exchange, "decode", token_ids if local else None),
                 deadline=deadline,
                 tried=tried,
+                start_by=None if local else self.kv_start_by(exchange),
             )
             self.placement.remember(exchange, "decode", endpoint, token_ids if local else None)
         except UpstreamFailed as error:
@@ -193,7 +208,9 @@ class Hops:
                 untried = [tried[-1]]  # the engine that answered it could not pull the KV
             if local_body is None or not untried:
                 raise GatewayError(502, str(error), kind="UpstreamError") from None
-            if kv_failed:
+            if isinstance(error, LeaseExpiring):
+                self.planner.fallback("lease_expiring")
+            elif kv_failed:
                 self.planner.fallback("kv_load_failed")
             else:
                 self.upstream.metrics.retries.labels("decode", "upstream_error").inc()

@@ -63,6 +63,8 @@ class OpenAIRoute:
             ex.prompt_tokens = usage.get("prompt_tokens")
             ex.output_tokens = usage.get("completion_tokens")
             return web.json_response(answer)
+        if kv is not None and await self.hops.lease_ran_out(ex, prefill_endpoint):
+            body = openai_decode_body(ex.body, None)
         return await self.proxy_stream(ex, path, body)
 
     async def proxy_stream(

@@ -191,7 +191,8 @@ class TokensRoute:
         """Open the decode SSE stream, trying the next decode replica when one fails or does
         not answer (never one that already did); a KV load failure before any token is retried
         once with local prefill on decode, on another replica when there is one (the engine
-        that could not pull the KV answered, so it may serve the retry when it is alone)."""
+        that could not pull the KV answered, so it may serve the retry when it is alone). No
+        replica is sent prefill's KV past its lease: the request prefills locally instead."""
         attempts: list[dict[str, Any] | None] = [kv, None] if kv is not None else [None]
         tried: list[Endpoint] = []
         kv_failed: list[Endpoint] = []
@@ -205,6 +206,8 @@ class TokensRoute:
                 endpoint := self.upstream.endpoints.pick(candidates, tried + kv_failed, affinity)
                 or self.upstream.endpoints.pick(candidates, tried, affinity)
             ) is not None:
+                if attempt_kv is not None and await self.hops.lease_ran_out(ex, prefill_endpoint):
+                    break  # next attempt: local prefill
                 body = tokens_decode_body(generate, attempt_kv)
                 async with counted(endpoint):
                     try:

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
-from pdserve.gateway.errors import GatewayError, UpstreamFailed, upstream_message
+from pdserve.gateway.errors import GatewayError, LeaseExpiring, UpstreamFailed, upstream_message
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.vllm.protocol import abort_body
@@ -125,18 +125,25 @@ class UpstreamClient:
         prefill_tokens: int = 0,
         deadline: float | None = None,
         tried: list[Endpoint] | None = None,
+        start_by: float | None = None,
     ) -> tuple[Endpoint, dict[str, Any] | list[Any]]:
         """POST to one replica of a pool; on connection errors, timeouts, 5xx or a 200 that
         is not JSON try the next one. `prefill_tokens`: the prompt the call prefills, counted
         on the replica meanwhile.
         `deadline` (monotonic): no attempt outlives it; GatewayError 504 once it has passed.
+        `start_by` (monotonic): no attempt starts after it (the body points at prefill's KV,
+        whose lease runs out then); LeaseExpiring once it has passed.
         `tried`: replicas not to use, and where the ones this call used are added, so the
         caller's next attempt can skip them too."""
         tried = [] if tried is None else tried
         last, timed_out = "no endpoint", False
         while (endpoint := self.endpoints.pick(candidates, tried, affinity)) is not None:
-            tried.append(endpoint)
             begun = time.monotonic()
+            if start_by is not None and begun >= start_by:
+                raise LeaseExpiring(
+                    stage, f"prefill's KV lease runs out before {stage} could pull it"
+                )
+            tried.append(endpoint)
             limit = timeout if deadline is None else min(timeout, deadline - begun)
             if limit <= 0:
                 raise self.past_deadline(stage, None)

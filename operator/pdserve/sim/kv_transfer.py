@@ -1,7 +1,11 @@
 """The simulated engine's KV handoff, our stand-in for NIXL: a producer holds a finished
 prefill's blocks for the lease and answers POST /sim/kv/pull for them (unknown or expired blocks
 are refused); a consumer pulls them and waits bytes / bandwidth + overhead. With bidirectional
-transfer a decode engine holds its turn's KV (prompt + answer) for the next turn's prefill."""
+transfer a decode engine holds its turn's KV (prompt + answer) for the next turn's prefill.
+
+Expiry goes by the engine's own monotonic clock, time.perf_counter(), as vLLM's NIXL connector
+does: a decode engine's remote_blocks_expiry_time is a reading of that clock (meaningless to any
+other process), a prefill engine's is null."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pdserve.sim.http import error_response, read_json
 @dataclass
 class HeldBlocks:
     num_tokens: int
-    expires_at: float
+    expires_at: float  # time.perf_counter()
     token_ids: list[int] | None = None  # decode-side (bidirectional) holds know their tokens
 
 
@@ -44,7 +48,7 @@ class KvTransfer:
 
     # ---- producer side ---------------------------------------------------------------------------
     def expire_leases(self) -> None:
-        now = time.monotonic()
+        now = time.perf_counter()
         for request_id, held in list(self.held.items()):
             if held.expires_at <= now:
                 self.release(request_id)
@@ -62,9 +66,8 @@ class KvTransfer:
         """Keep KV blocks for a peer to pull; returns the kv_transfer_params that point at them."""
         lease = self.config.transfer.lease_seconds if lease is None else lease
         self.release(request_id)
-        self.held[request_id] = HeldBlocks(
-            num_tokens, time.monotonic() + lease * self.config.scheduler.time_scale, token_ids
-        )
+        expires_at = time.perf_counter() + lease * self.config.scheduler.time_scale
+        self.held[request_id] = HeldBlocks(num_tokens, expires_at, token_ids)
         blocks = -(-num_tokens // self.config.scheduler.block_size)
         self.core.held_blocks += blocks
         return {
@@ -77,7 +80,8 @@ class KvTransfer:
             "remote_port": self.config.port,
             "tp_size": 1,
             "remote_num_tokens": num_tokens,
-            "remote_blocks_expiry_time": time.time() + lease,
+            # vLLM: decode's time.perf_counter() + decoder_kv_blocks_ttl; null from prefill.
+            "remote_blocks_expiry_time": None if token_ids is None else expires_at,
             "transfer_mode": "pull",
         }
 

@@ -1,11 +1,15 @@
 """The simulated engine hands KV from prefill to decode with kv_transfer_params: the answer
 matches the aggregated one, blocks are pulled once, the failure policy (fail, recompute),
-expired and aborted leases, and bidirectional KV reused by the next turn."""
+expired and aborted leases, and bidirectional KV reused by the next turn. Expiry times are
+vLLM's: null from prefill, decode's own time.perf_counter() plus its TTL from decode."""
 
 from __future__ import annotations
 
+import time
+
 from pdserve.sim.engine_config import TransferConfig
 from tests.support.sim_engine import (
+    FAST,
     PROMPT,
     TOKENIZER,
     Engines,
@@ -39,6 +43,7 @@ async def test_prefill_hands_kv_to_decode_and_the_answer_matches_aggregated(
         "transfer_mode",
     } <= set(params)
     assert params["do_remote_prefill"] is True
+    assert params["remote_blocks_expiry_time"] is None  # vLLM's prefill: a lease, no time
     assert params["remote_num_tokens"] == len(PROMPT)
     expected = (await aggregated.post("/inference/v1/generate", json=generate_body())).json()
     assert response.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
@@ -106,6 +111,19 @@ async def test_bidirectional_reuses_decodes_kv_as_far_as_token_ids_agree(engines
     reused = len(next_turn) - computed
     assert reused >= len(PROMPT) + len(answer) - 16  # all but the last partial block
     assert "pdserve_sim_bidirectional_reused_tokens_total" in (await prefill.get("/metrics")).text
+
+
+async def test_decodes_held_turn_expires_by_decodes_own_monotonic_clock(engines: Engines) -> None:
+    """As vLLM's decode engine: remote_blocks_expiry_time = time.perf_counter() + the TTL
+    (decoder_kv_blocks_ttl, here in the simulator's scaled seconds), a reading of its own
+    clock that only it can judge; nothing like a wall-clock time."""
+    started = time.perf_counter()
+    _, _, turn1 = await bidirectional_first_turn(engines)
+    finished = time.perf_counter()
+    expiry = turn1.json()["kv_transfer_params"]["remote_blocks_expiry_time"]
+    ttl = TransferConfig().decoder_kv_ttl_seconds * FAST
+    assert started + ttl <= expiry <= finished + ttl
+    assert expiry < time.time() - 1e6  # far from any wall-clock deadline
 
 
 async def test_bidirectional_reuse_stops_where_the_history_was_rewritten(engines: Engines) -> None:

@@ -62,9 +62,13 @@ async def test_decode_crash_mid_stream_gives_an_error_event_and_done(stack: Stac
 
 
 async def test_a_lease_that_would_expire_before_decode_is_not_used(stack: Stack) -> None:
+    """The gateway goes by the routing config's lease (vLLM's prefill reports no expiry time):
+    half a second, less than the 1 s margin, runs out before any decode could pull."""
     short_lease = engine("prefill")
     short_lease.transfer = TransferConfig(lease_seconds=0.5)
-    client = await pd_stack(stack, prefill_config=short_lease)
+    client = await pd_stack(
+        stack, prefill_config=short_lease, kv_transfer={"prefillLeaseSeconds": 0.5}
+    )
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert 'reason="lease_expiring"' in (await client.get("/metrics")).text
     assert stack.engines["prefill"].core.held_blocks == 0  # the lease was released at once

@@ -4,6 +4,8 @@ turn."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -100,21 +102,27 @@ async def test_transport_health_follows_the_decode_engines_nixl_metrics(stack: S
         await monitor.close()
 
 
-async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_prefill(
-    stack: Stack,
-) -> None:
-    def bidirectional(role: str) -> EngineConfig:
-        config = engine(role)
-        config.transfer = TransferConfig(bidirectional=True)
-        return config
+def bidirectional(role: str) -> EngineConfig:
+    config = engine(role)
+    config.transfer = TransferConfig(bidirectional=True)
+    return config
 
-    client = await pd_stack(
+
+async def bidirectional_stack(stack: Stack, **kv_transfer: Any) -> httpx.AsyncClient:
+    return await pd_stack(
         stack,
         prefill_config=bidirectional("prefill"),
         decode_config=bidirectional("decode"),
-        kv_transfer={"bidirectional": True},
+        kv_transfer={"bidirectional": True, **kv_transfer},
         load_scrape_seconds=None,
     )
+
+
+async def two_turns(
+    client: httpx.AsyncClient, between: float = 0
+) -> tuple[list[dict[str, Any]], httpx.Response]:
+    """A conversation's first turn, and its second `between` seconds later: the history, and
+    the second turn's answer."""
     history = [{"role": "user", "content": " ".join(["tell me about the weather"] * 30)}]
     first = await client.post(
         "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-1"}
@@ -124,20 +132,40 @@ async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_pre
         first.json()["choices"][0]["message"],
         {"role": "user", "content": "and tomorrow?"},
     ]
+    await asyncio.sleep(between)
     second = await client.post(
         "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-1"}
     )
     assert second.status_code == 200, second.text
-    gateway_metrics = (await client.get("/metrics")).text
-    assert 'pdserve_gateway_bidirectional_reuse_total{outcome="reused"} 1.0' in gateway_metrics
-    prefill_metrics = stack.engines["prefill"].metrics.registry
-    reused = sum(
+    return history, second
+
+
+def reused_tokens(stack: Stack) -> float:
+    """Prompt tokens the prefill engine took from decode's KV instead of computing them."""
+    return sum(
         float(sample.value)
-        for metric in prefill_metrics.collect()
+        for metric in stack.engines["prefill"].metrics.registry.collect()
         for sample in metric.samples
         if sample.name == "pdserve_sim_bidirectional_reused_tokens_total"
     )
-    assert reused >= 150  # the first turn's prompt, at least, came back from decode
+
+
+async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_prefill(
+    stack: Stack,
+) -> None:
+    """Decode's expiry time is a reading of its own monotonic clock (time.perf_counter(), as
+    vLLM's): the gateway holds the turn for the routing config's TTL on its own clock and hands
+    the engine's number on untouched."""
+    client = await bidirectional_stack(stack)
+    before = time.perf_counter()
+    history, _ = await two_turns(client)
+    gateway_metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_bidirectional_reuse_total{outcome="reused"} 1.0' in gateway_metrics
+    assert reused_tokens(stack) >= 150  # the first turn's prompt, at least, came back from decode
+    held = stack.gateway_server.decode_kv.held["c-1"]  # the second turn's, from decode
+    expiry = held.params["remote_blocks_expiry_time"]
+    assert before < expiry < time.perf_counter() + 480 * 0.01  # decode's clock + its TTL
+    assert held.expires_at > time.monotonic() + 400  # the gateway's: routing's 480 s
 
     # Another conversation never gets this one's KV.
     other = await client.post(
@@ -145,3 +173,14 @@ async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_pre
     )
     assert other.status_code == 200
     assert 'outcome="reused"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_a_turn_held_past_the_decode_ttl_is_not_handed_to_the_next_prefill(
+    stack: Stack,
+) -> None:
+    client = await bidirectional_stack(stack, decodeBlocksTtlSeconds=0.2)
+    await two_turns(client, between=0.4)
+    gateway_metrics = (await client.get("/metrics")).text
+    assert 'pdserve_gateway_bidirectional_reuse_total{outcome="expired"} 1.0' in gateway_metrics
+    assert 'outcome="reused"' not in gateway_metrics
+    assert reused_tokens(stack) == 0

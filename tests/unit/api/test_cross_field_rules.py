@@ -23,6 +23,7 @@ from tests.support.cel import apply_defaults, evaluate
 KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
 MIN_MAX = "maxReplicas must be >= minReplicas"
 LOAD_POLICY = "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)"
+DECODE_TTL = "decodeBlocksTtlSeconds needs bidirectional: true"
 SLICES = "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in"
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
@@ -67,6 +68,10 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
         {"connector": "MooncakeConnector", "bidirectional": True},
         "bidirectional needs a NIXL connector",
     ),
+    (KvTransferSpec, {"bidirectional": True, "decodeBlocksTtlSeconds": 600}, None),
+    (KvTransferSpec, {"kvBufferDevice": "cpu", "connector": "MooncakeConnector"}, None),
+    (KvTransferSpec, {"decodeBlocksTtlSeconds": 600}, DECODE_TTL),
+    (KvTransferSpec, {"bidirectional": False, "decodeBlocksTtlSeconds": 600}, DECODE_TTL),
     (PlacementSpec, {}, None),
     (PlacementSpec, {"slices": 1}, None),
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
@@ -117,7 +122,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 8
+    assert len(rules) == 9
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

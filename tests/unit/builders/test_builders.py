@@ -13,7 +13,10 @@ import yaml
 
 from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.builders import build_all, parity_hash
+from pdserve.builders.gateway import routing_config
+from pdserve.builders.vllm_args import kv_transfer_config
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
+from pdserve.contract.routing import config_text_of
 from pdserve.manifests import load_resources, render_manifests
 
 REPO = Path(__file__).resolve().parents[3]
@@ -297,3 +300,34 @@ def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None
     assert "--request-log" not in gateway_args(with_spec())
     args = gateway_args(with_spec(gateway__requestLog=True))
     assert args[args.index("--request-log") + 1] == "/dev/stdout"
+
+
+def test_kv_transfer_config_renders_the_buffer_device_and_the_decode_ttl() -> None:
+    dm = with_spec(kvTransfer={"bidirectional": True, "decodeBlocksTtlSeconds": 900,
+                               "kvBufferDevice": "cpu"})  # fmt: skip
+    for role in ("kv_producer", "kv_consumer"):
+        assert kv_transfer_config(dm, role) == {
+            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
+                                          "decoder_kv_blocks_ttl": 900},
+        }  # fmt: skip
+    # Unset: vLLM's own defaults (cuda, 480 s), so nothing is written.
+    assert kv_transfer_config(with_spec(kvTransfer={"bidirectional": True}), "kv_consumer") == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+    }  # fmt: skip
+    # The buffer device is the connector's, not NIXL's alone.
+    lmcache = with_spec(kvTransfer={"connector": "LMCacheConnectorV1", "kvBufferDevice": "cuda"})
+    assert kv_transfer_config(lmcache, "kv_producer")["kv_buffer_device"] == "cuda"
+
+
+def test_the_routing_config_carries_the_engines_lease_and_decode_ttl() -> None:
+    """The gateway times KV leases on its own clock from these durations (an engine's expiry
+    time is on the engine's clock): vLLM's defaults when the spec leaves them unset."""
+    default = routing_config(with_spec(), "p").kv_transfer
+    assert (default.prefill_lease_seconds, default.decode_blocks_ttl_seconds) == (30, 480)
+    dm = with_spec(kvTransfer={"leaseDurationSeconds": 90, "bidirectional": True,
+                               "decodeBlocksTtlSeconds": 900})  # fmt: skip
+    text = json.loads(config_text_of(routing_config(dm, "p")))["kvTransfer"]
+    assert (text["prefillLeaseSeconds"], text["decodeBlocksTtlSeconds"]) == (90, 900)
+    assert "leaseDurationSeconds" not in text  # one key per duration

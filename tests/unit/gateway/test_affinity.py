@@ -43,7 +43,7 @@ def test_conversations_remember_their_engine_per_stage() -> None:
 
 def test_decode_kv_is_reused_only_while_held_and_as_far_as_tokens_match() -> None:
     now = [1000.0]
-    store = DecodeKv(max_conversations=2, default_ttl=60, clock=lambda: now[0])
+    store = DecodeKv(max_conversations=2, ttl=60, clock=lambda: now[0])
     params = {"remote_request_id": "r1", "remote_host": "10.0.0.5", "remote_port": 8000}
     store.keep("c1", params, list(range(100)))
     assert store.reuse("c1", [*range(100), 7, 8], min_tokens=16) == (params, "reused", 100)
@@ -54,8 +54,28 @@ def test_decode_kv_is_reused_only_while_held_and_as_far_as_tokens_match() -> Non
     assert store.reuse("nobody", [1, 2], min_tokens=16) == (None, "none", 0)
     now[0] += 61
     assert store.reuse("c1", list(range(100)), min_tokens=16) == (None, "expired", 0)
-    # The engine's own expiry wins over the default TTL; the store stays bounded.
-    store.keep("c2", {**params, "remote_blocks_expiry_time": now[0] + 5}, [1])
+    # The store stays bounded.
+    store.keep("c2", params, [1])
     store.keep("c3", params, [1])
     store.keep("c4", params, [1])
     assert sorted(store.held) == ["c3", "c4"]
+
+
+def test_decode_kv_goes_by_its_own_clock_not_the_engines_expiry_time() -> None:
+    """vLLM's decode engine reports remote_blocks_expiry_time on its own monotonic clock
+    (time.perf_counter() + decoder_kv_blocks_ttl, e.g. 4293.46): no deadline on the gateway's
+    clock. The turn is held for the TTL from when the gateway kept it, and the engine's number
+    goes on to the next prefill untouched."""
+    now = [10_000.0]  # the gateway's monotonic clock, far past the engine's number
+    store = DecodeKv(ttl=480, clock=lambda: now[0])
+    params = {"remote_request_id": "r1", "remote_blocks_expiry_time": 4293.46}
+    store.keep("c1", params, list(range(64)))
+    now[0] += 479
+    assert store.reuse("c1", list(range(80)), min_tokens=16) == (params, "reused", 64)
+    now[0] += 2
+    assert store.reuse("c1", list(range(80)), min_tokens=16) == (None, "expired", 0)
+
+    # Nor does an engine clock far ahead of the gateway's keep a turn past the TTL.
+    store.keep("c2", {**params, "remote_blocks_expiry_time": now[0] + 10_000}, [1] * 16)
+    now[0] += 481
+    assert store.reuse("c2", [1] * 16, min_tokens=16) == (None, "expired", 0)
