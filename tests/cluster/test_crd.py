@@ -65,6 +65,8 @@ def test_server_fills_defaults_and_the_stored_object_parses(
         ({"decode": {"tensorParallelSize": 0}},
          "spec.decode.tensorParallelSize", "should be greater than or equal to 1"),
         ({"serving": {"blockSize": 12}}, "spec.serving.blockSize", "supported values"),
+        ({"serving": {"blockSize": 16}, "placement": {"acceleratorResource": ""}},
+         "spec.serving.blockSize", "must be a multiple of 32"),
     ],
 )  # fmt: skip
 def test_api_server_rejects_invalid_specs_naming_the_field(

@@ -1,7 +1,7 @@
 """A small evaluator for the subset of CEL the CRD's rules use, and the API server's structural
 defaulting, so unit tests can check each CEL rule without an API server (tests/cluster/test_crd.py
 checks them on a real one): `||`, `&&`, `!`, comparisons, parentheses, `self.a.b`, `has(self.a)`,
-int, bool and string literals, `.startsWith(s)` and `.size()`."""
+`%`, int, bool and string literals, `.startsWith(s)` and `.size()`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 _TOKEN = re.compile(
-    r"\s*(?:(?P<op>\|\||&&|==|!=|>=|<=|[<>!().,])|(?P<int>\d+)|'(?P<sq>[^']*)'|\"(?P<dq>[^\"]*)\""
+    r"\s*(?:(?P<op>\|\||&&|==|!=|>=|<=|[<>!().,%])|(?P<int>\d+)|'(?P<sq>[^']*)'|\"(?P<dq>[^\"]*)\""
     r"|(?P<ident>[A-Za-z_][A-Za-z0-9_]*))"
 )
 
@@ -45,8 +45,8 @@ Node = Callable[[], Any]
 
 
 class _Parser:
-    """Recursive descent into thunks, with CEL's precedence: || < && < relations < ! < member
-    access; evaluating the root thunk evaluates the expression."""
+    """Recursive descent into thunks, with CEL's precedence: || < && < relations < % < ! <
+    member access; evaluating the root thunk evaluates the expression."""
 
     def __init__(self, expression: str, this: Any) -> None:
         self.tokens = _tokens(expression)
@@ -101,12 +101,12 @@ class _Parser:
         return self.logical("&&") if op == "||" else self.relation()
 
     def relation(self) -> Node:
-        left = self.unary()
+        left = self.remainder()
         token = self.peek()
         if token is None or token[0] != "op" or token[1] not in ("==", "!=", ">=", "<=", ">", "<"):
             return left
         self.take()
-        right = self.unary()
+        right = self.remainder()
         op = token[1]
 
         def run() -> Any:
@@ -116,6 +116,28 @@ class _Parser:
             if type(a) is not type(b):
                 raise CelError(f"cannot order {a!r} and {b!r}")
             return {">=": a >= b, "<=": a <= b, ">": a > b, "<": a < b}[op]
+
+        return run
+
+    def remainder(self) -> Node:
+        node = self.unary()
+        while self.peek() == ("op", "%"):
+            self.take()
+            node = self._modulo(node, self.unary())
+        return node
+
+    @staticmethod
+    def _modulo(left: Node, right: Node) -> Node:
+        def run() -> Any:
+            a, b = left(), right()
+            # CEL's int % int; bool is an int subclass in Python, not in CEL.
+            if not all(type(v) is int for v in (a, b)):
+                raise CelError(f"% needs ints, got {a!r} and {b!r}")
+            if b == 0:
+                raise CelError("modulus by zero")
+            # CEL's remainder takes the dividend's sign (truncated division); Python's % floors.
+            remainder = abs(a) % abs(b)
+            return -remainder if a < 0 else remainder
 
         return run
 

@@ -50,14 +50,17 @@ class Render(StrEnum):
 @dataclass(frozen=True)
 class Parity:
     """Field metadata: the field is a parity knob, rendered as vLLM flag `flag` or as the
-    environment variable `env` (of every pool). `hashed` gives its value in the parity hash from
-    the spec and the chat template's content digest; default: the field's value."""
+    environment variable `env` (of every pool). `effective` gives the value the pools get from
+    the spec, for a field that derives its default from other fields (block size from the
+    engines' backend); default: the field's value. `hashed` gives its value in the parity hash
+    from the spec and the chat template's content digest; default: the effective value."""
 
     flag: str | None = None
     env: str | None = None
     scope: Scope = Scope.text
     render: Render = Render.value
     hashed: Callable[[DisaggregatedModelSpec, str | None], JsonValue] | None = None
+    effective: Callable[[DisaggregatedModelSpec], Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.flag is None) == (self.env is None):
@@ -96,7 +99,11 @@ class ParityKnob:
         return self.parity.env
 
     def value(self, spec: DisaggregatedModelSpec) -> Any:
-        """The field's value in `spec` (None when a model on the way is unset)."""
+        """The value the pools get: the field's value in `spec` (None when a model on the way is
+        unset), or what `effective` derives. Arguments, environment and hash all use it, so a
+        field left unset and one set to what it derives to build and hash the same."""
+        if self.parity.effective is not None:
+            return self.parity.effective(spec)
         value: Any = spec
         for attribute in self.attributes:
             if value is None:
@@ -105,7 +112,7 @@ class ParityKnob:
         return value
 
     def hashed(self, spec: DisaggregatedModelSpec, chat_template_digest: str | None) -> JsonValue:
-        """Its value in the parity set."""
+        """Its value in the parity set: the effective value, unless `hashed` says otherwise."""
         if self.parity.hashed is not None:
             return self.parity.hashed(spec, chat_template_digest)
         value = self.value(spec)

@@ -89,7 +89,8 @@ class PlacementSpec(ApiModel):
         str, Field(pattern=r"^([a-z0-9.-]+/[A-Za-z0-9._-]+)?$", max_length=253)
     ] = GPU_RESOURCE
     """Extended resource each engine pod requests tensorParallelSize x dataParallelSize of
-    (e.g. amd.com/gpu). Empty: request none (simulator pools in kind or CI)."""
+    (e.g. amd.com/gpu). Empty: request none; the engines are taken to run on CPU (vLLM's CPU
+    backend, or simulator pools in kind or CI), which sets the default serving.blockSize."""
     gpu_products: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
         default_factory=list
     )
@@ -109,6 +110,11 @@ class PlacementSpec(ApiModel):
     """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
     kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
     is set. Needs cpu and memory in <pool>.resources."""
+
+    @property
+    def engines_on_cpu(self) -> bool:
+        """The engines request no accelerator, so vLLM runs them on its CPU backend."""
+        return not self.accelerator_resource
 
     @property
     def wants_guaranteed_qos(self) -> bool:

@@ -45,6 +45,23 @@ AUTO_TOOL_CHOICE_NEEDS_PARSER = CrossFieldRule(
 )
 
 
+# vLLM's block size when none is given: its CPU platform picks 128 (vllm/platforms/cpu.py) and
+# its CPU attention backend only takes multiples of 32 (cpu_attn.py, MultipleOf(32)); the GPU
+# backends default to 16. pdserve always passes the value it derives, so prefill and decode can
+# never pick different ones.
+CPU_BLOCK_SIZE = 128
+CPU_BLOCK_MULTIPLE = 32
+ACCELERATOR_BLOCK_SIZE = 16
+
+
+def effective_block_size(spec: DisaggregatedModelSpec) -> int:
+    """The engines' --block-size: spec.serving.blockSize, else vLLM's default for the backend the
+    engines run on (128 on CPU, 16 on an accelerator)."""
+    if spec.serving.block_size is not None:
+        return spec.serving.block_size
+    return CPU_BLOCK_SIZE if spec.placement.engines_on_cpu else ACCELERATOR_BLOCK_SIZE
+
+
 def _hashed_tokenizer(spec: DisaggregatedModelSpec, _: str | None) -> JsonValue:
     return spec.serving.tokenizer or spec.model.name
 
@@ -86,9 +103,12 @@ class ServingSpec(ApiModel):
     ] = False
     """Let the model choose tools (--enable-auto-tool-choice); needs toolCallParser."""
     block_size: Annotated[
-        Literal[1, 8, 16, 32, 64, 128], Parity("--block-size", scope=Scope.engines)
-    ] = 16
-    """KV cache block size in tokens (--block-size); must match between prefill and decode."""
+        Literal[1, 8, 16, 32, 64, 128] | None,
+        Parity("--block-size", scope=Scope.engines, effective=effective_block_size),
+    ] = None
+    """KV cache block size in tokens (--block-size); must match between prefill and decode.
+    Default: vLLM's for the engines' backend, 16 on accelerators and 128 on CPU engines
+    (placement.acceleratorResource ""), which need a multiple of 32."""
     kv_cache_dtype: Annotated[KvCacheDtype, Parity("--kv-cache-dtype", scope=Scope.engines)] = (
         KvCacheDtype.auto
     )

@@ -9,7 +9,7 @@ import math
 from pydantic import Field, model_validator
 
 from pdserve.api.autoscaling import EngineAutoscaler
-from pdserve.api.base import ApiModel
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.flags import check_env, check_extra_args
 from pdserve.api.gateway import GatewaySpec
 from pdserve.api.images import ImageSpec
@@ -20,12 +20,45 @@ from pdserve.api.placement import PlacementSpec
 from pdserve.api.pools import EnginePoolSpec, VllmPoolFields
 from pdserve.api.render import RenderSpec
 from pdserve.api.requirements import guaranteed_resources
-from pdserve.api.serving import ServingSpec
+from pdserve.api.serving import (
+    CPU_BLOCK_MULTIPLE,
+    CPU_BLOCK_SIZE,
+    ServingSpec,
+    effective_block_size,
+)
+
+
+def _cpu_block_size(spec: DisaggregatedModelSpec) -> str | None:
+    size = spec.serving.block_size
+    if spec.placement.engines_on_cpu and size is not None and size % CPU_BLOCK_MULTIPLE:
+        return (
+            f'spec.serving.blockSize {size} on CPU engines (spec.placement.acceleratorResource ""):'
+            f" vLLM's CPU backend needs a multiple of {CPU_BLOCK_MULTIPLE}; use 32, 64 or 128, or "
+            f"leave it unset for {CPU_BLOCK_SIZE}"
+        )
+    return None
+
+
+# Here, not on ServingSpec: whether the engines run on CPU is placement's to say. Absent
+# placement or acceleratorResource means the default, an accelerator.
+CPU_BLOCK_SIZE_RULE = CrossFieldRule(
+    "!has(self.serving) || !has(self.serving.blockSize) "
+    f"|| self.serving.blockSize % {CPU_BLOCK_MULTIPLE} == 0 "
+    "|| !has(self.placement) || !has(self.placement.acceleratorResource) "
+    "|| self.placement.acceleratorResource != ''",
+    f"blockSize on CPU engines (empty placement.acceleratorResource) must be a multiple of "
+    f"{CPU_BLOCK_MULTIPLE} for vLLM's CPU backend: use 32, 64 or 128, or leave it unset for "
+    f"{CPU_BLOCK_SIZE}",
+    ".serving.blockSize",
+    _cpu_block_size,
+)
 
 
 class DisaggregatedModelSpec(ApiModel):
     """A disaggregated vLLM deployment: prefill and decode GPU pools, a CPU render pool and an
     OpenAI-compatible gateway, kept in parity."""
+
+    model_config = with_rules([CPU_BLOCK_SIZE_RULE])
 
     model: ModelSpec
     """The model to serve."""
@@ -134,6 +167,11 @@ class DisaggregatedModelSpec(ApiModel):
                 f"({detail}, at most placement.slices {slices}): widen minReplicas/maxReplicas "
                 "to multiples of the per-slice replicas"
             )
+
+    @property
+    def block_size(self) -> int:
+        """The engines' KV block size: serving.blockSize, else derived from the backend."""
+        return effective_block_size(self)
 
     @property
     def disaggregated(self) -> bool:

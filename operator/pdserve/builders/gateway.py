@@ -49,7 +49,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
         engine_api="tokens" if spec.render.enabled else "openai",
         # The engines' KV block size: the gateway hashes prompts in the same blocks to guess
         # which engine holds a prefix.
-        block_size=spec.serving.block_size,
+        block_size=spec.block_size,
         routing=Routing(
             mode=spec.gateway.routing.mode.value,
             slo=Slo.model_validate(spec.gateway.slo.model_dump(exclude_none=True)),

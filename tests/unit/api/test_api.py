@@ -38,8 +38,39 @@ def test_minimal_spec_gets_sane_defaults() -> None:
     assert spec.render.autoscaling.enabled
     assert spec.kv_transfer.connector == "NixlConnector"
     assert spec.kv_transfer.load_failure_policy is None  # vLLM's own default applies
-    assert spec.serving.block_size == 16
+    assert spec.serving.block_size is None  # derived from the engines' backend:
+    assert spec.block_size == 16  # GPU engines, vLLM's GPU default
     assert spec.gateway.routing.mode == "Auto"
+
+
+@pytest.mark.parametrize(
+    ("placement", "serving", "expected"),
+    [
+        ({}, {}, 16),
+        ({"acceleratorResource": "amd.com/gpu"}, {}, 16),
+        ({"acceleratorResource": ""}, {}, 128),
+        ({}, {"blockSize": 16}, 16),
+        ({}, {"blockSize": 1}, 1),
+        ({"acceleratorResource": ""}, {"blockSize": 64}, 64),
+        ({"acceleratorResource": ""}, {"blockSize": 32}, 32),
+    ],
+)
+def test_block_size_is_vllms_default_for_the_engines_backend_unless_set(
+    placement: dict[str, Any], serving: dict[str, Any], expected: int
+) -> None:
+    """Unset: 128 on CPU engines (what vLLM's CPU platform picks), 16 on accelerators."""
+    spec = parse_resource(resource(placement=placement, serving=serving)).spec
+    assert spec.block_size == expected
+    assert spec.serving.block_size == serving.get("blockSize")
+
+
+@pytest.mark.parametrize("size", [1, 8, 16])
+def test_cpu_engines_refuse_a_block_size_their_backend_cannot_run(size: int) -> None:
+    [problem] = problems(
+        resource(placement={"acceleratorResource": ""}, serving={"blockSize": size})
+    )
+    assert problem.startswith(f"spec.serving.blockSize {size} on CPU engines")
+    assert problem.endswith("use 32, 64 or 128, or leave it unset for 128")
 
 
 def test_prefill_pool_with_replicas_means_disaggregated() -> None:
@@ -74,6 +105,7 @@ def test_camel_case_json_round_trips() -> None:
         ({"render": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}, "spec.render.autoscaling: maxReplicas (2) must be >= minReplicas (4)"),
         ({"serving": {"enableAutoToolChoice": True}}, "spec.serving: enableAutoToolChoice needs toolCallParser: set spec.serving.toolCallParser"),
         ({"serving": {"blockSize": 12}}, "spec.serving.blockSize: Input should be 1, 8, 16, 32, 64 or 128"),
+        ({"serving": {"blockSize": 16}, "placement": {"acceleratorResource": ""}}, "spec.serving.blockSize 16 on CPU engines (spec.placement.acceleratorResource \"\"): vLLM's CPU backend needs a multiple of 32; use 32, 64 or 128, or leave it unset for 128"),
         ({"serving": {"kvCacheDtype": "int4"}}, "spec.serving.kvCacheDtype: Input should be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2'"),
         ({"kvTransfer": {"connector": "LMCacheConnectorV1", "loadFailurePolicy": "fail"}}, "spec.kvTransfer: loadFailurePolicy needs a NIXL connector"),
         ({"kvTransfer": {"connector": "MooncakeConnector", "bidirectional": True}}, "spec.kvTransfer: bidirectional needs a NIXL connector"),

@@ -18,6 +18,7 @@ from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
 from pdserve.api.placement import PlacementSpec
 from pdserve.api.serving import ServingSpec
+from pdserve.api.spec import DisaggregatedModelSpec
 from tests.support.cel import apply_defaults, evaluate
 
 KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
@@ -25,6 +26,12 @@ MIN_MAX = "maxReplicas must be >= minReplicas"
 LOAD_POLICY = "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)"
 DECODE_TTL = "decodeBlocksTtlSeconds needs bidirectional: true"
 SLICES = "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in"
+CPU_BLOCK = (
+    "blockSize on CPU engines (empty placement.acceleratorResource) must be a multiple of 32 "
+    "for vLLM's CPU backend: use 32, 64 or 128, or leave it unset for 128"
+)
+MODEL = {"model": {"name": "m"}}
+CPU = {"placement": {"acceleratorResource": ""}}
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -77,6 +84,21 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
     (PlacementSpec, {"slices": 4, "domain": {"topologyKey": "kubernetes.io/hostname"}}, None),
     (PlacementSpec, {"slices": 2}, SLICES),
+    (DisaggregatedModelSpec, MODEL, None),
+    (DisaggregatedModelSpec, {**MODEL, **CPU}, None),  # unset: derived (128)
+    (DisaggregatedModelSpec, {**MODEL, "serving": {"blockSize": 16}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "serving": {"blockSize": 1}, "placement": {}}, None),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "serving": {"blockSize": 8}, "placement": {"acceleratorResource": "amd.com/gpu"}},
+        None,
+    ),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 32}}, None),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 64}}, None),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 128}}, None),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 16}}, CPU_BLOCK),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 1}}, CPU_BLOCK),
+    (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 8}}, CPU_BLOCK),
 ]
 
 
@@ -122,7 +144,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 9
+    assert len(rules) == 10
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}
@@ -161,3 +183,24 @@ def _errors(model: type[ApiModel], value: dict[str, Any]) -> list[Any]:
     with pytest.raises(ValidationError) as caught:
         model.model_validate(value)
     return list(caught.value.errors())
+
+
+@pytest.mark.parametrize(
+    ("value", "holds"),
+    [
+        ({}, True),
+        ({"serving": {}}, True),
+        ({"serving": {"blockSize": 16}}, True),  # no placement: the default, an accelerator
+        ({"serving": {"blockSize": 16}, "placement": {}}, True),
+        ({"serving": {"blockSize": 16}, "placement": {"acceleratorResource": ""}}, False),
+        ({"serving": {"blockSize": 64}, "placement": {"acceleratorResource": ""}}, True),
+    ],
+)
+def test_the_cpu_block_size_rule_guards_fields_the_server_has_not_defaulted(
+    value: dict[str, Any], holds: bool
+) -> None:
+    """Before nested defaults are filled in, the rule sees absent objects; it must not fail on
+    them (CEL errors on a missing field), and `%` must be CEL's integer remainder."""
+    [cel] = [r for r in rules_of(DisaggregatedModelSpec) if r.field_path == ".serving.blockSize"]
+    assert evaluate(cel.cel, value) is holds
+    assert evaluate("7 % 32 == 7 && 64 % 32 == 0 && !(48 % 32 == 0)", {}) is True

@@ -281,6 +281,8 @@ def test_simulator_example_requests_no_accelerator() -> None:
             assert "nvidia.com/gpu" not in limits
             assert env_of(obj)["PDSERVE_SIM_REASONING"] == "1"
             assert container(obj)["image"] == "ghcr.io/pdserve/pdserve-sim:0.1.0"
+            # What real vLLM on CPU would pick, so the example runs there too.
+            assert flag_value(container(obj)["args"], "--block-size") == "128"
 
 
 def test_other_accelerators_are_requested_by_name() -> None:
@@ -288,6 +290,49 @@ def test_other_accelerators_are_requested_by_name() -> None:
                    decode={"tensorParallelSize": 2})  # fmt: skip
     decode = objects_by_key(dm)[("StatefulSet", "m-decode")]
     assert container(decode)["resources"]["limits"] == {"amd.com/gpu": "2"}
+
+
+CPU_ENGINES = {"acceleratorResource": ""}
+
+
+@pytest.mark.parametrize(
+    ("placement", "block_size", "expected"),
+    [
+        ({}, None, 16),  # vLLM's GPU default
+        ({"acceleratorResource": "amd.com/gpu"}, None, 16),
+        (CPU_ENGINES, None, 128),  # vLLM's CPU default; its CPU backend refuses 16
+        ({}, 16, 16),
+        ({}, 8, 8),
+        (CPU_ENGINES, 64, 64),
+        (CPU_ENGINES, 32, 32),
+    ],
+)
+def test_every_engine_and_the_gateway_get_the_effective_block_size(
+    placement: dict[str, Any], block_size: int | None, expected: int
+) -> None:
+    """Always passed explicitly, so prefill and decode never fall back to defaults of their own;
+    the gateway hashes prompts in the same blocks."""
+    serving = {} if block_size is None else {"blockSize": block_size}
+    dm = with_spec(placement=placement, serving=serving)
+    assert dm.spec.block_size == expected
+    objs = objects_by_key(dm)
+    for name in ("m-prefill", "m-decode"):
+        args = container(objs[("StatefulSet", name)])["args"]
+        assert args.count("--block-size") == 1, args
+        assert flag_value(args, "--block-size") == str(expected)
+    assert "--block-size" not in container(objs[("Deployment", "m-render")])["args"]
+    routing = json.loads(objs[("ConfigMap", "m-gateway")]["data"]["routing.json"])
+    assert routing["blockSize"] == expected
+
+
+def test_the_parity_hash_covers_the_effective_block_size_not_the_field() -> None:
+    """An unset blockSize hashes as what it derives to: leaving the default or spelling it out is
+    one parity set (no rollout), while moving the engines between CPU and accelerator changes the
+    block size they run with, so it must change the hash too."""
+    gpu, cpu = with_spec(), with_spec(placement=CPU_ENGINES)
+    assert parity_hash(gpu) == parity_hash(with_spec(serving__blockSize=16))
+    assert parity_hash(cpu) == parity_hash(with_spec(placement=CPU_ENGINES, serving__blockSize=128))
+    assert parity_hash(cpu) != parity_hash(gpu)
 
 
 def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None:
