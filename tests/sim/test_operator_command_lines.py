@@ -127,7 +127,8 @@ def test_four_stage_request_through_the_operators_pools(pods: dict[str, str]) ->
             },
         ).json()
     [choice] = answer["choices"]
-    assert choice["finish_reason"] == "tool_calls"
+    # vLLM 0.32's whole-answer derender says "stop" (the gateway then says "tool_calls").
+    assert choice["finish_reason"] == "stop"
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert set(json.loads(call["function"]["arguments"])) == {"city"}

@@ -55,7 +55,7 @@ def decode(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def derender(body: dict[str, Any]) -> dict[str, Any]:
-    chat = body["chat_request"] is not None
+    chat = "chat_request" in body
     if body["stream"]:
         [choice] = body["generate_chunk"]["choices"]
         part: dict[str, Any] = {"delta": {"content": "x"}} if chat else {"text": "x"}
@@ -65,7 +65,8 @@ def derender(body: dict[str, Any]) -> dict[str, Any]:
     whole: dict[str, Any] = {"message": {"role": "assistant", "content": "ok"}} if chat else {}
     choices = [
         {"index": c["index"], **(whole or {"text": "ok"}), "finish_reason": c["finish_reason"]}
-        for c in body["generate_response"]["choices"]
+        for answer in ([body["generate_response"]] if chat else body["generate_responses"])
+        for c in answer["choices"]
     ]
     return {"object": "chat.completion" if chat else "text_completion", "choices": choices}
 

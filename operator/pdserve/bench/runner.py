@@ -150,7 +150,7 @@ def _has_output(event: dict[str, Any]) -> bool:
             return True
         delta = choice.get("delta")
         if isinstance(delta, dict) and any(
-            delta.get(key) for key in ("content", "reasoning_content", "reasoning", "tool_calls")
+            delta.get(key) for key in ("content", "reasoning", "tool_calls")
         ):
             return True
     return False

@@ -18,6 +18,7 @@ from aiohttp import web
 from pdserve.gateway.errors import error_body, without_addresses
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.vllm.derender_gaps import StreamStop
 from pdserve.vllm.protocol import ChunkChoice, DerenderStreamRequest, derender_chunk_body
 
 log = logging.getLogger("pdserve.gateway")
@@ -121,7 +122,8 @@ class StreamDerender:
     model: str
     request_id: str
     prompt_ids: list[int]
-    chat_request: Mapping[str, Any] | None
+    request: Mapping[str, Any]
+    chat: bool
     pipelining: bool
     """Merge tokens that arrive during a derender call into the next one (GatewaySettings)."""
 
@@ -135,23 +137,26 @@ class DerenderPipeline:
         self, derender: StreamDerender, index: int, writer: ClientWriter, metrics: GatewayMetrics
     ) -> None:
         self.derender, self.index, self.writer, self.metrics = derender, index, writer, metrics
-        self.queue: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[list[int], str | None, str | None]] = asyncio.Queue()
+        self.stops = StreamStop(derender.request)
         self.task = asyncio.create_task(self.run())
         self.calls = 0
         self.finished = False
         """The engine sent this choice's finish_reason."""
 
-    def push(self, token_ids: list[int], finish: str | None) -> None:
+    def push(self, token_ids: list[int], finish: str | None, stop: str | None = None) -> None:
+        """Tokens of the choice; with its finish reason, the stop string that ended it (cut
+        out of the text, pdserve/vllm/derender_gaps.py)."""
         if self.finished:
             return  # nothing comes after a finish reason
         self.finished = finish is not None
-        self.queue.put_nowait((token_ids, finish))
+        self.queue.put_nowait((token_ids, finish, stop))
 
     async def close(self) -> None:
         """Derender what is still queued and end; a choice the engine never finished ends
         without a finish reason (the route then reports the stream as broken)."""
         if not self.finished:
-            self.queue.put_nowait(([], "__abandoned__"))
+            self.queue.put_nowait(([], "__abandoned__", None))
         await self.task
 
     def cancel(self) -> None:
@@ -161,9 +166,9 @@ class DerenderPipeline:
         d = self.derender
         state: Any = None
         while True:
-            token_ids, finish = await self.queue.get()
+            token_ids, finish, stop = await self.queue.get()
             while d.pipelining and finish is None and not self.queue.empty():
-                more, finish = self.queue.get_nowait()
+                more, finish, stop = self.queue.get_nowait()
                 token_ids = token_ids + more
             # The stream ended early: derender what arrived, then stop (no finish reason).
             abandoned = finish == "__abandoned__"
@@ -177,7 +182,7 @@ class DerenderPipeline:
                 index=self.index, token_ids=token_ids, finish_reason=finish, logprobs=None
             )
             body = derender_chunk_body(
-                d.model, d.request_id, state, choice, d.prompt_ids, d.chat_request
+                d.model, d.request_id, state, choice, d.prompt_ids, d.request, chat=d.chat
             )
             result = await d.post(body)
             state = result.get("stream_state")
@@ -185,6 +190,10 @@ class DerenderPipeline:
             chunk["id"] = d.request_id
             chunk["model"] = d.model
             choices = chunk.get("choices") or []
+            for sent in choices:
+                if stop is not None:
+                    self.stops.cut_final(sent, stop)
+                self.stops.note_sent(sent)
             if any(_has_content(c) or c.get("finish_reason") for c in choices):
                 self.writer.note_token()
                 await self.writer.send(chunk)
@@ -196,8 +205,5 @@ class DerenderPipeline:
 def _has_content(choice: Mapping[str, Any]) -> bool:
     delta = choice.get("delta")
     if isinstance(delta, Mapping):
-        return any(
-            delta.get(k)
-            for k in ("role", "content", "reasoning", "reasoning_content", "tool_calls")
-        )
+        return any(delta.get(k) for k in ("role", "content", "reasoning", "tool_calls"))
     return bool(choice.get("text"))

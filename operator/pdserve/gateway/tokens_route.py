@@ -35,14 +35,17 @@ from pdserve.gateway.streaming import (
     sse_data,
 )
 from pdserve.gateway.upstream import UpstreamClient, counted
+from pdserve.vllm.derender_gaps import match_vllm_serve, without_stop_tokens
 from pdserve.vllm.protocol import (
     GENERATE_PATH,
     DerenderStreamRequest,
     derender_body,
     derender_path,
+    ends_on_stop_token,
     prefill_handoff_params,
     render_path,
     reuse_decode_kv_params,
+    stop_string_of,
     tokens_decode_body,
     tokens_prefill_body,
 )
@@ -160,16 +163,20 @@ class TokensRoute:
         )
         self.keep_decode_kv(ex, prompt_ids, answer)
         model = self.config.model
+        params = generate["sampling_params"]
         _, result = await self.upstream.post_json(
             "derender",
             ex.selection.pools["render"],
             derender_path(ex.chat),
-            derender_body(model, answer, prompt_ids, ex.body if ex.chat else None),
+            derender_body(
+                model, without_stop_tokens(answer, params), prompt_ids, ex.body, chat=ex.chat
+            ),
             ex.headers,
             self.settings.render_timeout,
         )
         if not (isinstance(result, dict) and has_choices(result)):
             raise GatewayError(502, "derender answered without choices", kind="UpstreamError")
+        match_vllm_serve(result, answer, params, ex.body, chat=ex.chat)
         result["model"] = model
         result["id"] = ex.request_id
         usage = result.get("usage") or {}
@@ -268,7 +275,8 @@ class TokensRoute:
             model=self.config.model,
             request_id=ex.request_id,
             prompt_ids=prompt_ids,
-            chat_request=ex.body if ex.chat else None,
+            request=ex.body,
+            chat=ex.chat,
             pipelining=self.settings.derender_pipelining,
         )
 
@@ -284,6 +292,7 @@ class TokensRoute:
         sent a malformed event or `[DONE]` before a finish_reason, with an error event (and
         decode is told to abort); `[DONE]` either way."""
         prompt_ids = generate["token_ids"]
+        params = generate["sampling_params"]
         ex.prompt_tokens = len(prompt_ids)
         derender = self.stream_derender(ex, prompt_ids)
         s = self.settings
@@ -337,12 +346,18 @@ class TokensRoute:
                                 for choice in choices or []:
                                     tokens = list(choice.get("token_ids") or [])
                                     ex.output_tokens = (ex.output_tokens or 0) + len(tokens)
+                                    if ends_on_stop_token(choice, params):
+                                        tokens = tokens[:-1]  # vllm/derender_gaps.py
                                     index = int(choice.get("index", 0))
                                     if index not in pipelines:
                                         pipelines[index] = DerenderPipeline(
                                             derender, index, writer, self.metrics
                                         )
-                                    pipelines[index].push(tokens, choice.get("finish_reason"))
+                                    pipelines[index].push(
+                                        tokens,
+                                        choice.get("finish_reason"),
+                                        stop_string_of(choice, params),
+                                    )
                             except (ValueError, TypeError, AttributeError) as error:
                                 broke = f"decode sent a malformed event ({error})"
                                 break

@@ -219,6 +219,7 @@ class OutputParser:
         if self.tools is not None and tools_requested:
             content, calls, pending = self.tools.split(content, call_ids)
         if calls:
-            content = content.strip()
+            # vLLM's hermes parser leaves no content around a call, not even the stop token.
+            content = content.replace("<|im_end|>", "").replace("<|endoftext|>", "").strip()
         return Parsed(content=content or None, reasoning=reasoning, tool_calls=calls,
                       tools_pending=pending)  # fmt: skip

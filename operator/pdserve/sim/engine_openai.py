@@ -1,6 +1,7 @@
 """The simulated engine's OpenAI API (`vllm serve` without --tokens-only, for deployments without
 a render pool): /v1/chat/completions and /v1/completions, rendered and derendered in process by
-the render server's own code."""
+the render server's own code, with derender's gaps closed as `vllm serve` has none of them
+(pdserve/vllm/derender_gaps.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pdserve.sim.engine_core import Sequence
 from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
 from pdserve.sim.render_server import RenderServer
+from pdserve.vllm.derender_gaps import match_vllm_serve, without_stop_tokens
+from pdserve.vllm.protocol import derender_body, derender_chunk_body, ends_on_stop_token, usage
 
 
 class OpenAIApi:
@@ -48,26 +51,39 @@ class OpenAIApi:
             return error_response(400, str(error))
         derender_path = self.render.chat_derender if chat else self.render.completion_derender
         if body.get("stream"):
-            return await self._openai_stream(request, body, sequences, prompt_ids, derender_path)
-        choices = []
+            return await self._openai_stream(
+                request, body, sequences, prompt_ids, params, derender_path
+            )
+        choices: list[dict[str, Any]] = []
+        generated_tokens = 0
         try:
             for index, seq in enumerate(sequences):
                 ids, finish = await self.requests.collect(seq)
-                choices.append({"index": index, "token_ids": ids, "finish_reason": finish})
+                generated_tokens += len(ids)
+                choices.append(
+                    {"index": index, "token_ids": ids, "finish_reason": finish, "stop_reason": None}
+                )
         except asyncio.CancelledError:
             self.requests.abort(sequences)  # the client went away (vLLM aborts it too)
             raise
+        generated = {
+            "request_id": request_id,
+            "choices": choices,
+            "usage": usage(len(prompt_ids), generated_tokens),
+        }
         derendered = await derender_path(
-            {
-                "stream": False,
-                "model": self.config.name,
-                "prompt_tokens": len(prompt_ids),
-                "prompt_token_ids": prompt_ids,
-                "chat_request": body if chat else None,
-                "generate_response": {"request_id": request_id, "choices": choices},
-            }
+            dict(
+                derender_body(
+                    self.config.name,
+                    without_stop_tokens(generated, params),
+                    prompt_ids,
+                    body,
+                    chat=chat,
+                )
+            )
         )
         answer = json.loads(derendered.text or "{}")
+        match_vllm_serve(answer, generated, params, body, chat=chat)
         if remote_decode:
             answer["kv_transfer_params"] = self.kv.hold(request_id, len(prompt_ids))
         return web.json_response(answer)
@@ -78,6 +94,7 @@ class OpenAIApi:
         body: Mapping[str, Any],
         sequences: list[Sequence],
         prompt_ids: list[int],
+        params: Mapping[str, Any],
         derender: Any,
     ) -> web.StreamResponse:
         response = await open_sse(request, {"Content-Type": "text/event-stream"})
@@ -87,27 +104,22 @@ class OpenAIApi:
                 state = None
                 while True:
                     token, finish = await seq.queue.get()
-                    chunk = {
-                        "request_id": seq.request_id,
-                        "choices": [
-                            {
-                                "index": index,
-                                "token_ids": [] if token is None else [token],
-                                "finish_reason": finish,
-                            }
-                        ],
+                    choice: dict[str, Any] = {
+                        "index": index,
+                        "token_ids": [] if token is None else [token],
+                        "finish_reason": finish,
+                        "logprobs": None,
                     }
+                    if ends_on_stop_token(choice, params):
+                        choice["token_ids"] = []  # `vllm serve` does not send the stop token
                     out = await derender(
-                        {
-                            "stream": True,
-                            "model": self.config.name,
-                            "generate_chunk": chunk,
-                            "stream_state": state,
-                            "prompt_tokens": len(prompt_ids),
-                            "prompt_token_ids": prompt_ids,
-                            "chat_request": body if chat else None,
-                        }
-                    )
+                        dict(
+                            derender_chunk_body(
+                                self.config.name, seq.request_id, state, choice,  # type: ignore[arg-type]
+                                prompt_ids, body, chat=chat,
+                            )
+                        )
+                    )  # fmt: skip
                     result = json.loads(out.text or "{}")
                     state = result.get("stream_state")
                     await response.write(sse_event(result.get("chunk")))

@@ -1,6 +1,11 @@
 """The simulated render server's derender side: generated token ids back to OpenAI responses
 and chunks, decoded and parsed (reasoning, tool calls) again in full on every call, as vLLM
-rebuilds its parser per chunk; a stream's progress travels in `stream_state`."""
+rebuilds its parser per chunk; a stream's progress travels in `stream_state`.
+
+It has real vLLM 0.32's gaps (pdserve/vllm/derender_gaps.py), which the gateway closes: a stop
+token left in the token ids is decoded into the content, usage counts the token ids given, a
+whole chat answer with tool calls keeps finish_reason "stop". Reasoning goes in `reasoning`
+only, as vLLM 0.32 sends it."""
 
 from __future__ import annotations
 
@@ -37,7 +42,6 @@ class Derenderer:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         except ValueError as error:
             raise HttpError(400, str(error), "token_ids") from None
-        text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
         if chat_request is None:
             parsed = None  # vLLM: plain detokenization, markup stays in content
         else:
@@ -60,7 +64,7 @@ class Derenderer:
             "tool_calls": parsed.tool_calls,
         }
         if parsed.reasoning is not None:
-            message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+            message["reasoning"] = parsed.reasoning
         return message
 
     async def chat_derender(self, body: dict[str, Any]) -> web.Response:
@@ -85,8 +89,6 @@ class Derenderer:
             completion_tokens += len(ids)
             text, parsed = self._parse(ids, chat_request, final=True, call_ids=[])
             finish = choice.get("finish_reason")
-            if parsed is not None and parsed.tool_calls and finish == "stop":
-                finish = "tool_calls"
             choices.append(
                 {
                     "index": choice.get("index", 0),
@@ -147,7 +149,7 @@ class Derenderer:
         if len(content) > sent_content:
             delta["content"] = content[sent_content:]
         if len(reasoning) > sent_reasoning:
-            delta["reasoning"] = delta["reasoning_content"] = reasoning[sent_reasoning:]
+            delta["reasoning"] = reasoning[sent_reasoning:]
         sent_calls = int(state.get("tool_calls", 0))
         new_calls = message["tool_calls"][sent_calls:]
         if new_calls:
@@ -207,24 +209,32 @@ class Derenderer:
                     "stream_state": state,
                 }
             )
-        response = body.get("generate_response")
+        # One generate answer per prompt, as vLLM's multi-prompt completions (0.32's shape).
+        responses = body.get("generate_responses")
+        if not isinstance(responses, list) or not responses:
+            raise HttpError(400, "generate_responses: Field required", "generate_responses")
+        if not isinstance(body.get("prompt_tokens", []), list):
+            raise HttpError(400, "prompt_tokens: Input should be a valid list", "prompt_tokens")
+        response = responses[0]
         if not isinstance(response, Mapping):
-            raise HttpError(400, "generate_response is required", "generate_response")
-        choices = []
+            raise HttpError(400, "generate_responses.0: Input should be an object",
+                            "generate_responses")  # fmt: skip
+        choices: list[dict[str, Any]] = []
         completion_tokens = 0
-        for choice in response.get("choices", []):
-            ids = list(choice.get("token_ids", []))
-            completion_tokens += len(ids)
-            text, _ = self._parse(ids, None, final=True, call_ids=[])
-            choices.append(
-                {
-                    "index": choice.get("index", 0),
-                    "text": text,
-                    "finish_reason": choice.get("finish_reason"),
-                    "logprobs": None,
-                }
-            )
-        prompt_tokens = int(body.get("prompt_tokens") or 0)
+        for answer in responses:
+            for choice in answer.get("choices", []):
+                ids = list(choice.get("token_ids", []))
+                completion_tokens += len(ids)
+                text, _ = self._parse(ids, None, final=True, call_ids=[])
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": text,
+                        "finish_reason": choice.get("finish_reason"),
+                        "logprobs": None,
+                    }
+                )
+        prompt_tokens = sum(int(n) for n in body.get("prompt_tokens") or [])
         return web.json_response(
             {
                 "id": response.get("request_id", f"cmpl-{uuid.uuid4().hex}"),

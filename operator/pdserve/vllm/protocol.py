@@ -98,15 +98,30 @@ def tokens_decode_body(generate: Mapping[str, Any], kv: Mapping[str, Any] | None
     return body
 
 
-class DerenderRequest(TypedDict):
-    """A whole generate answer turned back into an OpenAI response."""
+class DerenderChatRequest(TypedDict):
+    """A whole chat generate answer turned back into a ChatCompletionResponse."""
 
     stream: bool
     model: str
     generate_response: Mapping[str, Any]
     prompt_tokens: int
     prompt_token_ids: list[int]
-    chat_request: Mapping[str, Any] | None
+    chat_request: Mapping[str, Any]
+
+
+class DerenderCompletionRequest(TypedDict):
+    """Whole completion answers turned back into a CompletionResponse: one generate answer per
+    prompt (vLLM's multi-prompt shape; the gateway sends one prompt per request)."""
+
+    stream: bool
+    model: str
+    generate_responses: list[Mapping[str, Any]]
+    prompt_tokens: list[int]
+    prompt_token_ids: list[list[int]]
+    completion_request: Mapping[str, Any]
+
+
+DerenderRequest = DerenderChatRequest | DerenderCompletionRequest
 
 
 class ChunkChoice(TypedDict):
@@ -121,9 +136,10 @@ class GenerateChunk(TypedDict):
     choices: list[ChunkChoice]
 
 
-class DerenderStreamRequest(TypedDict):
+class DerenderStreamRequest(TypedDict, total=False):
     """Tokens of one streamed choice turned into an OpenAI chunk; `stream_state` carries the
-    detokenizer's state from the previous call of the same choice."""
+    detokenizer's state from the previous call of the same choice. The client's request goes
+    as `chat_request` or `completion_request`, by route."""
 
     stream: bool
     model: str
@@ -131,22 +147,34 @@ class DerenderStreamRequest(TypedDict):
     generate_chunk: GenerateChunk
     prompt_tokens: int
     prompt_token_ids: list[int]
-    chat_request: Mapping[str, Any] | None
+    chat_request: Mapping[str, Any]
+    completion_request: Mapping[str, Any]
 
 
 def derender_body(
     model: str,
     answer: Mapping[str, Any],
     prompt_ids: list[int],
-    chat_request: Mapping[str, Any] | None,
+    request: Mapping[str, Any],
+    *,
+    chat: bool,
 ) -> DerenderRequest:
+    if chat:
+        return {
+            "stream": False,
+            "model": model,
+            "generate_response": answer,
+            "prompt_tokens": len(prompt_ids),
+            "prompt_token_ids": prompt_ids,
+            "chat_request": request,
+        }
     return {
         "stream": False,
         "model": model,
-        "generate_response": answer,
-        "prompt_tokens": len(prompt_ids),
-        "prompt_token_ids": prompt_ids,
-        "chat_request": chat_request,
+        "generate_responses": [answer],
+        "prompt_tokens": [len(prompt_ids)],
+        "prompt_token_ids": [prompt_ids],
+        "completion_request": request,
     }
 
 
@@ -156,17 +184,45 @@ def derender_chunk_body(
     state: Any,
     choice: ChunkChoice,
     prompt_ids: list[int],
-    chat_request: Mapping[str, Any] | None,
+    request: Mapping[str, Any],
+    *,
+    chat: bool,
 ) -> DerenderStreamRequest:
-    return {
+    body: DerenderStreamRequest = {
         "stream": True,
         "model": model,
         "stream_state": state,
         "generate_chunk": {"request_id": request_id, "choices": [choice]},
         "prompt_tokens": len(prompt_ids),
         "prompt_token_ids": prompt_ids,
-        "chat_request": chat_request,
     }
+    if chat:
+        body["chat_request"] = request
+    else:
+        body["completion_request"] = request
+    return body
+
+
+def ends_on_stop_token(choice: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """Whether a generate choice's last token id is the stop token that ended it: vLLM keeps
+    an EOS (stop_reason null) or a stop_token_ids hit (stop_reason the id) in `token_ids`,
+    and `vllm serve` leaves it out of the text unless include_stop_str_in_output; derender
+    would decode it into the content (vLLM 0.32)."""
+    return (
+        choice.get("finish_reason") == "stop"
+        and not isinstance(choice.get("stop_reason"), str)
+        and not params.get("include_stop_str_in_output")
+        and bool(choice.get("token_ids"))
+    )
+
+
+def stop_string_of(choice: Mapping[str, Any], params: Mapping[str, Any]) -> str | None:
+    """The stop string that ended a generate choice, when the text must end before it: the
+    engine stops on the token that completes it, and derender decodes that whole token."""
+    reason = choice.get("stop_reason")
+    if choice.get("finish_reason") != "stop" or not isinstance(reason, str) or not reason:
+        return None
+    return None if params.get("include_stop_str_in_output") else reason
 
 
 class AbortRequest(TypedDict):

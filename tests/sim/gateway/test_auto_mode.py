@@ -208,5 +208,5 @@ async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replic
     answer = await client.post("/v1/chat/completions", json=LONG)
     assert answer.status_code == 200
     message = answer.json()["choices"][0]["message"]
-    assert message.get("content") or message.get("reasoning_content")
+    assert message.get("content") or message.get("reasoning")
     assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (1, 1)

@@ -93,12 +93,13 @@ async def test_tokens_pending_when_a_stream_breaks_are_flushed_then_the_error() 
         model=MODEL,
         request_id="r",
         prompt_ids=[1],
-        chat_request={},
+        request={},
+        chat=True,
         pipelining=GatewaySettings().derender_pipelining,
     )
     pipeline = DerenderPipeline(derender, 0, FakeWriter(), metrics)  # type: ignore[arg-type]
     pipeline.push([5, 6], None)
     pipeline.push([7], None)
-    pipeline.queue.put_nowait(([], "__abandoned__"))  # queued before the pipeline runs
+    pipeline.queue.put_nowait(([], "__abandoned__", None))  # queued before the pipeline runs
     await asyncio.wait_for(pipeline.task, timeout=5)
     assert [c["generate_chunk"]["choices"][0]["token_ids"] for c in calls] == [[5, 6, 7]]

@@ -1,0 +1,55 @@
+"""A tiny Qwen3-architecture model for real vLLM on the CPU, built here (no weights can be
+downloaded) and cached: random weights, a tokenizer trained on the spot, and the same Qwen3-style
+chat template the simulator renders with (pdserve.sim.chat), so the simulator and real vLLM can
+be compared on one prompt.
+
+    python -m devtools.tiny_model          # build (or find) it, print its directory
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+from devtools.clitools import cache_root
+from devtools.vllm_cpu import LOCAL_VERSION, VllmCpu, ensure_vllm_cpu
+from pdserve.sim.chat import QWEN3_TEMPLATE
+
+BUILDER = Path(__file__).with_name("tiny_model_build.py")
+
+
+class TinyModelError(RuntimeError):
+    """The tiny model could not be built."""
+
+
+def ensure_tiny_model(vllm: VllmCpu | None = None, cache: Path | None = None) -> Path:
+    """The model directory (config.json, model.safetensors, tokenizer files with the chat
+    template); rebuilt when the builder, the template or vLLM's version changes."""
+    key = hashlib.sha256(
+        BUILDER.read_bytes() + QWEN3_TEMPLATE.encode() + LOCAL_VERSION.encode()
+    ).hexdigest()[:12]
+    out = (cache or cache_root()) / f"tiny-qwen3-{key}"
+    if (out / "pdserve-tiny-model.json").exists():
+        return out
+    env = vllm or ensure_vllm_cpu(cache)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    template = out.with_name(out.name + ".template.jinja")
+    template.write_text(QWEN3_TEMPLATE)
+    result = subprocess.run(
+        [str(env.python), str(BUILDER), str(partial), str(template)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise TinyModelError(f"{BUILDER.name} exited {result.returncode}:\n{result.stderr[-3000:]}")
+    partial.rename(out)
+    return out
+
+
+if __name__ == "__main__":
+    print(ensure_tiny_model())

@@ -1,0 +1,169 @@
+"""A pdserve gateway in-process over real vLLM servers (tests/vllm), and what an OpenAI answer
+says once ids and timestamps are set aside: the shape two servers must agree on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.settings import GatewaySettings
+from tests.support.real_vllm import SERVED_NAME
+from tests.support.serving import serving
+
+PARITY = "p1"
+
+
+@dataclass
+class GatewayUnderTest:
+    gateway: Gateway
+    url: str
+    client: AsyncOpenAI
+
+
+@asynccontextmanager
+async def gateway_over(
+    *,
+    decode: Sequence[str],
+    render: str | None = None,
+    prefill: Sequence[str] = (),
+    engine_api: str = "tokens",
+    kv_transfer: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> AsyncIterator[GatewayUnderTest]:
+    """A gateway with static endpoints: render -> (prefill ->) decode, or the OpenAI route
+    (engine_api="openai", no render) when `render` is None."""
+    pool = {"service": "static", "port": 8000}
+
+    def endpoints(urls: Sequence[str]) -> list[dict[str, Any]]:
+        return [{"url": url, "parityHash": PARITY, "name": url} for url in urls]
+
+    config: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "engineApi": engine_api,
+        "parityHash": PARITY,
+        "blockSize": 128,
+        "routing": {"mode": "Disaggregated" if prefill else "Aggregated"},
+        "pools": {
+            "render": pool if render else None,
+            "prefill": pool if prefill else None,
+            "decode": pool,
+        },
+        "endpoints": {
+            "render": endpoints([render] if render else []),
+            "prefill": endpoints(prefill),
+            "decode": endpoints(decode),
+        },
+    }
+    if kv_transfer is not None:
+        config["kvTransfer"] = dict(kv_transfer)
+    gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
+    async with (
+        serving(gateway.app()) as url,
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client,
+    ):
+        yield GatewayUnderTest(gateway, url, client)
+
+
+def chat_answer(response: Any) -> dict[str, Any]:
+    """A chat completion as a client reads it: per choice the content, reasoning, tool calls
+    (name and arguments; ids are random) and finish reason, and the token counts."""
+    body = response.model_dump() if hasattr(response, "model_dump") else dict(response)
+    choices = []
+    for choice in sorted(body["choices"], key=lambda c: c["index"]):
+        message = choice["message"]
+        choices.append(
+            {
+                "content": message.get("content"),
+                "reasoning": message.get("reasoning"),
+                "tool_calls": [
+                    (call["function"]["name"], call["function"]["arguments"])
+                    for call in message.get("tool_calls") or []
+                ],
+                "finish_reason": choice["finish_reason"],
+                "logprobs": _logprob_tokens(choice.get("logprobs")),
+            }
+        )
+    return {"choices": choices, "usage": _token_counts(body.get("usage"))}
+
+
+def chat_stream_answer(chunks: Sequence[Any]) -> dict[str, Any]:
+    """The same, put together from a stream's chunks."""
+    choices: dict[int, dict[str, Any]] = {}
+    calls: dict[int, dict[int, list[str]]] = {}
+    usage = None
+    for chunk in chunks:
+        body = chunk.model_dump() if hasattr(chunk, "model_dump") else dict(chunk)
+        if body.get("usage"):
+            usage = body["usage"]
+        for choice in body.get("choices") or []:
+            into = choices.setdefault(
+                choice["index"],
+                {"content": None, "reasoning": None, "tool_calls": [], "finish_reason": None,
+                 "logprobs": None},
+            )  # fmt: skip
+            delta = choice.get("delta") or {}
+            for field in ("content", "reasoning"):
+                if delta.get(field):
+                    into[field] = (into[field] or "") + delta[field]
+            for call in delta.get("tool_calls") or []:
+                parts = calls.setdefault(choice["index"], {}).setdefault(call["index"], ["", ""])
+                function = call.get("function") or {}
+                parts[0] += function.get("name") or ""
+                parts[1] += function.get("arguments") or ""
+            if choice.get("finish_reason"):
+                into["finish_reason"] = choice["finish_reason"]
+    for index, by_call in calls.items():
+        choices[index]["tool_calls"] = [tuple(by_call[i]) for i in sorted(by_call)]
+    return {
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": _token_counts(usage),
+    }
+
+
+def completion_answer(response: Any) -> dict[str, Any]:
+    body = response.model_dump() if hasattr(response, "model_dump") else dict(response)
+    choices = [
+        {"text": c["text"], "finish_reason": c["finish_reason"]}
+        for c in sorted(body["choices"], key=lambda c: c["index"])
+    ]
+    return {"choices": choices, "usage": _token_counts(body.get("usage"))}
+
+
+def completion_stream_answer(chunks: Sequence[Any]) -> dict[str, Any]:
+    texts: dict[int, dict[str, Any]] = {}
+    usage = None
+    for chunk in chunks:
+        body = chunk.model_dump() if hasattr(chunk, "model_dump") else dict(chunk)
+        if body.get("usage"):
+            usage = body["usage"]
+        for choice in body.get("choices") or []:
+            into = texts.setdefault(choice["index"], {"text": "", "finish_reason": None})
+            into["text"] += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                into["finish_reason"] = choice["finish_reason"]
+    return {"choices": [texts[i] for i in sorted(texts)], "usage": _token_counts(usage)}
+
+
+def _token_counts(usage: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    if not usage:
+        return None
+    return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+
+
+def _logprob_tokens(logprobs: Mapping[str, Any] | None) -> list[tuple[str, int]] | None:
+    """The chosen tokens and how many alternatives each lists (values differ in the last
+    digits between processes, so they are not compared)."""
+    if not logprobs or not logprobs.get("content"):
+        return None
+    return [(item["token"], len(item.get("top_logprobs") or [])) for item in logprobs["content"]]
+
+
+def pretty(answer: Mapping[str, Any]) -> str:
+    return json.dumps(answer, indent=1, default=str)

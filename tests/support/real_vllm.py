@@ -1,0 +1,153 @@
+"""Real vLLM on the CPU as processes on loopback ports (tests/vllm): a render server
+(`vllm launch render`) and engines (`vllm serve`), all serving the tiny model built by
+devtools/tiny_model.py, each with its own log, stopped with their whole process group."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from devtools.localplane import free_port
+from devtools.procs import spawn_component, tail, terminate
+from devtools.vllm_cpu import VllmCpu
+
+SERVED_NAME = "tiny"
+# The text side, as a DisaggregatedModel's spec.serving would set it (parity flags).
+TEXT_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+              "--enable-auto-tool-choice"]  # fmt: skip
+# Small and deterministic on two shared cores: no compilation, a 1 GiB KV cache, no thread
+# pinning (several engines share the cores), fp32 (no bf16 kernels needed).
+ENGINE_FLAGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
+                "--max-num-seqs", "8", "--block-size", "128", "--seed", "0",
+                "--kv-cache-memory-bytes", str(64 << 20)]  # fmt: skip
+BASE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+class VllmStartError(RuntimeError):
+    """A vLLM process exited or did not become healthy in time."""
+
+
+@dataclass
+class VllmServer:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.log, lines)
+
+
+@dataclass
+class VllmProcesses:
+    env: VllmCpu
+    model: Path
+    logs: Path
+    servers: dict[str, VllmServer] = field(default_factory=dict)
+
+    def start(
+        self,
+        name: str,
+        subcommand: Sequence[str],
+        args: Sequence[str],
+        extra_env: Mapping[str, str] | None = None,
+    ) -> VllmServer:
+        port = free_port()
+        command = [str(self.env.vllm), *subcommand, str(self.model), *args]
+        command += ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME]
+        env = {**_inherited_env(), **BASE_ENV, **(extra_env or {})}
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (self.logs / f"{name}.log").write_text(f"$ {' '.join(command)}\n")
+        proc = _spawn(name, command, env, self.logs)
+        server = VllmServer(name, f"http://127.0.0.1:{port}", proc, self.logs / f"{name}.log")
+        self.servers[name] = server
+        return server
+
+    def render(self, name: str = "render") -> VllmServer:
+        return self.start(name, ["launch", "render"], TEXT_FLAGS)
+
+    def engine(
+        self,
+        name: str,
+        *,
+        mode: str = "--enable-scale-out",
+        kv_role: str | None = None,
+        extra_kv: Mapping[str, Any] | None = None,
+    ) -> VllmServer:
+        args = [*ENGINE_FLAGS, mode]
+        if mode != "--tokens-only":
+            args += TEXT_FLAGS
+        extra_env: dict[str, str] = {}
+        if kv_role is not None:
+            config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
+                      "kv_buffer_device": "cpu", **(extra_kv or {})}  # fmt: skip
+            args += ["--kv-transfer-config", json.dumps(config)]
+            extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            extra_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        return self.start(name, ["serve"], args, extra_env)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Poll every server's /health until all answer 200; a process that exits fails at once
+        with its log."""
+        deadline = time.monotonic() + timeout
+        waiting = dict(self.servers)
+        while waiting:
+            for name, server in list(waiting.items()):
+                if server.proc.poll() is not None:
+                    raise VllmStartError(
+                        f"{name} exited with code {server.proc.returncode}; "
+                        f"{server.log}:\n{server.log_tail()}"
+                    )
+                try:
+                    if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                        del waiting[name]
+                except httpx.HTTPError:
+                    pass
+            if waiting and time.monotonic() > deadline:
+                raise VllmStartError(
+                    f"not healthy within {timeout:g} s: {sorted(waiting)}\n"
+                    + "\n".join(f"--- {n}:\n{s.log_tail()}" for n, s in waiting.items())
+                )
+            if waiting:
+                time.sleep(0.5)  # polling a process start, not synchronising with a result
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            terminate(server.proc.pid, server.proc, grace=15.0)
+        self.servers.clear()
+
+
+def _inherited_env() -> dict[str, str]:
+    import os
+
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "XDG_CACHE_HOME")
+    return {key: os.environ[key] for key in keep if key in os.environ}
+
+
+def _spawn(
+    name: str, command: list[str], env: Mapping[str, str], logs: Path
+) -> subprocess.Popen[bytes]:
+    with (logs / f"{name}.log").open("ab") as log:
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=dict(env),
+        )  # fmt: skip
+
+
+__all__ = ["SERVED_NAME", "VllmProcesses", "VllmServer", "VllmStartError", "spawn_component"]
