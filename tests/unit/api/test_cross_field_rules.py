@@ -17,6 +17,7 @@ from pdserve.api.crd import build_crd, structural_schema
 from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
 from pdserve.api.placement import PlacementSpec
+from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
 from tests.support.cel import apply_defaults, evaluate
 
@@ -24,6 +25,7 @@ KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)
 MIN_MAX = "maxReplicas must be >= minReplicas"
 LOAD_POLICY = "loadFailurePolicy needs a NIXL connector (NixlConnector, NixlPushConnector)"
 SLICES = "slices > 1 needs a domain (placement.domain.topologyKey) to keep each slice in"
+TOKENS_ONLY = "engineApi TokensOnly needs enabled: true"
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -67,6 +69,11 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
         {"connector": "MooncakeConnector", "bidirectional": True},
         "bidirectional needs a NIXL connector",
     ),
+    (RenderSpec, {}, None),
+    (RenderSpec, {"engineApi": "TokensOnly"}, None),
+    (RenderSpec, {"enabled": False, "engineApi": "ScaleOut"}, None),
+    (RenderSpec, {"enabled": False}, None),
+    (RenderSpec, {"enabled": False, "engineApi": "TokensOnly"}, TOKENS_ONLY),
     (PlacementSpec, {}, None),
     (PlacementSpec, {"slices": 1}, None),
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
@@ -117,7 +124,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 8
+    assert len(rules) == 9
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}
