@@ -31,6 +31,7 @@ from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
+from pdserve.vllm.protocol import AbortRequest
 
 MODEL = "qwen"
 
@@ -70,6 +71,8 @@ class FakeStream:
     def __init__(self, lines: list[bytes], *, stall: bool = False) -> None:
         self.status = 200
         self.lines, self.stall = lines, stall
+        self.closed = False
+        """Closed before its end (an OpenAI engine then aborts the request)."""
 
     @property
     def content(self) -> AsyncIterator[bytes]:
@@ -82,6 +85,9 @@ class FakeStream:
         return lines()
 
     def release(self) -> None: ...
+
+    def close(self) -> None:
+        self.closed = True
 
 
 HANG = object()
@@ -103,6 +109,8 @@ class FakeUpstream(UpstreamClient):
         self.stream_stalls = False
         self.calls: list[Call] = []
         self.aborted: list[tuple[str, list[str]]] = []
+        """(URL, request_ids) of every abort posted."""
+        self.streams: list[FakeStream] = []
         self.hanging = asyncio.Event()
         """Set when a call scripted to HANG is under way."""
 
@@ -152,11 +160,13 @@ class FakeUpstream(UpstreamClient):
         lines = self.stream_lines
         lines = lines(copy.deepcopy(dict(body))) if callable(lines) else lines
         stream = FakeStream(lines, stall=self.stream_stalls)
+        self.streams.append(stream)
         return cast(aiohttp.ClientResponse, stream)
 
-    async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
-        if endpoint is not None:
-            self.aborted.append((endpoint.url, request_ids))
+    async def post_abort(
+        self, endpoint: Endpoint, body: AbortRequest, headers: Mapping[str, str]
+    ) -> None:
+        self.aborted.append((endpoint.url, body["request_ids"]))
 
 
 @dataclass

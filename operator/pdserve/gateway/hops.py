@@ -83,7 +83,7 @@ class Hops:
         ):
             # The lease would run out before decode starts pulling: recompute instead.
             self.planner.fallback("lease_expiring")
-            await self.upstream.abort(endpoint, [exchange.request_id])
+            await self.upstream.abort(endpoint, exchange)
             return None
         exchange.prefill_done_at = time.monotonic()
         exchange.prefilled_on = endpoint
@@ -138,9 +138,10 @@ class Hops:
         prefill_endpoint: Endpoint | None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """`_decode_once`, and when the client goes away meanwhile, an abort to the decode
-        replica working on it: vLLM's API server takes a closed connection as one, but an
-        engine (or a proxy in front of it) that keeps the work going on is told as well."""
+        """`_decode_once`, and when the client goes away meanwhile, the decode replica working
+        on it stops: cancelling the call closes its connection, which vLLM's API server takes
+        as an abort, and a tokens engine (or a proxy in front of it, which may keep the work
+        going on) is also told so (UpstreamClient.abort)."""
         tried: list[Endpoint] = []  # the replicas called, in order (then the retry's)
         retried: list[Endpoint] = []
         try:
@@ -149,7 +150,7 @@ class Hops:
             )
         except asyncio.CancelledError:
             if called := retried or tried:
-                await asyncio.shield(self.upstream.abort(called[-1], [exchange.request_id]))
+                await asyncio.shield(self.upstream.abort(called[-1], exchange))
             raise
 
     async def _decode_once(
@@ -197,7 +198,7 @@ class Hops:
                 self.planner.fallback("kv_load_failed")
             else:
                 self.upstream.metrics.retries.labels("decode", "upstream_error").inc()
-            await self.upstream.abort(prefill_endpoint, [exchange.request_id])
+            await self.upstream.abort(prefill_endpoint, exchange)
             try:
                 endpoint, answer = await self.upstream.post_json(
                     "decode",

@@ -142,6 +142,7 @@ class EngineRequests:
                 output, finish = output[:1], "length"
             seq = Sequence(
                 request_id=request_id if n == 1 else f"{request_id}-{index}",
+                parent_id=None if n == 1 else request_id,
                 prompt_ids=prompt_ids,
                 output_ids=output,
                 finish_reason=finish,
