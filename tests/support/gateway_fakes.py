@@ -36,13 +36,16 @@ from pdserve.vllm.protocol import AbortRequest
 MODEL = "qwen"
 
 
-def config(engine_api: str = "tokens", mode: str = "Disaggregated") -> GatewayConfig:
+def config(
+    engine_api: str = "tokens", mode: str = "Disaggregated", tokens_engines: str = "scale_out"
+) -> GatewayConfig:
     pool = {"service": "x", "port": 8000}
     urls = {"render": "http://render", "prefill": "http://prefill", "decode": "http://decode"}
     return GatewayConfig.model_validate(
         {
             "model": MODEL,
             "engineApi": engine_api,
+            "tokensEngines": tokens_engines,
             "parityHash": "p1",
             "routing": {"mode": mode, "slo": {}},
             "pools": {"render": pool if engine_api == "tokens" else None, "prefill": pool,
@@ -217,7 +220,10 @@ def rig(engine_api: str = "tokens", mode: str = "Disaggregated", **settings_: An
 
 
 def fake_gateway(
-    engine_api: str = "tokens", mode: str = "Disaggregated", **settings: Any
+    engine_api: str = "tokens",
+    mode: str = "Disaggregated",
+    tokens_engines: str = "scale_out",
+    **settings: Any,
 ) -> tuple[Gateway, FakeUpstream]:
     """The whole gateway (intake, error path, routes) on the fake upstream: serve its app()
     with aiohttp's test client."""
@@ -226,7 +232,8 @@ def fake_gateway(
         lambda endpoints, metrics, settings: FakeUpstream(endpoints, metrics, settings),
     ):
         gateway = Gateway(
-            config(engine_api, mode), GatewaySettings(load_scrape_seconds=None, **settings)
+            config(engine_api, mode, tokens_engines),
+            GatewaySettings(load_scrape_seconds=None, **settings),
         )
     assert isinstance(gateway.upstream, FakeUpstream)
     return gateway, gateway.upstream

@@ -1,13 +1,15 @@
 """The simulated engine's token-id API (vLLM's scale-out API, `vllm serve --tokens-only` or
 `--enable-scale-out`): POST /inference/v1/generate, streamed or not, handing KV to a peer through
 kv_transfer_params, and POST /inference/v1/abort_requests. Requests are named as vLLM names
-them (`generate-tokens-<id>`), and aborts go by that name."""
+them (`generate-tokens-<id>`), and aborts go by that name; without a tokenizer (--tokens-only),
+stop strings and structured outputs are refused as vLLM refuses them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -33,6 +35,8 @@ class TokensApi:
             request_id = generate_request_id(
                 request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
             )
+            if not self.config.detokenizes:
+                refuse_what_needs_a_tokenizer(params)
             sequences, remote_decode = await self.requests.start(
                 request_id, prompt_ids, params, kv_params
             )
@@ -169,3 +173,23 @@ class TokensApi:
             self.requests.core.abort(request_id)
             self.kv.release(request_id)  # a producer's lease ends with the request
         return web.Response(status=200)  # vLLM's answer: no body
+
+
+# vLLM's own words (a client behind a gateway that does not check first would see them).
+STOP_NEEDS_DETOKENIZER = (
+    "stop strings are not supported on a --tokens-only server because detokenization is "
+    "disabled. Check stop strings on the coordinator, or use stop_token_ids."
+)
+STRUCTURED_NEEDS_TOKENIZER = (
+    "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+)
+
+
+def refuse_what_needs_a_tokenizer(params: Mapping[str, Any]) -> None:
+    """A --tokens-only engine's refusals: stop strings (vLLM normalizes a string to a list of
+    it, so even "" is one) and structured outputs."""
+    stop = params.get("stop")
+    if stop is not None and stop != []:
+        raise HttpError(400, STOP_NEEDS_DETOKENIZER)
+    if params.get("structured_outputs") is not None:
+        raise HttpError(400, STRUCTURED_NEEDS_TOKENIZER)

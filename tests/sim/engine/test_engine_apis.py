@@ -1,18 +1,21 @@
 """The three vLLM servers the simulated engine stands in for, as vLLM 0.32 serves them: the
 endpoints each registers (`--tokens-only`, `--enable-scale-out`, plain `vllm serve`), how the
-generate API names its requests and what aborts them."""
+generate API names its requests and what aborts them, and what an engine without a tokenizer
+refuses while one with a tokenizer serves it."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import httpx
 import pytest
 
 from pdserve.sim.cli import engine_config as config_of_args
 from pdserve.sim.cli import engine_parser
+from pdserve.sim.engine_tokens import STOP_NEEDS_DETOKENIZER, STRUCTURED_NEEDS_TOKENIZER
 from pdserve.vllm.protocol import ABORT_PATH, GENERATE_PATH, abort_body, generate_request_id
-from tests.support.sim_engine import Engines, engine_config, generate_body
+from tests.support.sim_engine import TOKENIZER, Engines, engine_config, generate_body
 
 CHAT = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
@@ -124,3 +127,57 @@ async def _data(lines: Any, count: int | None = None) -> Any:
             taken += 1
             if count is not None and taken == count:
                 return
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"stop": ["\n"]}, STOP_NEEDS_DETOKENIZER),
+        ({"stop": [""]}, STOP_NEEDS_DETOKENIZER),
+        ({"structured_outputs": {"json": {"type": "object"}}}, STRUCTURED_NEEDS_TOKENIZER),
+        ({"structured_outputs": {"json_object": True}}, STRUCTURED_NEEDS_TOKENIZER),
+    ],
+)
+async def test_a_tokens_only_engine_refuses_what_needs_a_tokenizer_in_vllms_words(
+    engines: Engines, params: dict[str, Any], message: str
+) -> None:
+    _, tokens_only = await engines(engine_config(api="tokens"))
+    _, scale_out = await engines(engine_config(api="scale_out"))
+    body = generate_body(sampling_params={"max_tokens": 20, "seed": 7, **params})
+    refused = await tokens_only.post(GENERATE_PATH, json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == message
+    assert (await scale_out.post(GENERATE_PATH, json=body)).status_code == 200
+
+
+async def test_no_stop_strings_or_constraint_is_no_refusal(engines: Engines) -> None:
+    _, client = await engines(engine_config(api="tokens"))
+    body = generate_body(sampling_params={"max_tokens": 5, "stop": [], "structured_outputs": None})
+    assert (await client.post(GENERATE_PATH, json=body)).status_code == 200
+
+
+async def test_an_engine_with_a_tokenizer_stops_at_a_stop_string(engines: Engines) -> None:
+    _, client = await engines(engine_config(api="scale_out"))
+    natural = await _answer(client, {"max_tokens": 200, "seed": 7})
+    assert natural["finish_reason"] == "stop"
+    ids = natural["token_ids"]
+    # A stop string in the middle of the answer: where it first appears in the text.
+    stop = TOKENIZER.decode(ids[len(ids) // 2 : len(ids) // 2 + 1]).strip()
+    cut = next(
+        n for n in range(1, len(ids) + 1)
+        if stop in TOKENIZER.decode(ids[:n], skip_special_tokens=True)
+    )  # fmt: skip
+    stopped = await _answer(client, {"max_tokens": 200, "seed": 7, "stop": [stop]})
+    assert (stopped["token_ids"], stopped["finish_reason"]) == (ids[:cut], "stop")
+    # Not before min_tokens: a stop string completed earlier does not end the answer.
+    later = await _answer(
+        client, {"max_tokens": 200, "seed": 7, "stop": [stop], "min_tokens": cut + 1}
+    )
+    assert len(later["token_ids"]) > cut
+
+
+async def _answer(client: httpx.AsyncClient, params: dict[str, Any]) -> dict[str, Any]:
+    response = await client.post(GENERATE_PATH, json=generate_body(sampling_params=params))
+    assert response.status_code == 200, response.text
+    choice: dict[str, Any] = response.json()["choices"][0]
+    return choice
