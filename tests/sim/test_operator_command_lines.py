@@ -79,7 +79,7 @@ def test_operator_command_lines_are_accepted_by_the_simulator() -> None:
     lines = command_lines()
     assert set(lines) == {"prefill", "decode", "render"}
     assert lines["render"][:3] == ["vllm", "launch", "render"]
-    assert "--tokens-only" in lines["prefill"]
+    assert "--enable-scale-out" in lines["prefill"]  # the default spec.render.engineApi
 
 
 def test_four_stage_request_through_the_operators_pools(pods: dict[str, str]) -> None:

@@ -67,6 +67,43 @@ async def test_max_tokens_defaults_to_the_room_left_in_the_context(
     assert generate["sampling_params"]["max_tokens"] == 4096 - len(generate["token_ids"])
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "constraint"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+         {"json": SCHEMA}),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, {"regex": "[a-z]+"}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         {"json": SCHEMA}),
+    ],
+)  # fmt: skip
+async def test_output_constraints_become_the_sampling_params_structured_outputs(
+    render: httpx.AsyncClient, changes: dict[str, Any], constraint: dict[str, Any] | None
+) -> None:
+    """What a --tokens-only engine refuses (it has no tokenizer to constrain with)."""
+    response = await render.post("/v1/chat/completions/render", json={**CHAT, **changes})
+    assert response.status_code == 200, response.text
+    assert response.json()["sampling_params"]["structured_outputs"] == constraint
+
+
+async def test_a_required_tool_call_is_constrained_to_a_list_of_calls(
+    render: httpx.AsyncClient,
+) -> None:
+    body = {**CHAT, "tool_choice": "required"}
+    params = (await render.post("/v1/chat/completions/render", json=body)).json()["sampling_params"]
+    schema = params["structured_outputs"]["json"]
+    assert (schema["type"], schema["minItems"]) == ("array", 1)
+    [call] = schema["items"]["anyOf"]
+    assert call["properties"]["name"] == {"const": "get_weather"}
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [

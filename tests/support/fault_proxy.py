@@ -1,7 +1,8 @@
 """A loopback proxy in front of a simulated engine or render server that injects a fault into
 the next calls of one path: the stage-level faults the simulators themselves lack (a hang or a
 malformed answer on render and derender, a stream that stalls or carries a malformed event...).
-It forwards everything else as it came, `/abort_requests` included, and records what passed."""
+It forwards everything else as it came, aborts included, and records what passed. With
+`holds_upstream` it stands for a proxy that does not pass a client's disconnect on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.vllm.protocol import ABORT_PATH
+
+ABORT_PATHS = (ABORT_PATH, "/abort_requests")
+"""vLLM's abort endpoints: the scale-out one and the legacy one (--tokens-only only)."""
 # What the proxy's own errors say: an address a gateway must not pass on to its client.
 INJECTED_MESSAGE = "injected failure at http://10.9.8.7:8000 (host decode-7:8000)"
 
@@ -45,10 +50,14 @@ class FaultProxy:
     calls: list[tuple[str, str | None]] = field(default_factory=list)
     """(path, X-Request-Id) of every POST that passed."""
     aborted: list[str] = field(default_factory=list)
-    """Request ids the proxy was told to abort (and passed on)."""
+    """Request ids the proxy was told to abort (and passed on), on either abort path."""
+    holds_upstream: bool = False
+    """Keep a call to the target going when its client leaves (the rest of its answer read
+    and dropped): the engine's work then stops only when it is told to abort."""
     injected: int = 0
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
     _session: aiohttp.ClientSession | None = None
+    _held: set[asyncio.Task[web.StreamResponse]] = field(default_factory=set)
 
     def inject(self, kind: str, path: str, **options: Any) -> None:
         assert kind in FAULTS, kind
@@ -62,6 +71,8 @@ class FaultProxy:
 
     async def _shutdown(self, _: web.Application) -> None:
         self._closing.set()  # hung answers end, so the server can stop
+        for task in list(self._held):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -74,9 +85,30 @@ class FaultProxy:
         return None
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        if not self.holds_upstream:
+            return await self._forward(request)
+        # Shielded: the client's leaving cancels this handler, not the call to the target.
+        task = asyncio.ensure_future(self._forward(request))
+        self._held.add(task)
+        task.add_done_callback(self._done_holding)
+        return await asyncio.shield(task)
+
+    def _done_holding(self, task: asyncio.Task[web.StreamResponse]) -> None:
+        self._held.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a held call that failed has no one to tell
+
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionResetError:
+            if not self.holds_upstream:
+                raise  # the client left: the call to the target ends with it
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         path = request.path
-        if request.method == "POST" and path == "/abort_requests":
+        if request.method == "POST" and path in ABORT_PATHS:
             self.aborted += [str(i) for i in json.loads(body).get("request_ids", [])]
         fault = self._take(path) if request.method == "POST" else None
         if request.method == "POST":
@@ -156,12 +188,12 @@ class FaultProxy:
                     request.transport.close()
                     return response
                 if fault.kind == "malformed":
-                    await response.write(b'data: {"choices": [{"index": 0, "tok\n\n')
+                    await self._write(response, b'data: {"choices": [{"index": 0, "tok\n\n')
                 if fault.kind == "wrong_shape":
-                    await response.write(b'data: {"choices": "surprise"}\n\n')
+                    await self._write(response, b'data: {"choices": "surprise"}\n\n')
             if line.startswith(b"data:"):
                 events += 1
                 if fault is not None and fault.kind == "slow":
                     await asyncio.sleep(self.slow_event_seconds)
-            await response.write(line)
+            await self._write(response, line)
         return response

@@ -32,6 +32,7 @@ from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
+from pdserve.vllm.protocol import AbortRequest
 
 MODEL = "qwen"
 
@@ -40,6 +41,7 @@ def config(
     engine_api: str = "tokens",
     mode: str = "Disaggregated",
     kv_transfer: dict[str, Any] | None = None,
+    tokens_engines: str = "scale_out",
 ) -> GatewayConfig:
     pool = {"service": "x", "port": 8000}
     urls = {"render": "http://render", "prefill": "http://prefill", "decode": "http://decode"}
@@ -47,6 +49,7 @@ def config(
         {
             "model": MODEL,
             "engineApi": engine_api,
+            "tokensEngines": tokens_engines,
             "parityHash": "p1",
             "routing": {"mode": mode, "slo": {}},
             "pools": {"render": pool if engine_api == "tokens" else None, "prefill": pool,
@@ -76,6 +79,8 @@ class FakeStream:
     def __init__(self, lines: list[bytes], *, stall: bool = False) -> None:
         self.status = 200
         self.lines, self.stall = lines, stall
+        self.closed = False
+        """Closed before its end (an OpenAI engine then aborts the request)."""
 
     @property
     def content(self) -> AsyncIterator[bytes]:
@@ -88,6 +93,9 @@ class FakeStream:
         return lines()
 
     def release(self) -> None: ...
+
+    def close(self) -> None:
+        self.closed = True
 
 
 HANG = object()
@@ -109,6 +117,8 @@ class FakeUpstream(UpstreamClient):
         self.stream_stalls = False
         self.calls: list[Call] = []
         self.aborted: list[tuple[str, list[str]]] = []
+        """(URL, request_ids) of every abort posted."""
+        self.streams: list[FakeStream] = []
         self.hanging = asyncio.Event()
         """Set when a call scripted to HANG is under way."""
 
@@ -161,11 +171,13 @@ class FakeUpstream(UpstreamClient):
         lines = self.stream_lines
         lines = lines(copy.deepcopy(dict(body))) if callable(lines) else lines
         stream = FakeStream(lines, stall=self.stream_stalls)
+        self.streams.append(stream)
         return cast(aiohttp.ClientResponse, stream)
 
-    async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
-        if endpoint is not None:
-            self.aborted.append((endpoint.url, request_ids))
+    async def post_abort(
+        self, endpoint: Endpoint, body: AbortRequest, headers: Mapping[str, str]
+    ) -> None:
+        self.aborted.append((endpoint.url, body["request_ids"]))
 
 
 @dataclass
@@ -223,7 +235,10 @@ def rig(
 
 
 def fake_gateway(
-    engine_api: str = "tokens", mode: str = "Disaggregated", **settings: Any
+    engine_api: str = "tokens",
+    mode: str = "Disaggregated",
+    tokens_engines: str = "scale_out",
+    **settings: Any,
 ) -> tuple[Gateway, FakeUpstream]:
     """The whole gateway (intake, error path, routes) on the fake upstream: serve its app()
     with aiohttp's test client."""
@@ -232,7 +247,8 @@ def fake_gateway(
         lambda endpoints, metrics, settings: FakeUpstream(endpoints, metrics, settings),
     ):
         gateway = Gateway(
-            config(engine_api, mode), GatewaySettings(load_scrape_seconds=None, **settings)
+            config(engine_api, mode, tokens_engines=tokens_engines),
+            GatewaySettings(load_scrape_seconds=None, **settings),
         )
     assert isinstance(gateway.upstream, FakeUpstream)
     return gateway, gateway.upstream

@@ -29,7 +29,8 @@ class Scope(StrEnum):
     every_pool = "EveryPool"
     """Every vLLM process: the render pool and every engine (with the model flags)."""
     text = "Text"
-    """Where text is handled: the render pool, or the engines themselves without one."""
+    """Where text is handled: the render pool, and every engine that loads a tokenizer (all but
+    --tokens-only engines)."""
     engines = "Engines"
     """Every engine (prefill and decode): engine-pair invariants."""
 

@@ -3,22 +3,58 @@
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import Field
 
 from pdserve.api.autoscaling import RenderAutoscalingSpec
+from pdserve.api.base import CrossFieldRule, with_rules
 from pdserve.api.common import Quantity
 from pdserve.api.pools import VllmPoolFields
 from pdserve.api.requirements import ResourceRequirements, cpu_cores
+
+
+class EngineApi(StrEnum):
+    """What the engines behind a render pool run."""
+
+    scale_out = "ScaleOut"
+    tokens_only = "TokensOnly"
+
+
+def _tokens_only_needs_render(render: RenderSpec) -> str | None:
+    if render.engine_api is EngineApi.tokens_only and not render.enabled:
+        return (
+            "engineApi TokensOnly needs the render pool (enabled: true): without one the engines "
+            "speak OpenAI and load a tokenizer; set enabled: true, or drop engineApi"
+        )
+    return None
+
+
+TOKENS_ONLY_NEEDS_RENDER = CrossFieldRule(
+    "!has(self.engineApi) || self.engineApi != 'TokensOnly' || !has(self.enabled) || self.enabled",
+    "engineApi TokensOnly needs enabled: true",
+    ".engineApi",
+    _tokens_only_needs_render,
+)
 
 
 class RenderSpec(VllmPoolFields):
     """The CPU render pool (`vllm launch render`): chat templates, tokenizing, reasoning and
     tool-call parsing, for both /render and /derender."""
 
+    model_config = with_rules([TOKENS_ONLY_NEEDS_RENDER])
+
     enabled: bool = True
-    """Run a render pool; engines then run --tokens-only. false: engines speak OpenAI."""
+    """Run a render pool in front of the engines (they then serve vLLM's token-id generate
+    API, as engineApi says). false: the engines speak OpenAI themselves."""
+    engine_api: EngineApi = EngineApi.scale_out
+    """What the engines behind the render pool run. ScaleOut: `vllm serve --enable-scale-out`,
+    which loads the tokenizer (the engines get the text parity flags too) and serves every
+    request: stop strings, structured outputs (response_format json_schema/json_object,
+    structured_outputs) and forced tool calls (tool_choice required or a named function).
+    TokensOnly: `vllm serve --tokens-only`, lighter (no tokenizer), which cannot serve those:
+    the gateway refuses them with a 400 naming the parameter."""
     replicas: Annotated[int, Field(ge=1, le=1000)] = 2
     """Replicas when autoscaling is disabled."""
     workers: Annotated[int, Field(ge=1, le=256)] | None = None

@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
+from pdserve.api.render import EngineApi
 from pdserve.builders.names import child_name, meta, selector_labels
 from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
 from pdserve.contract.names import (
@@ -42,11 +43,18 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
     """What the gateway needs to route: pools, the parity hash pods must carry, policies, SLOs."""
     spec = dm.spec
     kv = spec.kv_transfer
+    # Behind a render pool, what the engines can serve (the gateway refuses what --tokens-only
+    # engines cannot); without one there are no tokens engines to describe.
+    tokens_engines: dict[str, Any] = {}
+    if spec.render.enabled:
+        tokens_only = spec.render.engine_api is EngineApi.tokens_only
+        tokens_engines["tokens_engines"] = "tokens_only" if tokens_only else "scale_out"
     return GatewayConfig(
         model=dm.served_model_name,
         namespace=dm.namespace,
         parity_hash=parity,
         engine_api="tokens" if spec.render.enabled else "openai",
+        **tokens_engines,
         # The engines' KV block size: the gateway hashes prompts in the same blocks to guess
         # which engine holds a prefix.
         block_size=spec.block_size,

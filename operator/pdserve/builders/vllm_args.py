@@ -2,9 +2,9 @@
 (the flags are in docs/reference/crd.md and docs/architecture.md, "Parity").
 
 Text-side parity flags (tokenizer, chat template, parsers) go wherever text is handled: the
-render pool, or the engines themselves when there is no render pool. Engine-pair invariants
-(block size, KV cache dtype) go on every engine. Both come from the parity knobs declared on the
-spec's fields (api/parity.py), in declaration order."""
+render pool, and the engines unless they run --tokens-only (spec.render.engineApi TokensOnly).
+Engine-pair invariants (block size, KV cache dtype) go on every engine. Both come from the parity
+knobs declared on the spec's fields (api/parity.py), in declaration order."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from pdserve.api import PARITY_KNOBS, DisaggregatedModel, EnginePoolSpec
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.api.parity import ParityKnob, Render, Scope
+from pdserve.api.render import EngineApi
 from pdserve.builders.parity import canonical_json
 
 CHAT_TEMPLATE_DIR = "/etc/pdserve/chat-template"
@@ -117,9 +118,14 @@ def engine_args(
 ) -> list[str]:
     """`vllm serve` arguments; role None means aggregated serving (no KV transfer)."""
     args = model_flags(dm, port) + pool_flags(pool) + engine_pair_flags(dm)
-    if dm.spec.render.enabled:
-        args.append("--tokens-only")
+    render = dm.spec.render
+    if render.enabled and render.engine_api is EngineApi.tokens_only:
+        args.append("--tokens-only")  # no tokenizer: text is the render pool's alone
     else:
+        if render.enabled:
+            # The scale-out generate API, on an engine that loads the tokenizer (stop strings,
+            # structured outputs): it handles text too, so it gets the text parity flags.
+            args.append("--enable-scale-out")
         args += text_parity_flags(dm)
     if role is not None:
         args += ["--kv-transfer-config", canonical_json(kv_transfer_config(dm, role))]

@@ -97,11 +97,20 @@ class GatewayConfig(_Model):
     namespace: str = "default"
     parity_hash: str | None = None
     engine_api: Literal["tokens", "openai"] = "tokens"
+    tokens_engines: Literal["scale_out", "tokens_only"] = "scale_out"
+    """What the engines behind a render pool run (engine_api tokens): scale_out (`vllm serve
+    --enable-scale-out`, with a tokenizer: every request) or tokens_only (`--tokens-only`: no
+    stop strings, structured outputs or forced tool calls, which the gateway refuses)."""
     block_size: int = Field(default=16, ge=1)
     routing: Routing = Field(default_factory=Routing)
     pools: Pools
     kv_transfer: KvTransfer = Field(default_factory=KvTransfer)
     endpoints: StaticEndpoints | None = None
+
+    @property
+    def tokens_only_engines(self) -> bool:
+        """The engines load no tokenizer: requests that need one are refused at intake."""
+        return self.engine_api == "tokens" and self.tokens_engines == "tokens_only"
 
 
 def config_text_of(config: GatewayConfig) -> str:

@@ -75,7 +75,7 @@ class Gateway:
         self._scrape_task: asyncio.Task[None] | None = None
         self._peers_task: asyncio.Task[None] | None = None
         self.upstream = UpstreamClient(self.endpoints, self.metrics, s)
-        self.intake = Intake(config.model, s)
+        self.intake = Intake(config.model, s, tokens_only_engines=config.tokens_only_engines)
         self.admission = PrefillAdmission(s.fair_queue)
         # Peers present the peer key when one is set, else the gateway's own API key.
         peer_key = next(iter(s.peer_keys or s.api_keys), None)

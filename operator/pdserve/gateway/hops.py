@@ -100,7 +100,7 @@ class Hops:
         if start_by is None or time.monotonic() < start_by:
             return False
         self.planner.fallback("lease_expiring")
-        await self.upstream.abort(prefill_endpoint, [exchange.request_id])
+        await self.upstream.abort(prefill_endpoint, exchange)
         return True
 
     async def call_prefill(
@@ -151,9 +151,10 @@ class Hops:
         prefill_endpoint: Endpoint | None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """`_decode_once`, and when the client goes away meanwhile, an abort to the decode
-        replica working on it: vLLM's API server takes a closed connection as one, but an
-        engine (or a proxy in front of it) that keeps the work going on is told as well."""
+        """`_decode_once`, and when the client goes away meanwhile, the decode replica working
+        on it stops: cancelling the call closes its connection, which vLLM's API server takes
+        as an abort, and a tokens engine (or a proxy in front of it, which may keep the work
+        going on) is also told so (UpstreamClient.abort)."""
         tried: list[Endpoint] = []  # the replicas called, in order (then the retry's)
         retried: list[Endpoint] = []
         try:
@@ -162,7 +163,7 @@ class Hops:
             )
         except asyncio.CancelledError:
             if called := retried or tried:
-                await asyncio.shield(self.upstream.abort(called[-1], [exchange.request_id]))
+                await asyncio.shield(self.upstream.abort(called[-1], exchange))
             raise
 
     async def _decode_once(
@@ -214,7 +215,7 @@ class Hops:
                 self.planner.fallback("kv_load_failed")
             else:
                 self.upstream.metrics.retries.labels("decode", "upstream_error").inc()
-            await self.upstream.abort(prefill_endpoint, [exchange.request_id])
+            await self.upstream.abort(prefill_endpoint, exchange)
             try:
                 endpoint, answer = await self.upstream.post_json(
                     "decode",

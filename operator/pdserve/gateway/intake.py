@@ -1,5 +1,5 @@
-"""Request intake: the API key (and the peers' key), the body's size, arrival time and shape,
-the headers passed upstream.
+"""Request intake: the API key (and the peers' key), the body's size, arrival time and shape
+(and whether the engines can serve it), the headers passed upstream.
 
 Who may call what, when keys are set (`authorize`, run by `middleware` before every handler):
 `/health` and `/ready` (probes) and `/metrics` (Prometheus, as vLLM's own: counts and latencies
@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.exchange import gateway_request_id
-from pdserve.gateway.openai_schema import InvalidRequest, validate_request
+from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
 from pdserve.gateway.settings import GatewaySettings
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -48,8 +48,13 @@ def bearer_token(request: web.Request) -> bytes | None:
 
 
 class Intake:
-    def __init__(self, model: str, settings: GatewaySettings) -> None:
+    def __init__(
+        self, model: str, settings: GatewaySettings, *, tokens_only_engines: bool = False
+    ) -> None:
+        """`tokens_only_engines`: the model's engines run --tokens-only (GatewayConfig), so
+        requests that need a tokenizer on the engine are refused before any work is spent."""
         self.model, self.settings = model, settings
+        self.tokens_only_engines = tokens_only_engines
         self._api = [_digest(k.encode()) for k in settings.api_keys]
         self._peer = [_digest(k.encode()) for k in settings.peer_keys]
 
@@ -129,16 +134,27 @@ class Intake:
         return body
 
     def check_body(self, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
-        """The body read, checked against the served model, the OpenAI schema and the
-        max-tokens cap; the same dict goes upstream (the cap's default filled in)."""
+        """The body read, checked against the served model, the OpenAI schema, what the
+        engines can serve and the max-tokens cap; the same dict goes upstream (the cap's
+        default filled in)."""
         model = body.get("model")
         if model is not None and model != self.model:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
         body["model"] = self.model
         try:
-            validate_request(body, chat=chat)
+            request = validate_request(body, chat=chat)
         except InvalidRequest as error:
             raise GatewayError(400, error.message, param=error.param) from None
+        if self.tokens_only_engines and (needed := needs_tokenizer(request)) is not None:
+            # The engines would refuse it after a render (and maybe a prefill) was spent on it,
+            # in words about their own flags: say it here, with what the client can do.
+            raise GatewayError(
+                400,
+                f"{needed.param} is not available on this model: its engines run --tokens-only "
+                f"(spec.render.engineApi: TokensOnly), which cannot {needed.task}; "
+                f"{needed.instead}, or set spec.render.engineApi: ScaleOut",
+                param=needed.param,
+            )
         cap = self.settings.max_tokens_cap
         if cap is not None:
             for field in ("max_tokens", "max_completion_tokens"):

@@ -141,6 +141,6 @@ class GatewayMetrics:
         )
         self.aborts = Counter(
             "pdserve_gateway_upstream_aborts",
-            "abort_requests sent after a client went away",
+            "Aborts posted to tokens engines after a client went away or a stream broke",
             registry=r,
         )

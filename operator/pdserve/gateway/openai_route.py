@@ -94,7 +94,8 @@ class OpenAIRoute:
         """Pass decode's events through. The stream ends with every choice's finish_reason, or
         with an error event (decode's own, or the gateway's when decode broke, went quiet past
         the idle timeout or the deadline, sent a malformed event or `[DONE]` before a
-        finish_reason; decode is then told to abort); `[DONE]` either way."""
+        finish_reason; the connection to decode is then closed, which aborts its work);
+        `[DONE]` either way."""
         s = self.upstream.settings
         deadline = self.upstream.deadline(ex.started)
         try:
@@ -181,11 +182,13 @@ class OpenAIRoute:
                     )
                 await writer.done()
             except (ConnectionResetError, asyncio.CancelledError):
-                await asyncio.shield(self.upstream.abort(endpoint, [ex.request_id]))
+                # The client went away. A plain `vllm serve` has no abort endpoint: closing
+                # the connection is what aborts its request.
+                upstream.close()
                 raise
             if not complete:
-                # Decode may still be generating (a stalled stream): stop it.
-                await asyncio.shield(self.upstream.abort(endpoint, [ex.request_id]))
+                # Decode may still be generating (a stalled stream): stop it the same way.
+                upstream.close()
             return response
         finally:
             upstream.release()

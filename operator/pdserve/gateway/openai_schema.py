@@ -163,6 +163,8 @@ class Sampling(_Body):
     ] = None
     """vLLM."""
     response_format: Annotated[ResponseFormat | None, Expected("an object with a type")] = None
+    structured_outputs: Object = None
+    """vLLM: a constraint on the output (json, regex, choice, grammar, structural_tag...)."""
     priority: Annotated[StrictInt | None, Expected("an integer")] = None
     """vLLM's priority scheduling."""
     conversation_id: Annotated[StrictStr | StrictInt | None, Expected("a string")] = None
@@ -246,6 +248,49 @@ def logprobs_asked(body: dict[str, Any], *, chat: bool) -> str | None:
         return "logprobs"
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
+    return None
+
+
+STRUCTURED_FORMATS = frozenset({"json_schema", "json_object", "structural_tag"})
+"""response_format types vLLM serves with structured outputs (`text` is none)."""
+GUIDED_PARAMS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""vLLM's older structured-output parameters: read as extras (vLLM versions differ on them,
+so their values are not checked here), only for whether they are set."""
+
+
+@dataclass(frozen=True)
+class NeedsTokenizer:
+    """A parameter only an engine with a tokenizer serves (a `--tokens-only` engine refuses
+    it): what the engine would have to do for it, and what a client can send instead."""
+
+    param: str
+    task: str
+    instead: str
+
+
+def needs_tokenizer(request: ChatRequest | CompletionRequest) -> NeedsTokenizer | None:
+    """The first parameter of a (valid) request that needs the engine to detokenize (stop
+    strings) or to constrain its output (structured outputs, which vLLM's render also makes of
+    a forced tool call); None when a tokens-only engine serves it whole."""
+    if request.stop is not None and request.stop != []:
+        return NeedsTokenizer("stop", "apply stop strings", "use stop_token_ids")
+    structured = "apply structured outputs (they need a tokenizer)"
+    if request.response_format is not None and request.response_format.type in STRUCTURED_FORMATS:
+        return NeedsTokenizer("response_format", structured, 'use response_format type "text"')
+    if request.structured_outputs is not None:
+        return NeedsTokenizer("structured_outputs", structured, "drop structured_outputs")
+    extra = request.model_extra or {}
+    for param in GUIDED_PARAMS:
+        if extra.get(param) is not None:
+            return NeedsTokenizer(param, structured, f"drop {param}")
+    if isinstance(request, ChatRequest) and (
+        request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
+    ):
+        return NeedsTokenizer(
+            "tool_choice",
+            "force a tool call (vLLM forces one with structured outputs, which need a tokenizer)",
+            'use tool_choice "auto"',
+        )
     return None
 
 

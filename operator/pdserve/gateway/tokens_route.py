@@ -249,7 +249,7 @@ class TokensRoute:
                 status = 502
                 if attempt_kv is not None and "KV transfer" in message:
                     self.planner.fallback("kv_load_failed")
-                    await self.upstream.abort(prefill_endpoint, [ex.request_id])
+                    await self.upstream.abort(prefill_endpoint, ex)
                     kv_failed.append(endpoint)
                     break  # next attempt: local prefill
                 tried.append(endpoint)
@@ -402,16 +402,16 @@ class TokensRoute:
                 # The client went away: stop the engines working for it.
                 for pipeline in pipelines.values():
                     pipeline.cancel()
-                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
+                await asyncio.shield(self.upstream.abort(decode, ex))
                 raise
             except Exception:
                 # Anything else broke the stream (app.py's error path reports it on the
                 # stream): stop the derender calls and the engine's work for it too.
                 for pipeline in pipelines.values():
                     pipeline.cancel()
-                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
+                await asyncio.shield(self.upstream.abort(decode, ex))
                 raise
             if not finished:
                 # Decode may still be generating (a stalled stream): stop it.
-                await asyncio.shield(self.upstream.abort(decode, [ex.request_id]))
+                await asyncio.shield(self.upstream.abort(decode, ex))
             return response

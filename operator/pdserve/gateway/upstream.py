@@ -17,9 +17,10 @@ import aiohttp
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.errors import GatewayError, LeaseExpiring, UpstreamFailed, upstream_message
+from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.settings import GatewaySettings
-from pdserve.vllm.protocol import abort_body
+from pdserve.vllm.protocol import ABORT_PATH, AbortRequest, abort_body
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -202,14 +203,30 @@ class UpstreamClient:
             )
         raise UpstreamFailed(stage, last, timed_out=timed_out)
 
-    async def abort(self, endpoint: Endpoint | None, request_ids: list[str]) -> None:
-        if endpoint is None:
+    async def abort(self, endpoint: Endpoint | None, exchange: Exchange) -> None:
+        """Stop the work `endpoint` does for a tokens-route exchange: POST vLLM's
+        /inference/v1/abort_requests with the engine's name of the request, the exchange's
+        headers along (the client's credentials, when the gateway passes them on: --api-key
+        guards /inference). OpenAI engines (plain `vllm serve`) have no abort endpoint: they
+        stop when the request's connection closes, which the caller's closing of the response
+        (or cancelling of the call) does, so nothing is posted to them."""
+        if endpoint is None or not exchange.tokens_api:
             return
         self.metrics.aborts.inc()
+        # The engine named the request after the X-Request-Id it was sent (else the body's
+        # request_id, which is the same id): name it the same way.
+        sent_as = exchange.headers.get("X-Request-Id") or exchange.request_id
+        await self.post_abort(endpoint, abort_body(sent_as), exchange.headers)
+
+    async def post_abort(
+        self, endpoint: Endpoint, body: AbortRequest, headers: Mapping[str, str]
+    ) -> None:
+        """Best effort: an engine that does not answer is not waited on for long."""
         with suppress(aiohttp.ClientError, asyncio.TimeoutError):
             async with self.session.post(
-                f"{endpoint.url}/abort_requests",
-                json=abort_body(request_ids),
+                f"{endpoint.url}{ABORT_PATH}",
+                json=body,
+                headers=dict(headers),
                 timeout=aiohttp.ClientTimeout(total=5.0),
             ) as response:
                 await response.read()

@@ -1,7 +1,7 @@
 """`pdserve sim render|engine|vllm ...`: run a simulated vLLM server.
 
 The simulators take vLLM's own flags, so the exact command lines pdserve's operator builds work
-unchanged: `pdserve sim vllm serve MODEL --tokens-only --kv-transfer-config ...` and
+unchanged: `pdserve sim vllm serve MODEL --enable-scale-out --kv-transfer-config ...` and
 `pdserve sim vllm launch render MODEL ...` (the simulator image installs this as `vllm`).
 vLLM flags the simulator has no use for are accepted and listed on startup."""
 
@@ -26,6 +26,8 @@ from pdserve.sim.render_server import RenderConfig, RenderServer
 
 log = logging.getLogger("pdserve.sim")
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+ENGINE_APIS = {"--tokens-only": "tokens", "--enable-scale-out": "scale_out", "": "openai"}
+"""vLLM's flag -> the simulated engine's API (EngineConfig.api)."""
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -61,7 +63,14 @@ def render_parser() -> argparse.ArgumentParser:
 def engine_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve sim engine", add_help=True)
     _common(parser)
-    parser.add_argument("--tokens-only", action="store_true", help="serve token ids only")
+    parser.add_argument(
+        "--tokens-only", action="store_true", help="the generate API only, no tokenizer"
+    )
+    parser.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="the generate API besides the OpenAI routes, with a tokenizer",
+    )
     parser.add_argument("--kv-transfer-config", type=_json_object)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -81,8 +90,9 @@ def engine_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--api",
-        choices=["tokens", "openai"],
-        help="tokens (= --tokens-only) or openai; default: openai unless --tokens-only",
+        choices=list(ENGINE_APIS.values()),
+        help="tokens (= --tokens-only), scale_out (= --enable-scale-out) or openai (plain "
+        "vllm serve); default: from those flags, openai without either",
     )
     # Env defaults let a pod running the operator's exact vLLM command line be tuned.
     sim.add_argument(
@@ -144,6 +154,13 @@ def _render_config(args: argparse.Namespace) -> RenderConfig:
     )
 
 
+def _api_of_flags(args: argparse.Namespace) -> str:
+    # --tokens-only registers the scale-out API too: with both, no tokenizer still wins.
+    if args.tokens_only:
+        return ENGINE_APIS["--tokens-only"]
+    return ENGINE_APIS["--enable-scale-out" if args.enable_scale_out else ""]
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     kv = args.kv_transfer_config or {}
     role = args.role or ROLES.get(kv.get("kv_role", "kv_both"))
@@ -156,7 +173,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         role=role,
-        api=args.api or ("tokens" if args.tokens_only else "openai"),
+        api=args.api or _api_of_flags(args),
         max_model_len=args.max_model_len,
         advertise_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
         port=args.port,

@@ -31,7 +31,9 @@ class EngineConfig:
     model: str = "sim-model"
     served_model_name: str | None = None
     role: str = "both"  # prefill | decode | both
-    api: str = "tokens"  # tokens (--tokens-only) | openai
+    api: str = "tokens"
+    """tokens (`--tokens-only`: the generate API, no tokenizer), scale_out (`--enable-scale-out`:
+    the generate API and the OpenAI routes, with a tokenizer) or openai (plain `vllm serve`)."""
     max_model_len: int = 32768
     advertise_host: str = "127.0.0.1"
     port: int = 8000
@@ -44,6 +46,16 @@ class EngineConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def generate_api(self) -> bool:
+        """Serves /inference/v1/generate and /inference/v1/abort_requests."""
+        return self.api in ("tokens", "scale_out")
+
+    @property
+    def detokenizes(self) -> bool:
+        """Loads a tokenizer: stop strings and structured outputs are served."""
+        return self.api != "tokens"
 
 
 @dataclass

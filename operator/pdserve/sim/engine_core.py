@@ -60,6 +60,8 @@ class Sequence:
     last_token_at: float | None = None
     cached_tokens: int = 0
     sim_times: list[float] = field(default_factory=list)  # simulated time of each token
+    parent_id: str | None = None
+    """With n > 1: the request's id (each choice's sequence adds its index to it)."""
 
     @property
     def prefilled(self) -> bool:
@@ -113,14 +115,17 @@ class EngineCore:
         self._wake.set()
 
     def abort(self, request_id: str) -> bool:
+        """Abort one sequence, or by the request's id every choice of it, as vLLM aborts a
+        parent request; False when none is waiting or running."""
+        found = False
         for pool in (self.waiting, self.running):
-            for seq in pool:
-                if seq.request_id == request_id:
+            for seq in list(pool):
+                if request_id in (seq.request_id, seq.parent_id):
                     pool.remove(seq)
                     seq.state = State.finished
                     seq.queue.put_nowait((None, "abort"))
-                    return True
-        return False
+                    found = True
+        return found
 
     # ---- accounting ----------------------------------------------------------------------------
     def blocks_in_use(self) -> int:

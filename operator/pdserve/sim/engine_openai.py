@@ -1,7 +1,7 @@
-"""The simulated engine's OpenAI API (`vllm serve` without --tokens-only, for deployments without
-a render pool): /v1/chat/completions and /v1/completions, rendered and derendered in process by
-the render server's own code, with derender's gaps closed as `vllm serve` has none of them
-(pdserve/vllm/derender_gaps.py)."""
+"""The simulated engine's OpenAI API (`vllm serve` without --tokens-only: deployments without a
+render pool, and --enable-scale-out engines): /v1/chat/completions and /v1/completions, rendered
+and derendered in process by the render server's own code, with derender's gaps closed as
+`vllm serve` has none of them (pdserve/vllm/derender_gaps.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ class OpenAIApi:
             prompt_ids = rendered["token_ids"]
             params = rendered["sampling_params"]
             kv_params = body.get("kv_transfer_params")
-            request_id = request.headers.get("X-Request-Id") or rendered["request_id"]
+            # vLLM's name for it: the header's id (else its own) behind the endpoint's prefix.
+            own = request.headers.get("X-Request-Id")
+            prefix = "chatcmpl" if chat else "cmpl"
+            request_id = f"{prefix}-{own}" if own else rendered["request_id"]
             sequences, remote_decode = await self.requests.start(
                 request_id, prompt_ids, params, kv_params
             )

@@ -34,6 +34,36 @@ class EngineRequests:
     def plan(
         self, prompt_ids: list[int], params: Mapping[str, Any], index: int
     ) -> tuple[list[int], str]:
+        """What the model says and how it finishes: its natural answer cut to the length
+        asked, or, on an engine that detokenizes, at the first stop string."""
+        output, finish = self._planned(prompt_ids, params, index)
+        if self.config.detokenizes and (cut := self.stop_string_cut(output, params)) is not None:
+            return output[:cut], "stop"
+        return output, finish
+
+    def stop_string_cut(self, output: list[int], params: Mapping[str, Any]) -> int | None:
+        """How many of `output`'s tokens come before a stop string ends the answer (the token
+        that completes it included: vLLM cuts the string from the text, not the tokens); None
+        when none appears. As vLLM checks: on the text as skip_special_tokens detokenizes it,
+        and not before min_tokens tokens."""
+        stops = params.get("stop") or []
+        wanted = [s.encode() for s in ([stops] if isinstance(stops, str) else stops) if s]
+        if not wanted:
+            return None
+        skip = bool(params.get("skip_special_tokens", True))
+        minimum = int(params.get("min_tokens") or 0)
+        text = bytearray()
+        for count, token in enumerate(output, 1):
+            before = len(text)
+            text += self.tokenizer.token_bytes(token, skip_special_tokens=skip)
+            # Only a stop string this token completes (one ending in its bytes) counts now.
+            if count >= minimum and any(w in text[max(0, before - len(w) + 1) :] for w in wanted):
+                return count
+        return None
+
+    def _planned(
+        self, prompt_ids: list[int], params: Mapping[str, Any], index: int
+    ) -> tuple[list[int], str]:
         max_tokens = params.get("max_tokens")
         if max_tokens is None:
             max_tokens = self.config.max_model_len - len(prompt_ids)
@@ -142,6 +172,7 @@ class EngineRequests:
                 output, finish = output[:1], "length"
             seq = Sequence(
                 request_id=request_id if n == 1 else f"{request_id}-{index}",
+                parent_id=None if n == 1 else request_id,
                 prompt_ids=prompt_ids,
                 output_ids=output,
                 finish_reason=finish,

@@ -1,5 +1,6 @@
-"""Simulated `vllm serve [--tokens-only]`: /inference/v1/generate, /abort_requests, the OpenAI
-routes, vLLM's metrics, and the prefill -> decode KV handoff with kv_transfer_params.
+"""Simulated `vllm serve [--tokens-only | --enable-scale-out]`: /inference/v1/generate and
+/inference/v1/abort_requests (the scale-out API), the OpenAI routes, vLLM's metrics, and the
+prefill -> decode KV handoff with kv_transfer_params.
 
 The KV "transfer" is an HTTP pull from the producer (our stand-in for NIXL): the producer holds
 a finished prefill's blocks for the lease, the consumer pulls them (unknown or expired blocks are
@@ -30,6 +31,7 @@ from pdserve.sim.http import HttpError, error_response, health, metrics_response
 from pdserve.sim.kv_transfer import HeldBlocks, KvTransfer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm.protocol import ABORT_PATH, GENERATE_PATH
 
 
 class EngineServer:
@@ -90,16 +92,22 @@ class EngineServer:
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._stop)
-        app.router.add_post("/inference/v1/generate", self.tokens_api.generate)
-        app.router.add_post("/abort_requests", self.tokens_api.abort_requests)
+        # As vLLM registers them: the scale-out API with --tokens-only or --enable-scale-out
+        # (the legacy unauthenticated /abort_requests only with --tokens-only), the OpenAI
+        # routes wherever a tokenizer is loaded; plain `vllm serve` has no abort endpoint.
+        if self.config.generate_api:
+            app.router.add_post(GENERATE_PATH, self.tokens_api.generate)
+            app.router.add_post(ABORT_PATH, self.tokens_api.abort_requests)
+        if self.config.api == "tokens":
+            app.router.add_post("/abort_requests", self.tokens_api.abort_requests)
+        if self.config.detokenizes:
+            app.router.add_post("/v1/chat/completions", self.openai_api.openai_chat)
+            app.router.add_post("/v1/completions", self.openai_api.openai_completions)
         app.router.add_post("/sim/kv/pull", self.kv.kv_pull)
         app.router.add_post("/sim/faults", self.set_faults)
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", self.render.models)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        if self.config.api == "openai":
-            app.router.add_post("/v1/chat/completions", self.openai_api.openai_chat)
-            app.router.add_post("/v1/completions", self.openai_api.openai_completions)
         return app
 
     async def _start(self, _: web.Application) -> None:

@@ -1,11 +1,15 @@
-"""The simulated engine's token-id API (`vllm serve --tokens-only`): POST /inference/v1/generate,
-streamed or not, handing KV to a peer through kv_transfer_params, and POST /abort_requests."""
+"""The simulated engine's token-id API (vLLM's scale-out API, `vllm serve --tokens-only` or
+`--enable-scale-out`): POST /inference/v1/generate, streamed or not, handing KV to a peer through
+kv_transfer_params, and POST /inference/v1/abort_requests. Requests are named as vLLM names
+them (`generate-tokens-<id>`), and aborts go by that name; without a tokenizer (--tokens-only),
+stop strings and structured outputs are refused as vLLM refuses them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -13,7 +17,7 @@ from aiohttp import web
 from pdserve.sim.engine_core import Sequence
 from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
-from pdserve.vllm.protocol import usage
+from pdserve.vllm.protocol import generate_request_id, usage
 
 
 class TokensApi:
@@ -28,9 +32,11 @@ class TokensApi:
             params = dict(body.get("sampling_params") or {})
             extra = params.get("extra_args") or {}
             kv_params = body.get("kv_transfer_params") or extra.get("kv_transfer_params")
-            request_id = (
+            request_id = generate_request_id(
                 request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
             )
+            if not self.config.detokenizes:
+                refuse_what_needs_a_tokenizer(params)
             sequences, remote_decode = await self.requests.start(
                 request_id, prompt_ids, params, kv_params
             )
@@ -112,13 +118,14 @@ class TokensApi:
                     index = pending.pop(future)
                     token, finish = future.result()
                     if token is not None or finish is not None:
+                        # A finish without a token (an abort) is sent too, as vLLM sends it.
                         event: dict[str, Any] = {
                             "request_id": request_id,
                             "choices": [
                                 {
                                     "index": index,
                                     "token_ids": [] if token is None else [token],
-                                    "finish_reason": None if finish == "abort" else finish,
+                                    "finish_reason": finish,
                                     "logprobs": None,
                                 }
                             ],
@@ -127,9 +134,8 @@ class TokensApi:
                             seq_times = sequences[index].sim_times
                             event["sim_time"] = seq_times[min(counts[index], len(seq_times) - 1)]
                             counts[index] += 1
-                        if token is not None or finish not in (None, "abort"):
-                            await response.write(sse_event(event))
-                            sent += 1
+                        await response.write(sse_event(event))
+                        sent += 1
                     if drop_after is not None and sent >= drop_after:
                         self.requests.abort(sequences)
                         request.transport and request.transport.close()  # type: ignore[func-returns-value]
@@ -153,12 +159,37 @@ class TokensApi:
         return response
 
     async def abort_requests(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
+        """Abort requests by the engine's names for them (`generate-tokens-<id>`): an id the
+        engine does not know, the bare <id> among them, aborts nothing."""
+        try:
+            body = await read_json(request)
+        except HttpError as error:
+            return error_response(error.status, error.message)
         ids = body.get("request_ids")
         if not isinstance(ids, list):
-            return error_response(400, "request_ids must be a list", "request_ids")
+            return error_response(400, "Missing 'request_ids' in request body", "request_ids")
         for request_id in ids:
             request_id = str(request_id)
             self.requests.core.abort(request_id)
             self.kv.release(request_id)  # a producer's lease ends with the request
-        return web.json_response({})
+        return web.Response(status=200)  # vLLM's answer: no body
+
+
+# vLLM's own words (a client behind a gateway that does not check first would see them).
+STOP_NEEDS_DETOKENIZER = (
+    "stop strings are not supported on a --tokens-only server because detokenization is "
+    "disabled. Check stop strings on the coordinator, or use stop_token_ids."
+)
+STRUCTURED_NEEDS_TOKENIZER = (
+    "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+)
+
+
+def refuse_what_needs_a_tokenizer(params: Mapping[str, Any]) -> None:
+    """A --tokens-only engine's refusals: stop strings (vLLM normalizes a string to a list of
+    it, so even "" is one) and structured outputs."""
+    stop = params.get("stop")
+    if stop is not None and stop != []:
+        raise HttpError(400, STOP_NEEDS_DETOKENIZER)
+    if params.get("structured_outputs") is not None:
+        raise HttpError(400, STRUCTURED_NEEDS_TOKENIZER)

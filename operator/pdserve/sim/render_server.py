@@ -6,6 +6,7 @@ the CPU cost of per-token derender calls is real and shows in the parser-load me
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -45,6 +46,55 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True,
     "include_stop_str_in_output": False,
 }
+
+
+LEGACY_CONSTRAINTS = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # fmt: skip
+
+
+def structured_outputs(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The output constraint vLLM's render puts in the sampling params (None: none): from
+    structured_outputs, response_format (json_schema, json_object, structural_tag), the older
+    guided_* parameters, and a forced tool call (tool_choice required or a named function),
+    which vLLM forces with the JSON schema of the call."""
+    constraint: dict[str, Any] = dict(body.get("structured_outputs") or {})
+    response_format = body.get("response_format")
+    fmt: Mapping[str, Any] = response_format if isinstance(response_format, Mapping) else {}
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        constraint["json"] = (fmt.get("json_schema") or {}).get("schema") or {}
+    elif kind == "json_object":
+        constraint["json_object"] = True
+    elif kind == "structural_tag":
+        constraint["structural_tag"] = json.dumps(fmt)
+    for legacy, key in LEGACY_CONSTRAINTS.items():
+        if body.get(legacy) is not None:
+            constraint[key] = body[legacy]
+    choice = body.get("tool_choice")
+    if choice == "required" or isinstance(choice, Mapping):
+        constraint["json"] = tool_call_schema(body.get("tools") or [], choice)
+    return constraint or None
+
+
+def tool_call_schema(tools: list[Any], choice: Any) -> dict[str, Any]:
+    """The JSON schema of a forced call: the named function's arguments, or (required) a
+    non-empty list of calls to any of the tools."""
+    functions = [t.get("function") or {} for t in tools if isinstance(t, Mapping)]
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        named = next((f for f in functions if f.get("name") == name), {})
+        return dict(named.get("parameters") or {})
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.get("name")}, "parameters": f.get("parameters")},
+            "required": ["name", "parameters"],
+        }
+        for f in functions
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
 @dataclass
@@ -170,6 +220,7 @@ class RenderServer:
         if isinstance(params["stop"], str):
             params["stop"] = [params["stop"]]
         params["max_tokens"] = limit
+        params["structured_outputs"] = structured_outputs(body)
         extra: dict[str, Any] = dict(body.get("vllm_xargs") or {})
         if body.get("kv_transfer_params") is not None:
             extra["kv_transfer_params"] = body["kv_transfer_params"]

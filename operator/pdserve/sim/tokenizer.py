@@ -75,18 +75,20 @@ class SimTokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         out = bytearray()
         for token in ids:
-            if token < 0 or token >= self.vocab_size:
-                raise ValueError(
-                    f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})"
-                )
-            if token < BYTE_OFFSET:
-                if not skip_special_tokens:
-                    out += SPECIAL_TOKENS[token].encode()
-            elif token < WORD_OFFSET:
-                out.append(token - BYTE_OFFSET)
-            else:
-                out += self._pieces[token - WORD_OFFSET].encode()
+            out += self.token_bytes(token, skip_special_tokens=skip_special_tokens)
         return out.decode(errors="replace")
+
+    def token_bytes(self, token: int, *, skip_special_tokens: bool = False) -> bytes:
+        """The UTF-8 bytes one token adds to the text (a character may span byte tokens)."""
+        if token < 0 or token >= self.vocab_size:
+            raise ValueError(
+                f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if token < BYTE_OFFSET:
+            return b"" if skip_special_tokens else SPECIAL_TOKENS[token].encode()
+        if token < WORD_OFFSET:
+            return bytes([token - BYTE_OFFSET])
+        return self._pieces[token - WORD_OFFSET].encode()
 
     def word_ids(self) -> list[int]:
         """Ids of whole words with a leading space: what generated text is made of."""

@@ -10,6 +10,17 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+"""vLLM's scale-out abort: served by `--tokens-only` and `--enable-scale-out` engines alike, and
+guarded by --api-key like the rest of /inference (the legacy `/abort_requests` is served only by
+--tokens-only engines, without the key)."""
+
+
+def generate_request_id(request_id: str) -> str:
+    """What a generate request is called on the engine: /inference/v1/generate names its work
+    `generate-tokens-<id>`, <id> being the X-Request-Id header when one is sent, else the body's
+    request_id. An abort must name that: the bare id aborts nothing."""
+    return f"generate-tokens-{request_id}"
 
 
 def prefill_handoff_params() -> dict[str, Any]:
@@ -229,5 +240,6 @@ class AbortRequest(TypedDict):
     request_ids: list[str]
 
 
-def abort_body(request_ids: list[str]) -> AbortRequest:
-    return {"request_ids": request_ids}
+def abort_body(request_id: str) -> AbortRequest:
+    """The abort of the generate request sent as `request_id` (its X-Request-Id)."""
+    return {"request_ids": [generate_request_id(request_id)]}

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdserve.sim.engine_config import TransferConfig
+from pdserve.vllm.protocol import ABORT_PATH, abort_body
 from tests.support.sim_engine import (
     FAST,
     PROMPT,
@@ -62,7 +65,7 @@ async def test_blocks_are_pulled_once_and_fail_policy_errors(engines: Engines) -
     )
     assert again.status_code == 500
     message = again.json()["error"]["message"]
-    assert "no KV blocks held for request req-1" in message
+    assert "no KV blocks held for request generate-tokens-req-1" in message  # vLLM's name
     assert "kv_load_failure_policy=fail" in message
     assert "vllm:nixl_num_failed_transfers_total" in (await decode.get("/metrics")).text
 
@@ -89,12 +92,16 @@ async def test_expired_lease_is_refused_and_counted(engines: Engines) -> None:
     assert producer.core.held_blocks == 0
 
 
-async def test_abort_releases_a_producers_lease(engines: Engines) -> None:
-    producer, prefill = await engines(engine_config("prefill"))
+@pytest.mark.parametrize("api", ["tokens", "scale_out"])
+async def test_abort_releases_a_producers_lease(engines: Engines, api: str) -> None:
+    producer, prefill = await engines(engine_config("prefill", api=api))
     handoff = {"do_remote_decode": True}
     await prefill.post("/inference/v1/generate", json=generate_body(kv_transfer_params=handoff))
-    assert producer.core.held_blocks > 0
-    await prefill.post("/abort_requests", json={"request_ids": ["req-1"]})
+    held = producer.core.held_blocks
+    assert held > 0
+    await prefill.post(ABORT_PATH, json={"request_ids": ["req-1"]})  # not the engine's name
+    assert producer.core.held_blocks == held
+    await prefill.post(ABORT_PATH, json=abort_body("req-1"))
     assert producer.core.held_blocks == 0
 
 

@@ -17,6 +17,7 @@ from pdserve.api.crd import build_crd, structural_schema
 from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
 from pdserve.api.placement import PlacementSpec
+from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
 from pdserve.api.spec import DisaggregatedModelSpec
 from tests.support.cel import apply_defaults, evaluate
@@ -32,6 +33,7 @@ CPU_BLOCK = (
 )
 MODEL = {"model": {"name": "m"}}
 CPU = {"placement": {"acceleratorResource": ""}}
+TOKENS_ONLY = "engineApi TokensOnly needs enabled: true"
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -79,6 +81,11 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (KvTransferSpec, {"kvBufferDevice": "cpu", "connector": "MooncakeConnector"}, None),
     (KvTransferSpec, {"decodeBlocksTtlSeconds": 600}, DECODE_TTL),
     (KvTransferSpec, {"bidirectional": False, "decodeBlocksTtlSeconds": 600}, DECODE_TTL),
+    (RenderSpec, {}, None),
+    (RenderSpec, {"engineApi": "TokensOnly"}, None),
+    (RenderSpec, {"enabled": False, "engineApi": "ScaleOut"}, None),
+    (RenderSpec, {"enabled": False}, None),
+    (RenderSpec, {"enabled": False, "engineApi": "TokensOnly"}, TOKENS_ONLY),
     (PlacementSpec, {}, None),
     (PlacementSpec, {"slices": 1}, None),
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
@@ -144,7 +151,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 10
+    assert len(rules) == 11
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

@@ -127,9 +127,13 @@ def test_refused_in_every_pools_extra_args_or_env(knob: ParityKnob, pool: str) -
 
 
 @pytest.mark.parametrize("knob", PARITY_KNOBS, ids=IDS)
-@pytest.mark.parametrize("render", [True, False])
-def test_emitted_into_the_pools_its_scope_names(knob: ParityKnob, render: bool) -> None:
-    pools = workloads(model(render={"enabled": render}))
+@pytest.mark.parametrize("engine_api", ["ScaleOut", "TokensOnly", None], ids=str)
+def test_emitted_into_the_pools_its_scope_names(knob: ParityKnob, engine_api: str | None) -> None:
+    """None: no render pool. Text flags go to every pool that loads a tokenizer: all but
+    --tokens-only engines."""
+    render = engine_api is not None
+    spec = {"enabled": True, "engineApi": engine_api} if render else {"enabled": False}
+    pools = workloads(model(render=spec))
     assert set(pools) == {"prefill", "decode", *(["render"] if render else [])}
     for pool, container in pools.items():
         if knob.env is not None:
@@ -141,7 +145,7 @@ def test_emitted_into_the_pools_its_scope_names(knob: ParityKnob, render: bool) 
         wanted = (
             scope is Scope.every_pool
             or (scope is Scope.engines and pool != "render")
-            or (scope is Scope.text and (pool == "render" or not render))
+            or (scope is Scope.text and (pool == "render" or engine_api != "TokensOnly"))
         )
         assert flags.count(knob.flag) == (1 if wanted else 0), (pool, container["args"])
         if wanted and knob.parity.render is not Render.switch:

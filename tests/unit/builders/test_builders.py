@@ -83,7 +83,7 @@ def test_every_pod_carries_one_parity_hash_and_selectors_match(path: Path) -> No
             assert selector.items() <= template["metadata"]["labels"].items()
 
 
-def test_render_plus_1p1d_wires_tokens_only_engines_and_nixl() -> None:
+def test_render_plus_1p1d_wires_scale_out_engines_and_nixl() -> None:
     dm = example("qwen2.5-7b-pd")
     objs = objects_by_key(dm)
     prefill, decode = (
@@ -94,8 +94,11 @@ def test_render_plus_1p1d_wires_tokens_only_engines_and_nixl() -> None:
 
     for engine, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
         args = container(engine)["args"]
-        assert "--tokens-only" in args
-        assert "--tool-call-parser" not in args  # text parity lives in the render pool
+        # The default engineApi, ScaleOut: the engines load the tokenizer, so they get the
+        # text parity flags the render pool has.
+        assert "--enable-scale-out" in args
+        assert "--tokens-only" not in args
+        assert flag_value(args, "--tool-call-parser") == "hermes"
         assert json.loads(flag_value(args, "--kv-transfer-config")) == {
             "kv_connector": "NixlConnector", "kv_role": role,
             "kv_load_failure_policy": "recompute",
@@ -135,6 +138,7 @@ def test_pd_without_render_runs_openai_engines_with_the_parity_flags() -> None:
     assert objs[("StatefulSet", "llama-8b-pd-prefill")]["spec"]["replicas"] == 2
     routing = json.loads(objs[("ConfigMap", "llama-8b-pd-gateway")]["data"]["routing.json"])
     assert routing["engineApi"] == "openai"
+    assert "tokensEngines" not in routing  # no engines behind a render pool to describe
     assert routing["pools"]["render"] is None
     assert routing["routing"]["mode"] == "Disaggregated"
 
@@ -145,7 +149,11 @@ def test_render_with_one_tokens_only_pool_is_aggregated() -> None:
     assert ("StatefulSet", "qwen3-8b-prefill") not in objs
     decode_args = container(objs[("StatefulSet", "qwen3-8b-decode")])["args"]
     assert "--kv-transfer-config" not in decode_args
-    assert "--tokens-only" in decode_args
+    assert "--tokens-only" in decode_args  # engineApi: TokensOnly
+    assert "--enable-scale-out" not in decode_args
+    assert "--reasoning-parser" not in decode_args  # no tokenizer: text is the render pool's
+    routing = json.loads(objs[("ConfigMap", "qwen3-8b-gateway")]["data"]["routing.json"])
+    assert (routing["engineApi"], routing["tokensEngines"]) == ("tokens", "tokens_only")
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env_of(objs[("StatefulSet", "qwen3-8b-decode")])
     render = objs[("Deployment", "qwen3-8b-render")]
     assert render["spec"]["replicas"] == 2
@@ -213,6 +221,38 @@ def with_spec(**changes: Any) -> DisaggregatedModel:
     return parse_resource(body)
 
 
+@pytest.mark.parametrize(
+    ("engine_api", "flag", "text_flags", "tokens_engines"),
+    [
+        (None, "--enable-scale-out", True, "scale_out"),
+        ("ScaleOut", "--enable-scale-out", True, "scale_out"),
+        ("TokensOnly", "--tokens-only", False, "tokens_only"),
+    ],
+)
+def test_engines_behind_a_render_pool_run_what_engine_api_says(
+    engine_api: str | None, flag: str, text_flags: bool, tokens_engines: str
+) -> None:
+    serving = {"toolCallParser": "hermes", "chatTemplate": {"name": "tpl", "key": "t.jinja"}}
+    render = {} if engine_api is None else {"engineApi": engine_api}
+    dm = with_spec(serving=serving, render=render)
+    objs = objects_by_key(dm)
+    for pool in ("prefill", "decode"):
+        args = container(objs[("StatefulSet", f"m-{pool}")])["args"]
+        other = {"--enable-scale-out", "--tokens-only"} - {flag}
+        assert flag in args
+        assert not other & set(args)
+        assert ("--tool-call-parser" in args) is text_flags
+        assert ("--chat-template" in args) is text_flags
+    routing = json.loads(objs[("ConfigMap", "m-gateway")]["data"]["routing.json"])
+    assert routing["tokensEngines"] == tokens_engines
+
+
+def test_engines_without_a_render_pool_are_plain_openai_servers() -> None:
+    objs = objects_by_key(with_spec(render={"enabled": False}))
+    args = container(objs[("StatefulSet", "m-decode")])["args"]
+    assert not {"--enable-scale-out", "--tokens-only"} & set(args)
+
+
 def test_parity_hash_is_stable_for_the_same_set() -> None:
     assert parity_hash(with_spec()) == parity_hash(with_spec())
     # Pinned: a change here re-rolls every pod of every user on upgrade; do it on purpose only.
@@ -244,7 +284,7 @@ def test_any_parity_change_gives_a_new_hash(change: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "change",
     [{"decode__replicas": 4}, {"image__engine": "vllm/vllm-openai:v0.34.0"},
-     {"gateway__replicas": 3}, {"render__workers": 8}],
+     {"gateway__replicas": 3}, {"render__workers": 8}, {"render__engineApi": "TokensOnly"}],
     ids=lambda c: next(iter(c)),
 )  # fmt: skip
 def test_non_parity_changes_keep_the_hash(change: dict[str, Any]) -> None:

@@ -38,8 +38,10 @@ def test_the_gateway_reads_back_every_field_the_operator_writes(path: Path, tmp_
     read = load_config(file)
     assert read == written
     assert config_text_of(read) == text
-    # Every field is the operator's to set, except the static endpoints of runs outside a cluster.
-    assert written.model_fields_set == set(GatewayConfig.model_fields) - {"endpoints"}
+    # Every field is the operator's to set, except the static endpoints of runs outside a
+    # cluster (and what the engines behind a render pool run, when there is none).
+    unset = {"endpoints"} | ({"tokens_engines"} if written.engine_api == "openai" else set())
+    assert written.model_fields_set == set(GatewayConfig.model_fields) - unset
 
 
 @pytest.mark.parametrize(
@@ -64,3 +66,18 @@ def test_a_config_the_gateway_cannot_read_fully_stops_it_naming_the_key(
     assert str(file) in str(error.value)
     if named != "kvTransfer.verify":
         assert "unknown key" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("engine_api", "tokens_engines", "refuses"),
+    [("tokens", "tokens_only", True), ("tokens", "scale_out", False),
+     ("openai", "tokens_only", False), ("tokens", None, False)],
+)  # fmt: skip
+def test_only_tokens_only_engines_behind_render_make_the_gateway_refuse(
+    engine_api: str, tokens_engines: str | None, refuses: bool
+) -> None:
+    body: dict[str, object] = {"model": "m", "engineApi": engine_api,
+                               "pools": {"decode": {"service": "d", "port": 8000}}}  # fmt: skip
+    if tokens_engines is not None:
+        body["tokensEngines"] = tokens_engines
+    assert GatewayConfig.model_validate(body).tokens_only_engines is refuses

@@ -214,7 +214,7 @@ async def test_a_failure_after_the_stream_started_ends_it_with_an_error_event_an
     own = response.headers["X-PDServe-Request-Id"]
     assert error["message"] == f"the gateway failed to serve the request (request id {own})"
     assert requests_counted(gateway, "error_500") == 1
-    assert upstream.aborted == [("http://decode", [own])]  # the engine stops working
+    assert upstream.aborted == [("http://decode", [f"generate-tokens-{own}"])]  # it stops
 
 
 async def test_other_endpoints_answer_openai_errors_too(pd: Served) -> None:

@@ -1,6 +1,7 @@
 """The OpenAI request schema at the gateway's boundary: a bad value gets a 400 naming its field
 before any render server or engine is called; valid bodies, vLLM's extras included, go
-upstream as the client sent them."""
+upstream as the client sent them; what only an engine with a tokenizer serves is refused when
+the engines run --tokens-only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.gateway.openai_schema import InvalidRequest, validate_request
+from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.intake import Intake
+from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
+from pdserve.gateway.settings import GatewaySettings
 from tests.support.gateway_fakes import FakeUpstream, fake_gateway
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -239,3 +243,58 @@ async def test_openai_engines_stream_logprobs_through() -> None:
     assert sent["logprobs"] is True
     assert sent["top_logprobs"] == 2
     assert json.loads(text.splitlines()[0].removeprefix("data: ")) == event
+
+
+# ---- what only an engine with a tokenizer serves -------------------------------------------------
+@pytest.mark.parametrize(
+    ("chat", "changes", "param"),
+    [
+        (True, {"stop": "\n"}, "stop"),
+        (True, {"stop": ""}, "stop"),
+        (True, {"stop": ["a"]}, "stop"),
+        (False, {"stop": ["a"]}, "stop"),
+        (True, {"stop": []}, None),
+        (True, {"stop": None}, None),
+        (True, {"stop_token_ids": [7]}, None),
+        (True, {"response_format": {"type": "json_object"}}, "response_format"),
+        (True, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        (True, {"response_format": {"type": "structural_tag"}}, "response_format"),
+        (False, {"response_format": {"type": "json_object"}}, "response_format"),
+        (True, {"response_format": {"type": "text"}}, None),
+        (True, {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        (False, {"guided_json": {"type": "object"}}, "guided_json"),
+        (True, {"guided_regex": "a+"}, "guided_regex"),
+        (True, {"guided_choice": ["a"]}, "guided_choice"),
+        (True, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        (True, {"guided_json": None}, None),
+        (True, {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        (True, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice"),
+        (True, {"tools": [TOOL], "tool_choice": "auto"}, None),
+        (True, {"tools": [TOOL], "tool_choice": "none"}, None),
+        (True, {}, None),
+    ],
+)  # fmt: skip
+def test_what_needs_a_tokenizer_on_the_engine(
+    chat: bool, changes: dict[str, Any], param: str | None
+) -> None:
+    found = needs_tokenizer(validate_request(body_of(chat, changes), chat=chat))
+    assert (None if found is None else found.param) == param
+
+
+def test_intake_refuses_them_only_when_the_engines_run_tokens_only() -> None:
+    body = {**CHAT, "model": "m", "stop": ["\n"]}
+    assert Intake("m", GatewaySettings()).check_body(dict(body), chat=True)["stop"] == ["\n"]
+    with pytest.raises(GatewayError) as refused:
+        Intake("m", GatewaySettings(), tokens_only_engines=True).check_body(dict(body), chat=True)
+    assert (refused.value.status, refused.value.param) == (400, "stop")
+    assert "use stop_token_ids, or set spec.render.engineApi: ScaleOut" in refused.value.message
+
+
+async def test_a_tokens_only_models_gateway_refuses_before_render() -> None:
+    gateway, upstream = fake_gateway(tokens_engines="tokens_only")
+    async with TestClient(TestServer(gateway.app())) as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stop": "\n"})
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == "stop"
+    assert upstream.calls == []

@@ -86,7 +86,7 @@ async def test_a_kv_load_failure_on_decode_reprefills_locally_and_frees_prefills
     assert with_kv["kv_transfer_params"] == KV
     assert "kv_transfer_params" not in local
     assert r.fallbacks("kv_load_failed") == 1
-    assert r.upstream.aborted == [("http://prefill", ["req-1"])]
+    assert r.upstream.aborted == [("http://prefill", ["generate-tokens-req-1"])]
 
 
 async def test_a_streamed_decode_is_derendered_with_the_tokens_it_streamed() -> None:

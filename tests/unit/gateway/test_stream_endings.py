@@ -1,6 +1,7 @@
 """How a stream ends when the engine misbehaves (fake upstream, no sockets): `[DONE]` before a
 finish_reason, a malformed event, an engine that goes quiet. Each ends the client's stream with
-an error event then `[DONE]`, tells decode to abort, counts as failed, and leaves no task."""
+an error event then `[DONE]`, stops decode (a tokens engine is told to abort, an OpenAI engine's
+stream is closed), counts as failed, and leaves no task."""
 
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ async def serve(r: Rig) -> list[Any]:
     await asyncio.wait_for(r.route.serve(exchange), HANG)
     assert pending_tasks() == []  # no derender pipeline or reader left behind
     assert exchange.stream_error is not None  # app.py counts it as failed, not ok
-    assert r.upstream.aborted == [("http://decode", ["req-1"])]
+    if exchange.tokens_api:
+        assert r.upstream.aborted == [("http://decode", ["generate-tokens-req-1"])]
+    else:
+        # No abort endpoint on a plain `vllm serve`: closing its stream is the abort.
+        assert r.upstream.aborted == []
+        assert [s.closed for s in r.upstream.streams] == [True]
     return written(exchange)
 
 
@@ -129,6 +135,7 @@ async def test_a_finished_openai_stream_ends_with_its_finish_reason_and_no_error
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
     assert exchange.stream_error is None
     assert r.upstream.aborted == []
+    assert [s.closed for s in r.upstream.streams] == [False]
 
 
 async def test_an_engines_own_error_event_reaches_the_client_without_its_addresses() -> None:
