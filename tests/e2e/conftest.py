@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -29,6 +28,7 @@ from devtools.realnode import (
     ensure_no_other_node,
     leftovers,
 )
+from tests.support.markers import mark_package
 from tests.support.realcluster import (
     CHART,
     EXAMPLE,
@@ -41,10 +41,7 @@ from tests.support.realcluster import (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.e2e)
+    mark_package(items, __file__, pytest.mark.e2e)
 
 
 @pytest.fixture(scope="package")

@@ -74,7 +74,7 @@ async def gateway_over(
 def chat_answer(response: Any) -> dict[str, Any]:
     """A chat completion as a client reads it: per choice the content, reasoning, tool calls
     (name and arguments; ids are random) and finish reason, and the token counts."""
-    body = response.model_dump() if hasattr(response, "model_dump") else dict(response)
+    body = as_dict(response)
     choices = []
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         message = choice["message"]
@@ -99,9 +99,8 @@ def chat_stream_answer(chunks: Sequence[Any]) -> dict[str, Any]:
     calls: dict[int, dict[int, list[str]]] = {}
     usage = None
     for chunk in chunks:
-        body = chunk.model_dump() if hasattr(chunk, "model_dump") else dict(chunk)
-        if body.get("usage"):
-            usage = body["usage"]
+        body = as_dict(chunk)
+        usage = body.get("usage") or usage
         for choice in body.get("choices") or []:
             into = choices.setdefault(
                 choice["index"],
@@ -128,7 +127,7 @@ def chat_stream_answer(chunks: Sequence[Any]) -> dict[str, Any]:
 
 
 def completion_answer(response: Any) -> dict[str, Any]:
-    body = response.model_dump() if hasattr(response, "model_dump") else dict(response)
+    body = as_dict(response)
     choices = [
         {"text": c["text"], "finish_reason": c["finish_reason"]}
         for c in sorted(body["choices"], key=lambda c: c["index"])
@@ -140,15 +139,19 @@ def completion_stream_answer(chunks: Sequence[Any]) -> dict[str, Any]:
     texts: dict[int, dict[str, Any]] = {}
     usage = None
     for chunk in chunks:
-        body = chunk.model_dump() if hasattr(chunk, "model_dump") else dict(chunk)
-        if body.get("usage"):
-            usage = body["usage"]
+        body = as_dict(chunk)
+        usage = body.get("usage") or usage
         for choice in body.get("choices") or []:
             into = texts.setdefault(choice["index"], {"text": "", "finish_reason": None})
             into["text"] += choice.get("text") or ""
             if choice.get("finish_reason"):
                 into["finish_reason"] = choice["finish_reason"]
     return {"choices": [texts[i] for i in sorted(texts)], "usage": _token_counts(usage)}
+
+
+def as_dict(answer: Any) -> dict[str, Any]:
+    """An SDK object (or a dict already) as the JSON it came as."""
+    return answer.model_dump() if hasattr(answer, "model_dump") else dict(answer)
 
 
 def _token_counts(usage: Mapping[str, Any] | None) -> tuple[int, int] | None:

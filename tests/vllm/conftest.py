@@ -5,20 +5,17 @@ engine is also the reference: what vLLM itself answers), gateways in-process ove
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import ensure_vllm_cpu
+from tests.support.markers import mark_package
 from tests.support.real_vllm import VllmProcesses, VllmServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)
+    mark_package(items, __file__, pytest.mark.vllm)
 
 
 @pytest.fixture(scope="package")
