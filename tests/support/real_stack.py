@@ -3,18 +3,23 @@ says once ids and timestamps are set aside: the shape two servers must agree on.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+import pytest
 from openai import AsyncOpenAI
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.settings import GatewaySettings
-from tests.support.real_vllm import SERVED_NAME
+from tests.support.chat_cases import LONG_ANSWER_TOKENS
+from tests.support.real_vllm import SERVED_NAME, VllmServer, engine_counts
 from tests.support.serving import serving
 
 PARITY = "p1"
@@ -35,14 +40,17 @@ async def gateway_over(
     prefill: Sequence[str] = (),
     engine_api: str = "tokens",
     kv_transfer: Mapping[str, Any] | None = None,
+    operator_config: Mapping[str, Any] | None = None,
     **settings: Any,
 ) -> AsyncIterator[GatewayUnderTest]:
     """A gateway with static endpoints: render -> (prefill ->) decode, or the OpenAI route
-    (engine_api="openai", no render) when `render` is None."""
+    (engine_api="openai", no render) when `render` is None. With `operator_config` (the
+    routing config the operator writes for a model), that config with these endpoints."""
     pool = {"service": "static", "port": 8000}
+    parity = operator_config["parityHash"] if operator_config else PARITY
 
     def endpoints(urls: Sequence[str]) -> list[dict[str, Any]]:
-        return [{"url": url, "parityHash": PARITY, "name": url} for url in urls]
+        return [{"url": url, "parityHash": parity, "name": url} for url in urls]
 
     config: dict[str, Any] = {
         "model": SERVED_NAME,
@@ -63,6 +71,10 @@ async def gateway_over(
     }
     if kv_transfer is not None:
         config["kvTransfer"] = dict(kv_transfer)
+    if operator_config is not None:
+        config = {**operator_config, "endpoints": config["endpoints"]}
+        if engine_api == "openai":  # the same engines' OpenAI API, no render pool
+            config |= {"engineApi": "openai", "pools": {**config["pools"], "render": None}}
     gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
     async with (
         serving(gateway.app()) as url,
@@ -170,3 +182,43 @@ def _logprob_tokens(logprobs: Mapping[str, Any] | None) -> list[tuple[str, int]]
 
 def pretty(answer: Mapping[str, Any]) -> str:
     return json.dumps(answer, indent=1, default=str)
+
+
+async def assert_left_work_is_aborted(
+    gateway_url: str, body: Mapping[str, Any], *, stream: bool, engine: VllmServer
+) -> None:
+    """Send `body` (a long answer) and leave: a stream after its first events, a non-streamed
+    request after 0.3 s. Then the engine must stop the request within a deadline,
+    without finishing it, having generated fewer tokens than asked."""
+    before = engine_counts(engine)
+    payload = {key: value for key, value in body.items() if key != "extra_body"}
+    payload |= dict(body.get("extra_body") or {})
+    async with httpx.AsyncClient(base_url=gateway_url) as client:
+        if stream:
+            payload["stream"] = True
+            async with client.stream("POST", "/v1/chat/completions", json=payload) as answer:
+                assert answer.status_code == 200, await answer.aread()
+                events = 0
+                async for line in answer.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events == 3:
+                        break
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/chat/completions", json=payload,
+                                  timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+    # vLLM counts an aborted request in no finished_reason: it is aborted when it leaves the
+    # running batch without finishing.
+    deadline = time.monotonic() + 20
+    while True:
+        after = engine_counts(engine)
+        if after.get("running") == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)  # polling another process's counters, with a deadline
+    finished = {
+        key: after[key] - before.get(key, 0.0) for key in after if key.startswith("finished:")
+    }
+    generated = after.get("generated", 0.0) - before.get("generated", 0.0)
+    assert after.get("running") == 0, f"still running after 20 s: {after}"
+    assert not any(finished.values()), f"the request finished instead of stopping: {finished}"
+    assert generated < LONG_ANSWER_TOKENS, f"the engine generated {generated} tokens"

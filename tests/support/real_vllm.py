@@ -17,6 +17,17 @@ import httpx
 from devtools.localplane import free_port
 from devtools.procs import spawn_component, tail, terminate
 from devtools.vllm_cpu import VllmCpu
+from pdserve.vllm.metrics import (
+    GENERATION_TOKENS,
+    NIXL_XFER_TIME,
+    NUM_REQUESTS_RUNNING,
+    REQUEST_SUCCESS,
+    Totals,
+    count,
+    counter_samples,
+    sum_samples,
+)
+from tests.support.operator_commands import PodCommand
 
 SERVED_NAME = "tiny"
 # The text side, as a DisaggregatedModel's spec.serving would set it (parity flags).
@@ -71,7 +82,18 @@ class VllmProcesses:
         port = free_port()
         command = [str(self.env.vllm), *subcommand, str(self.model), *args]
         command += ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME]
-        env = {**_inherited_env(), **BASE_ENV, **(extra_env or {})}
+        return self._launch(name, command, port, extra_env or {})
+
+    def start_pod(self, name: str, pod: PodCommand) -> VllmServer:
+        """A process running what the operator's pod for `pod.component` would run."""
+        port = free_port()
+        command, pod_env = pod.on_host(str(self.env.vllm), port, free_port())
+        return self._launch(name, command, port, pod_env)
+
+    def _launch(
+        self, name: str, command: list[str], port: int, extra_env: Mapping[str, str]
+    ) -> VllmServer:
+        env = {**_inherited_env(), **BASE_ENV, **extra_env}
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.logs / f"{name}.log").write_text(f"$ {' '.join(command)}\n")
         proc = _spawn(name, command, env, self.logs)
@@ -89,11 +111,12 @@ class VllmProcesses:
         mode: str = "--enable-scale-out",
         kv_role: str | None = None,
         extra_kv: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> VllmServer:
         args = [*ENGINE_FLAGS, mode]
         if mode != "--tokens-only":
             args += TEXT_FLAGS
-        extra_env: dict[str, str] = {}
+        extra_env: dict[str, str] = dict(env or {})
         if kv_role is not None:
             config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
                       "kv_buffer_device": "cpu", **(extra_kv or {})}  # fmt: skip
@@ -133,6 +156,27 @@ class VllmProcesses:
         self.servers.clear()
 
 
+def engine_counts(server: VllmServer) -> Totals:
+    """What an engine's /metrics says now: finished requests by reason (`finished:abort`,
+    `finished:stop`, ...), generated tokens, requests running and KV transfers (NIXL)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    success = counter_samples(REQUEST_SUCCESS)
+    generated = counter_samples(GENERATION_TOKENS)
+
+    def select(name: str, labels: Mapping[str, str]) -> str | None:
+        if name in success:
+            return f"finished:{labels.get('finished_reason', '')}"
+        if name in generated:
+            return "generated"
+        if name == NUM_REQUESTS_RUNNING:
+            return "running"
+        if name == count(NIXL_XFER_TIME):
+            return "kv_transfers"
+        return None
+
+    return sum_samples(text, select)
+
+
 def _inherited_env() -> dict[str, str]:
     import os
 
@@ -150,4 +194,11 @@ def _spawn(
         )  # fmt: skip
 
 
-__all__ = ["SERVED_NAME", "VllmProcesses", "VllmServer", "VllmStartError", "spawn_component"]
+__all__ = [
+    "SERVED_NAME",
+    "VllmProcesses",
+    "VllmServer",
+    "VllmStartError",
+    "engine_counts",
+    "spawn_component",
+]

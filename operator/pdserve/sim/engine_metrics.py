@@ -45,16 +45,24 @@ class EngineMetrics:
         self.labels = {"model_name": model, "engine": engine}
         r = self.registry
 
+        # vLLM exposes every metric at zero from the start, not from its first event: a
+        # reader that sums a metric must find it on an idle engine too.
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            metric = Gauge(name, doc, labels, registry=r)
+            metric.labels(**self.labels)
+            return metric
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+            metric = Counter(name, doc, labels, registry=r)
+            metric.labels(**self.labels)
+            return metric
 
         def histogram(
             name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
         ) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+            metric = Histogram(name, doc, labels, buckets=buckets, registry=r)
+            metric.labels(**self.labels)
+            return metric
 
         self.running = gauge(metrics.NUM_REQUESTS_RUNNING, "Requests in the running batch")
         self.waiting = gauge(metrics.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled")

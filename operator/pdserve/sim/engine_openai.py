@@ -102,6 +102,8 @@ class OpenAIApi:
     ) -> web.StreamResponse:
         response = await open_sse(request, {"Content-Type": "text/event-stream"})
         chat = "messages" in body
+        generated_tokens = 0
+        last: Mapping[str, Any] = {}
         try:
             for index, seq in enumerate(sequences):
                 state = None
@@ -125,9 +127,17 @@ class OpenAIApi:
                     )  # fmt: skip
                     result = json.loads(out.text or "{}")
                     state = result.get("stream_state")
+                    last = result.get("chunk") or last
+                    generated_tokens += token is not None
                     await response.write(sse_event(result.get("chunk")))
                     if finish is not None:
                         break
+            if (body.get("stream_options") or {}).get("include_usage"):
+                # vLLM's last chunk: no choices, the request's usage.
+                trailer = {key: last[key] for key in ("id", "object", "created", "model")
+                           if key in last}  # fmt: skip
+                trailer |= {"choices": [], "usage": usage(len(prompt_ids), generated_tokens)}
+                await response.write(sse_event(trailer))
             await response.write(SSE_DONE)
         except (ConnectionResetError, asyncio.CancelledError):
             self.requests.abort(sequences)

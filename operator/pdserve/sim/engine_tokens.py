@@ -19,6 +19,9 @@ from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
 from pdserve.vllm.protocol import generate_request_id, usage
 
+# vLLM 0.32's generate answers and chunks say what they carry (tokens, not text).
+OUTPUT_MODE = "tokens"
+
 
 class TokensApi:
     def __init__(self, requests: EngineRequests) -> None:
@@ -87,6 +90,7 @@ class TokensApi:
                 "usage": usage(len(prompt_ids), completion_tokens),
                 "kv_transfer_params": kv_out,
                 "prompt_logprobs": None,
+                "output_mode": OUTPUT_MODE,
             }
         )
 
@@ -121,6 +125,7 @@ class TokensApi:
                         # A finish without a token (an abort) is sent too, as vLLM sends it.
                         event: dict[str, Any] = {
                             "request_id": request_id,
+                            "output_mode": OUTPUT_MODE,
                             "choices": [
                                 {
                                     "index": index,
@@ -146,6 +151,7 @@ class TokensApi:
                 completion = sum(s.emitted for s in sequences)
                 final = {
                     "request_id": request_id,
+                    "output_mode": OUTPUT_MODE,
                     "choices": [],
                     "usage": usage(len(prompt_ids), completion),
                 }

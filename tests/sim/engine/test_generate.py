@@ -28,6 +28,7 @@ async def test_generate_is_deterministic_and_shaped_like_vllm(engines: Engines) 
         "usage",
         "kv_transfer_params",
         "prompt_logprobs",
+        "output_mode",
     }
     [choice] = first["choices"]
     assert set(choice) == {"index", "token_ids", "finish_reason", "logprobs"}
