@@ -165,11 +165,11 @@ SPEC: dict[str, Any] = {
 }
 
 
-def model_in(kube: FakeKube) -> None:
+def model_in(kube: FakeKube, spec: Mapping[str, Any] = SPEC) -> None:
     kube.put({
         "apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
         "metadata": {"name": NAME, "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": SPEC,
+        "spec": spec,
     })  # fmt: skip
 
 

@@ -43,6 +43,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [get, list, watch, create, patch, delete]
+# The gateways' peer key (a Secret per model with API keys, generated once): applied, listed by
+# its labels to read the key back (RBAC cannot narrow a list to them), pruned with the API keys.
+# No get and no watch: it reads Secrets only through that list, and a resync (not a watch)
+# repairs a deleted one.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [list, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, delete]

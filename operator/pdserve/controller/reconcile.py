@@ -28,6 +28,7 @@ from pdserve.builders import (
     build_all,
     content_digest,
     object_key,
+    wants_peer_key,
 )
 from pdserve.builders.parity import parity_hash
 from pdserve.builders.preflight import preflight
@@ -52,6 +53,7 @@ from pdserve.controller.children import (
 from pdserve.controller.diff import is_current, merge_patch
 from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
+from pdserve.controller.peer_key import SECRET, peer_key
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -265,6 +267,8 @@ async def _converge(
     scaling = dm.spec.render.autoscaling
     if not (dm.spec.render.enabled and scaling.enabled and scaling.engine is RenderAutoscaler.keda):
         optional.add(SCALED_OBJECT)  # none wanted: a cluster without KEDA RBAC is fine
+    if not wants_peer_key(dm):
+        optional.add(SECRET)  # likewise an operator that may not list Secrets
     live = await list_children(
         kube, dm.namespace, dm.name, optional=frozenset(optional), warned=warned
     )
@@ -275,7 +279,9 @@ async def _converge(
         for decision in decisions:
             reason = "ScaledUp" if decision.direction == "up" else "ScaledDown"
             outcome.event("Normal", reason, decision.reason)
-    built = build_all(dm, chat_template_digest=digest, network=network, plan=plan)
+    built = build_all(
+        dm, chat_template_digest=digest, network=network, plan=plan, peer_key=peer_key(dm, live)
+    )
     built += preflight(dm, node_pairs(engine_pods(pods_before)))
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
     drift = parity_drift(desired, live)
