@@ -1,11 +1,14 @@
 """A model behind an API key, as a user sets one (a Secret, `spec.gateway.apiKeySecretRef`), on
 the real node: the deployed gateway refuses the OpenAI SDK without the key and answers with it,
-its /metrics stays scrapeable without one, the replicas get a peer key of their own (which opens
-/status, not /v1), and taking the key away opens the model again and prunes the peer key."""
+its /metrics stays scrapeable without one, the replicas get a peer key of their own (derived from
+the operator's master key, which opens /status, not /v1), and taking the key away opens the
+model again and prunes the peer key."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 
 import httpx
@@ -13,7 +16,15 @@ import openai
 import pytest
 
 from devtools.localplane import wait_until
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, patch_dm, pods, settled
+from pdserve.contract.names import PEER_MASTER_SECRET_KEY, PEER_MASTER_SECRET_NAME
+from tests.support.realcluster import (
+    MODEL_NAMESPACE,
+    RELEASE_NAMESPACE,
+    Cluster,
+    patch_dm,
+    pods,
+    settled,
+)
 
 GATEWAY = "app.kubernetes.io/component=gateway"
 SECRET, KEY = "sim-qwen3-api-key", "e2e-secret-key"
@@ -34,13 +45,25 @@ def gateways_have_key(cluster: Cluster, keyed: bool) -> bool:
 
 
 def peer_key(cluster: Cluster) -> str | None:
-    """The key the operator generated, as an admin reads it; None once the Secret is gone."""
+    """The key the operator derived, as an admin reads it; None once the Secret is gone."""
     got = cluster.kubectl(
         "get", "secret", PEER_SECRET, "-n", MODEL_NAMESPACE, "-o", "json", check=False
     )
     if got.returncode != 0:
         return None
     return base64.b64decode(json.loads(got.stdout)["data"]["peer-key"]).decode()
+
+
+def derived_key(cluster: Cluster) -> str:
+    """HMAC-SHA256(master, "<namespace>/<name>/<uid>"), from the operator's master Secret."""
+    master = json.loads(cluster.kubectl(
+        "get", "secret", PEER_MASTER_SECRET_NAME, "-n", RELEASE_NAMESPACE, "-o", "json"
+    ).stdout)["data"][PEER_MASTER_SECRET_KEY]  # fmt: skip
+    uid = cluster.kubectl(
+        "get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "jsonpath={.metadata.uid}"
+    ).stdout.strip()
+    message = f"{MODEL_NAMESPACE}/sim-qwen3/{uid}".encode()
+    return hmac.new(base64.b64decode(master), message, hashlib.sha256).hexdigest()
 
 
 def ask(model: str, api_key: str) -> str | None:
@@ -71,6 +94,7 @@ def test_a_model_behind_an_api_key_answers_only_with_it(cluster: Cluster, model:
         peer = peer_key(cluster)
         assert peer
         assert peer != KEY
+        assert peer == derived_key(cluster)
         base, bearer = model.removesuffix("/v1"), {"Authorization": f"Bearer {peer}"}
         assert httpx.get(f"{base}/status", headers=bearer, timeout=10).status_code == 200
         assert httpx.get(f"{model}/models", headers=bearer, timeout=10).status_code == 401

@@ -42,7 +42,7 @@ def build_all(
     """Every child object pdserve owns for this resource, in apply order. `network`: also the
     model's NetworkPolicies (None: none, and the operator prunes those it made before).
     `plan`: replicas of Builtin-autoscaled pools (None: their starting counts). `peer_key`: the
-    gateways' own key, which the controller generates (used only by a model that
+    gateways' own key, which the controller derives (used only by a model that
     wants_peer_key); None: no peer-key Secret, and the gateway replicas send their first API
     key to each other (`pdserve manifests`, which never writes a key into a file)."""
     parity = parity_hash(dm, chat_template_digest)

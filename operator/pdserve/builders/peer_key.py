@@ -1,7 +1,7 @@
 """The gateway replicas' peer key: the Secret that holds it and how the gateway pods read it.
 
-The key itself is an input: the controller generates it once and reads it back from the Secret
-on every later pass, so building stays pure and a reconcile never rotates it."""
+The key itself is an input: the controller derives it from its master key and the model's
+identity (controller.peer_key), so building stays pure and every pass builds the same Secret."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def wants_peer_key(dm: DisaggregatedModel) -> bool:
 
 
 def peer_key_secret(dm: DisaggregatedModel, key: str) -> dict[str, Any]:
-    # `data`, not `stringData`: the API server stores and returns `data`, so a live Secret
-    # compares equal to this one and an unchanged key is never written again.
+    # `data`, not `stringData`: the API server stores `data`, so applying the same key again
+    # changes nothing and is not written (the controller applies it every pass, unread).
     encoded = base64.b64encode(key.encode()).decode()
     return {
         "apiVersion": "v1",

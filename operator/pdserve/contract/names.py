@@ -26,8 +26,14 @@ GATEWAY_CONTAINER_PORT = 8000
 GATEWAY_DRAIN_SECONDS = 5
 GATEWAY_SHUTDOWN_SECONDS = 30
 # The gateway replicas' own credential for each other's /status and /admission* (its key inside
-# the Secret <model>-gateway-peer-key): generated once by the operator, never a client's API key.
+# the Secret <model>-gateway-peer-key): derived by the operator, never a client's API key.
 PEER_KEY_SECRET_KEY = "peer-key"
+
+
+# The operator's master key, from which it derives every model's peer key (HMAC): one Secret in
+# the operator's own namespace, the only Secret it may read (RBAC: get on this name alone).
+PEER_MASTER_SECRET_NAME = "pdserve-operator-peer-master"
+PEER_MASTER_SECRET_KEY = "master-key"
 
 
 def peer_key_secret_name(model: str) -> str:
