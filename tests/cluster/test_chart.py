@@ -23,6 +23,7 @@ from pdserve.builders.scaling import (
     RENDER_HANDLERS,
     SERVER_DURATION_SERIES,
 )
+from pdserve.contract.names import PEER_MASTER_SECRET_NAME
 from pdserve.controller.children import MANAGED_KINDS
 
 pytestmark = pytest.mark.cluster
@@ -163,8 +164,10 @@ def test_schema_refuses_bad_values_naming_them(tmp_path: Path, value: str, field
     assert field in proc.stderr
 
 
-def can_i(kubectl: Kubectl, account: str, verb: str, resource: str) -> str:
-    answer = kubectl("auth", "can-i", verb, *resource.split(), f"--as={account}", "-n", "default")
+def can_i(
+    kubectl: Kubectl, account: str, verb: str, resource: str, namespace: str = "default"
+) -> str:
+    answer = kubectl("auth", "can-i", verb, *resource.split(), f"--as={account}", "-n", namespace)
     return answer.stdout.strip()
 
 
@@ -204,7 +207,7 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
             ("patch", "disaggregatedmodels.pdserve.io --subresource=status", "yes"),
             ("patch", "disaggregatedmodels.pdserve.io", "no"),  # the spec belongs to the user
             ("delete", "nodes", "no"),
-            ("get", "secrets", "no"),
+            ("get", "secrets", "no"),  # never a user's Secret: see the peer master below
             ("create", "networkpolicies.networking.k8s.io", "yes"),  # networkPolicy.enabled
         ):
             assert can_i(kubectl, account, verb, resource) == expected, (verb, resource)
@@ -215,6 +218,19 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
             resource = f"{kind.plural}.{group}" if group else kind.plural
             for verb in ("list", "watch", "create", "patch", "delete"):
                 assert can_i(kubectl, account, verb, resource) == "yes", (verb, resource)
+        # Secrets: the gateways' peer keys are applied and pruned unread; the one Secret the
+        # operator reads is its peer master key, by name, in its own namespace.
+        for namespace in ("default", RELEASE_NAMESPACE):
+            for verb in ("get", "list", "watch"):
+                answer = can_i(kubectl, account, verb, "secrets", namespace)
+                assert answer == "no", (verb, namespace)
+            assert can_i(kubectl, account, "get", "secrets/other", namespace) == "no", namespace
+        for verb in ("create", "patch", "delete"):
+            assert can_i(kubectl, account, verb, "secrets") == "yes", verb
+        master = f"secrets/{PEER_MASTER_SECRET_NAME}"
+        assert can_i(kubectl, account, "get", master, RELEASE_NAMESPACE) == "yes"
+        assert can_i(kubectl, account, "get", master) == "no"  # not a master in a user's namespace
+        assert can_i(kubectl, account, "create", "secrets", RELEASE_NAMESPACE) == "yes"
         assert can_i(kubectl, account, "patch", "pods") == "yes"
         # Switched off (as `helm upgrade` would): nothing is created, but what was made can
         # still be pruned.

@@ -1,28 +1,69 @@
 """A model behind an API key, as a user sets one (a Secret, `spec.gateway.apiKeySecretRef`), on
 the real node: the deployed gateway refuses the OpenAI SDK without the key and answers with it,
-its /metrics stays scrapeable without one, and taking the key away opens the model again."""
+its /metrics stays scrapeable without one, the replicas get a peer key of their own (derived from
+the operator's master key, which opens /status, not /v1), and taking the key away opens the
+model again and prunes the peer key."""
 
 from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
 
 import httpx
 import openai
 import pytest
 
 from devtools.localplane import wait_until
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, patch_dm, pods, settled
+from pdserve.contract.names import PEER_MASTER_SECRET_KEY, PEER_MASTER_SECRET_NAME
+from tests.support.realcluster import (
+    MODEL_NAMESPACE,
+    RELEASE_NAMESPACE,
+    Cluster,
+    patch_dm,
+    pods,
+    settled,
+)
 
 GATEWAY = "app.kubernetes.io/component=gateway"
 SECRET, KEY = "sim-qwen3-api-key", "e2e-secret-key"
+PEER_SECRET = "sim-qwen3-gateway-peer-key"
 QUESTION = [{"role": "user", "content": "are you there?"}]
 
 
 def gateways_have_key(cluster: Cluster, keyed: bool) -> bool:
-    def keyed_pod(pod: dict[str, object]) -> bool:
-        env = pod["spec"]["containers"][0].get("env", [])  # type: ignore[index]
-        return any(e["name"] == "PDSERVE_API_KEY" for e in env)
+    def keys_of(pod: dict[str, object]) -> tuple[bool, bool]:
+        container = pod["spec"]["containers"][0]  # type: ignore[index]
+        api_key = any(e["name"] == "PDSERVE_API_KEY" for e in container.get("env", []))
+        return api_key, "--peer-key-file" in container["args"]
 
     gateways = pods(cluster, MODEL_NAMESPACE, GATEWAY)
-    return settled(cluster) and bool(gateways) and all(keyed_pod(p) == keyed for p in gateways)
+    return (
+        settled(cluster) and bool(gateways) and all(keys_of(p) == (keyed, keyed) for p in gateways)
+    )
+
+
+def peer_key(cluster: Cluster) -> str | None:
+    """The key the operator derived, as an admin reads it; None once the Secret is gone."""
+    got = cluster.kubectl(
+        "get", "secret", PEER_SECRET, "-n", MODEL_NAMESPACE, "-o", "json", check=False
+    )
+    if got.returncode != 0:
+        return None
+    return base64.b64decode(json.loads(got.stdout)["data"]["peer-key"]).decode()
+
+
+def derived_key(cluster: Cluster) -> str:
+    """HMAC-SHA256(master, "<namespace>/<name>/<uid>"), from the operator's master Secret."""
+    master = json.loads(cluster.kubectl(
+        "get", "secret", PEER_MASTER_SECRET_NAME, "-n", RELEASE_NAMESPACE, "-o", "json"
+    ).stdout)["data"][PEER_MASTER_SECRET_KEY]  # fmt: skip
+    uid = cluster.kubectl(
+        "get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "jsonpath={.metadata.uid}"
+    ).stdout.strip()
+    message = f"{MODEL_NAMESPACE}/sim-qwen3/{uid}".encode()
+    return hmac.new(base64.b64decode(master), message, hashlib.sha256).hexdigest()
 
 
 def ask(model: str, api_key: str) -> str | None:
@@ -49,9 +90,18 @@ def test_a_model_behind_an_api_key_answers_only_with_it(cluster: Cluster, model:
         assert metrics.status_code == 200
         # (through the Service, any replica answers: not necessarily the one that served)
         assert "# TYPE pdserve_gateway_requests_total counter" in metrics.text
+        # The replicas' own key, never the client's: it opens /status, not the OpenAI API.
+        peer = peer_key(cluster)
+        assert peer
+        assert peer != KEY
+        assert peer == derived_key(cluster)
+        base, bearer = model.removesuffix("/v1"), {"Authorization": f"Bearer {peer}"}
+        assert httpx.get(f"{base}/status", headers=bearer, timeout=10).status_code == 200
+        assert httpx.get(f"{model}/models", headers=bearer, timeout=10).status_code == 401
     finally:
         patch_dm(cluster, {"spec": {"gateway": {"apiKeySecretRef": None}}})
         wait_until("the gateways to roll without the key",
                    lambda: gateways_have_key(cluster, False), timeout=180, interval=1)  # fmt: skip
         cluster.kubectl("delete", "secret", SECRET, "-n", MODEL_NAMESPACE, check=False)
     assert ask(model, "anything") in ("stop", "length")  # open again, as before the key
+    wait_until("the peer key to be pruned", lambda: peer_key(cluster) is None, timeout=60)

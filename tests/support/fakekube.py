@@ -5,7 +5,7 @@ addressed and Ready)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import httpx
@@ -43,6 +43,12 @@ class FakeKube:
     def __init__(self) -> None:
         self.objects: dict[ObjKey, dict[str, Any]] = {}
         self.writes: list[str] = []
+        # Every read, "get Kind ns/name" or "list Kind ns": what the operator may see.
+        self.reads: list[str] = []
+        # Applies of exactly what was stored: the API server writes nothing for them.
+        self.unchanged_applies: list[str] = []
+        # Run before a create is stored: a racing replica's create that lands first.
+        self.before_create: Callable[[], None] | None = None
         self.fail_on: str | None = None  # a write verb (apply, delete, ...) that fails with 500
         self.forbidden: set[str] = set()  # kinds whose list answers 403
         self.created: list[dict[str, Any]] = []  # Events
@@ -50,7 +56,7 @@ class FakeKube:
 
     def _fail(self, verb: str, path: str, status: int = 500) -> None:
         """Raise as the API server would when `verb` is the one to fail (always for 403)."""
-        if verb == self.fail_on or status == 403:
+        if verb == self.fail_on or status in (403, 409):
             request = httpx.Request("GET", f"https://api.test{path}")
             raise KubeError(httpx.Response(status, json={"message": verb}, request=request))
 
@@ -64,12 +70,14 @@ class FakeKube:
         return stored
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        self.reads.append(f"get {kind.kind} {namespace or ''}/{name}")
         found = self.objects.get((kind.kind, namespace or "", name))
         return copy.deepcopy(found) if found is not None else None
 
     async def list(
         self, kind: Kind, namespace: str | None, *, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
+        self.reads.append(f"list {kind.kind} {namespace or ''}")
         if kind.kind in self.forbidden:
             self._fail("list", kind.collection(namespace), 403)
         return [
@@ -82,22 +90,35 @@ class FakeKube:
         self, obj: Mapping[str, Any], *, field_manager: str, force: bool = True
     ) -> dict[str, Any]:
         meta = obj["metadata"]
-        self.writes.append(f"apply {obj['kind']}/{meta['name']}")
-        self._fail("apply", meta["name"])
         before = self.objects.get((obj["kind"], meta.get("namespace", ""), meta["name"]))
         stored = copy.deepcopy(dict(obj))
         if before is not None:
             # Fields others own (status, HPA-set replicas) survive an apply that omits them.
             stored = apply_merge(before, obj)
+            if stored == before:  # server-side apply of what is there: nothing is written
+                self.unchanged_applies.append(f"apply {obj['kind']}/{meta['name']}")
+                self._fail("apply", meta["name"])
+                return copy.deepcopy(before)
+        self.writes.append(f"apply {obj['kind']}/{meta['name']}")
+        self._fail("apply", meta["name"])
         stored["metadata"]["generation"] = (before or {}).get("metadata", {}).get(
             "generation", 0
         ) + 1
         return copy.deepcopy(self.put(stored))
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        self.writes.append(f"create {obj['kind']} {obj.get('reason', '')}")
-        self.created.append(copy.deepcopy(dict(obj)))
-        return copy.deepcopy(dict(obj))
+        if obj["kind"] == "Event":
+            self.writes.append(f"create {obj['kind']} {obj.get('reason', '')}")
+            self.created.append(copy.deepcopy(dict(obj)))
+            return copy.deepcopy(dict(obj))
+        meta = obj["metadata"]
+        self.writes.append(f"create {obj['kind']}/{meta['name']}")
+        self._fail("create", meta["name"])
+        if self.before_create is not None:
+            self.before_create()
+        if (obj["kind"], meta.get("namespace", ""), meta["name"]) in self.objects:
+            self._fail("create", meta["name"], 409)
+        return copy.deepcopy(self.put(obj))
 
     async def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
         self.writes.append(f"delete {kind.kind}/{name}")
@@ -165,11 +186,11 @@ SPEC: dict[str, Any] = {
 }
 
 
-def model_in(kube: FakeKube) -> None:
+def model_in(kube: FakeKube, spec: Mapping[str, Any] = SPEC) -> None:
     kube.put({
         "apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
         "metadata": {"name": NAME, "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": SPEC,
+        "spec": spec,
     })  # fmt: skip
 
 

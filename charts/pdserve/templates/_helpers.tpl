@@ -43,6 +43,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [get, list, watch, create, patch, delete]
+# The gateways' peer key (a Secret per model with API keys, derived from the master key):
+# applied each pass unread and pruned with the API keys. No get, list or watch: the operator
+# never reads a user's Secret (its one read is the master's, in its own namespace: rbac.yaml).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, delete]

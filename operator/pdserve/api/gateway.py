@@ -49,7 +49,10 @@ class GatewaySpec(ApiModel):
     slo: SloSpec = Field(default_factory=SloSpec)
     """Latency objectives."""
     api_key_secret_ref: SecretKeyRef | None = None
-    """Secret key holding the API key clients must send as a Bearer token."""
+    """Secret key holding the API key clients must send as a Bearer token. With it, the
+    operator also gives the gateway replicas a peer key of their own for each other's admission
+    endpoints: derived from the operator's master key into the Secret <name>-gateway-peer-key,
+    owned by the model."""
     resources: ResourceRequirements = Field(
         default_factory=lambda: ResourceRequirements(
             requests={"cpu": "250m", "memory": "256Mi"}, limits={"memory": "1Gi"}

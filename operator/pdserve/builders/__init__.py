@@ -13,6 +13,7 @@ from pdserve.builders.gateway import endpoint, gateway, routing_config
 from pdserve.builders.names import child_name
 from pdserve.builders.network import NetworkPolicyOptions, network_policies
 from pdserve.builders.parity import content_digest, parity_hash, parity_set
+from pdserve.builders.peer_key import peer_key_secret, wants_peer_key
 from pdserve.builders.render import render_pool
 from pdserve.builders.scaling import ReplicaPlan
 from pdserve.contract.names import Component
@@ -20,7 +21,7 @@ from pdserve.contract.names import Component
 # Apply order: identities and config before the workloads that use them.
 # NetworkPolicies come before the workloads, so no pod of the model starts unprotected.
 KIND_ORDER = [
-    "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "ConfigMap", "Service",
+    "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "Secret", "ConfigMap", "Service",
     "StatefulSet", "Deployment", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget",
     "Job",
 ]  # fmt: skip
@@ -36,10 +37,14 @@ def build_all(
     chat_template_digest: str | None = None,
     network: NetworkPolicyOptions | None = None,
     plan: ReplicaPlan | None = None,
+    peer_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object pdserve owns for this resource, in apply order. `network`: also the
     model's NetworkPolicies (None: none, and the operator prunes those it made before).
-    `plan`: replicas of Builtin-autoscaled pools (None: their starting counts)."""
+    `plan`: replicas of Builtin-autoscaled pools (None: their starting counts). `peer_key`: the
+    gateways' own key, which the controller derives (used only by a model that
+    wants_peer_key); None: no peer-key Secret, and the gateway replicas send their first API
+    key to each other (`pdserve manifests`, which never writes a key into a file)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []
     if dm.spec.disaggregated:
@@ -48,7 +53,10 @@ def build_all(
     objects += engine_pool(dm, Component.decode, dm.spec.decode, parity, plan)
     if dm.spec.render.enabled:
         objects += render_pool(dm, parity, plan)
-    objects += gateway(dm, parity)
+    key = peer_key if wants_peer_key(dm) else None
+    if key is not None:
+        objects.append(peer_key_secret(dm, key))
+    objects += gateway(dm, parity, key)
     if network is not None:
         objects += network_policies(dm, network)
     return sorted(objects, key=object_key)
@@ -67,5 +75,7 @@ __all__ = [
     "object_key",
     "parity_hash",
     "parity_set",
+    "peer_key_secret",
     "routing_config",
+    "wants_peer_key",
 ]

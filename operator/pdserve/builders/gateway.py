@@ -8,6 +8,7 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.api.render import EngineApi
 from pdserve.builders.names import child_name, meta, selector_labels
+from pdserve.builders.peer_key import PEER_KEY_DIR, PEER_KEY_FILE, peer_key_digest
 from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
 from pdserve.contract.names import (
     CONFIG_HASH_ANNOTATION,
@@ -15,8 +16,11 @@ from pdserve.contract.names import (
     GATEWAY_CONTAINER_PORT,
     GATEWAY_DRAIN_SECONDS,
     GATEWAY_SHUTDOWN_SECONDS,
+    PEER_KEY_HASH_ANNOTATION,
+    PEER_KEY_SECRET_KEY,
     RENDER_PORT,
     Component,
+    peer_key_secret_name,
 )
 from pdserve.contract.routing import (
     ROUTING_DIR,
@@ -84,7 +88,11 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
     )
 
 
-def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
+def gateway(
+    dm: DisaggregatedModel, parity: str, peer_key: str | None = None
+) -> list[dict[str, Any]]:
+    """`peer_key`: the replicas' key for each other's admission endpoints, mounted from its
+    Secret (builders.peer_key); None: none, and the replicas send their first API key."""
     spec = dm.spec.gateway
     name = child_name(dm, Component.gateway)
     # Indented so a GitOps diff of the ConfigMap shows which setting changed.
@@ -118,15 +126,31 @@ def gateway(dm: DisaggregatedModel, parity: str) -> list[dict[str, Any]]:
         "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
     }
     container["env"] = env
-    annotations = pod_annotations(parity, {
+    volumes: list[dict[str, Any]] = [{"name": "routing", "configMap": {"name": name}}]
+    extra_annotations = {
         # A routing change rolls the gateway, so no replica serves with an old config.
         CONFIG_HASH_ANNOTATION: hashlib.sha256(config_text.encode()).hexdigest()[:16],
-    })  # fmt: skip
+    }
+    if peer_key is not None:
+        # A file, not a variable: the key stays out of the process environment, which child
+        # processes inherit and /proc/<pid>/environ shows.
+        container["args"] += ["--peer-key-file", PEER_KEY_FILE]
+        container["volumeMounts"].append(
+            {"name": "peer-key", "mountPath": PEER_KEY_DIR, "readOnly": True}
+        )
+        volumes.append({"name": "peer-key", "secret": {
+            "secretName": peer_key_secret_name(dm.name),
+            "items": [{"key": PEER_KEY_SECRET_KEY, "path": PEER_KEY_SECRET_KEY}],
+        }})  # fmt: skip
+        # The gateway reads the key once: a new key rolls every replica, so none keeps one
+        # its peers no longer accept.
+        extra_annotations[PEER_KEY_HASH_ANNOTATION] = peer_key_digest(peer_key)
+    annotations = pod_annotations(parity, extra_annotations)
     template = pod_template(
         dm,
         Component.gateway,
         containers=[container],
-        volumes=[{"name": "routing", "configMap": {"name": name}}],
+        volumes=volumes,
         annotations=annotations,
         node_selector=spec.node_selector,
         tolerations=[dict(t) for t in spec.tolerations],

@@ -9,6 +9,8 @@ from enum import StrEnum
 FIELD_MANAGER = "pdserve"
 PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
 CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
+# On gateway pods: a digest of the peer key they read at start-up, so a new key rolls them.
+PEER_KEY_HASH_ANNOTATION = "pdserve.io/peer-key-hash"
 MODEL_LABEL = "pdserve.io/model"
 SLICE_LABEL = "pdserve.io/slice"
 # On engine pods, set by the operator from the slice's preflight; the gateway reads it.
@@ -23,6 +25,19 @@ GATEWAY_CONTAINER_PORT = 8000
 # shutdown timeout) within the rest of the grace period.
 GATEWAY_DRAIN_SECONDS = 5
 GATEWAY_SHUTDOWN_SECONDS = 30
+# The gateway replicas' own credential for each other's /status and /admission* (its key inside
+# the Secret <model>-gateway-peer-key): derived by the operator, never a client's API key.
+PEER_KEY_SECRET_KEY = "peer-key"
+
+
+# The operator's master key, from which it derives every model's peer key (HMAC): one Secret in
+# the operator's own namespace, the only Secret it may read (RBAC: get on this name alone).
+PEER_MASTER_SECRET_NAME = "pdserve-operator-peer-master"
+PEER_MASTER_SECRET_KEY = "master-key"
+
+
+def peer_key_secret_name(model: str) -> str:
+    return f"{model}-gateway-peer-key"
 
 
 class Component(StrEnum):

@@ -18,8 +18,14 @@ from pdserve.kube.client import KINDS, Kind, Kube, KubeError
 log = logging.getLogger("pdserve.reconcile")
 
 ChildKey = tuple[str, str, str]  # apiVersion, kind, name
+# Applied every pass and never listed or read: the operator may not read Secrets (a user's hold
+# credentials). Its only one, the gateways' peer key, is derived, so the same bytes are applied
+# each pass (no write at the API server), and the gateway Deployment tells when it must go.
+WRITE_ONLY_KINDS = frozenset({"Secret"})
+# The kinds listed each pass (so what the spec dropped is pruned).
 MANAGED_KINDS: list[Kind] = sorted(
-    (k for k in KINDS.values() if k.kind in KIND_ORDER), key=lambda k: KIND_ORDER.index(k.kind)
+    (k for k in KINDS.values() if k.kind in KIND_ORDER and k.kind not in WRITE_ONLY_KINDS),
+    key=lambda k: KIND_ORDER.index(k.kind),
 )
 NETWORK_POLICY = KINDS[("networking.k8s.io/v1", "NetworkPolicy")]
 

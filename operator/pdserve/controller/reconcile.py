@@ -38,11 +38,13 @@ from pdserve.contract.names import (
     GATEWAY_CONTAINER_PORT,
     INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
+    peer_key_secret_name,
 )
 from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.plans import live_plan
 from pdserve.controller.children import (
     NETWORK_POLICY,
+    WRITE_ONLY_KINDS,
     ChildKey,
     describe,
     key_of,
@@ -52,6 +54,7 @@ from pdserve.controller.children import (
 from pdserve.controller.diff import is_current, merge_patch
 from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
+from pdserve.controller.peer_key import SECRET, PeerMaster, had_peer_key, peer_key_for
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -211,18 +214,21 @@ async def reconcile(
     health: TransportMonitor | None = None,
     autoscaler: Autoscaler | None = None,
     warned: set[str] | None = None,
+    peer_master: PeerMaster | None = None,
 ) -> Outcome:
     """Converge the children of `body` and return what the pass did, events to post included.
     `network`: the operator's NetworkPolicy settings (None: the model gets none, and loses those
     it has). `health`: the background scraper of decode engines' NIXL metrics (None: not
     measured). `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live
     replicas). `warned`: kinds the operator may not list that it already warned about (see
-    list_children). A pass that fails part-way raises PassFailed with what it did until then."""
+    list_children). `peer_master`: the operator's cached master key, from which a model with API
+    keys gets its gateways' peer key (None: such a model's pass fails). A pass that fails
+    part-way raises PassFailed with what it did until then."""
     outcome = Outcome()
     try:
         await _converge(
             kube, body, outcome, now=now, network=network, health=health,
-            autoscaler=autoscaler, warned=warned,
+            autoscaler=autoscaler, warned=warned, peer_master=peer_master,
         )  # fmt: skip
     except (Exception, asyncio.CancelledError) as error:  # cancelled too: still told
         raise PassFailed(outcome, error) from error
@@ -239,6 +245,7 @@ async def _converge(
     health: TransportMonitor | None,
     autoscaler: Autoscaler | None,
     warned: set[str] | None,
+    peer_master: PeerMaster | None,
 ) -> None:
     """The pass itself; `outcome` (the pass's own, not a caller's) is filled as it goes."""
     meta = body["metadata"]
@@ -275,7 +282,10 @@ async def _converge(
         for decision in decisions:
             reason = "ScaledUp" if decision.direction == "up" else "ScaledDown"
             outcome.event("Normal", reason, decision.reason)
-    built = build_all(dm, chat_template_digest=digest, network=network, plan=plan)
+    gateway_key = await peer_key_for(dm, peer_master)
+    built = build_all(
+        dm, chat_template_digest=digest, network=network, plan=plan, peer_key=gateway_key
+    )
     built += preflight(dm, node_pairs(engine_pods(pods_before)))
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
     drift = parity_drift(desired, live)
@@ -283,7 +293,17 @@ async def _converge(
         outcome.event("Warning", "ParityDrift", "repairing: " + "; ".join(drift))
 
     results: dict[ChildKey, Mapping[str, Any]] = dict(live)  # live state after this pass
+    if gateway_key is None and had_peer_key(dm, live):
+        # Before the Deployment drops the mount: a failed delete fails the pass while the
+        # Deployment still tells that a Secret is left, so the retry deletes it.
+        await kube.delete(SECRET, dm.namespace, peer_key_secret_name(dm.name))
+        outcome.pruned.append(f"Secret/{peer_key_secret_name(dm.name)}")
     for obj in desired:
+        if obj["kind"] in WRITE_ONLY_KINDS:
+            # Never listed, so applied every pass; the same bytes each time, which the API
+            # server does not write again. Not told as applied: it almost never changes.
+            await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
+            continue
         if is_current(live.get(key_of(obj)), obj):
             continue
         results[key_of(obj)] = await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)

@@ -13,6 +13,7 @@ from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
+from pdserve.controller.peer_key import PeerMaster
 from pdserve.controller.reconcile import DM_KIND, PassFailed, reconcile
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
@@ -37,6 +38,8 @@ class Reconciler:
         self._loops: list[asyncio.Task[None]] = []
         # Kinds the operator may not list that it warned about: once per kind while it runs.
         self.warned_forbidden: set[str] = set()
+        # Read once, at the first model with API keys, and kept: no pass reads a Secret.
+        self.peer_master = PeerMaster(kube, settings.operator_namespace)
         self.health: TransportMonitor | None = None
         if settings.engine_metrics_seconds > 0:
             self.health = TransportMonitor(
@@ -90,6 +93,7 @@ class Reconciler:
             outcome = await reconcile(
                 self.kube, body, network=self.settings.network_policies, health=self.health,
                 autoscaler=self.autoscaler, warned=self.warned_forbidden,
+                peer_master=self.peer_master,
             )  # fmt: skip
         except PassFailed as failed:
             outcome, error = failed.outcome, failed.error

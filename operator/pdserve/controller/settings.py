@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.builders.network import NetworkPolicyOptions, check_peer
 
@@ -42,6 +43,10 @@ class OperatorSettings:
     replicas."""
     metrics_port: int | None = None
     """Serve the operator's Prometheus metrics (scaling decisions) on this port; None: not."""
+    operator_namespace: str | None = None
+    """The operator's own namespace, which keeps the gateways' peer master key (env
+    PDSERVE_OPERATOR_NAMESPACE, else the in-cluster service account's); None: unknown, and
+    models with API keys cannot be served."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,22 @@ def seconds(flag_value: float | None, env: Mapping[str, str], flag: str, default
         raise ValueError(f"{name}={text!r} is not a number of seconds") from None
 
 
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def operator_namespace(
+    env: Mapping[str, str], service_account: Path = SERVICE_ACCOUNT_NAMESPACE
+) -> str | None:
+    """Where the operator runs: the chart sets the variable from the downward API; the service
+    account's file covers a Deployment made by hand."""
+    name = env.get("PDSERVE_OPERATOR_NAMESPACE", "").strip()
+    if not name and service_account.is_file():
+        name = service_account.read_text().strip()
+    if name and not NAMESPACE_NAME.match(name):
+        raise ValueError(f"PDSERVE_OPERATOR_NAMESPACE={name!r} is not a namespace name")
+    return name or None
+
+
 def from_arguments(
     args: argparse.Namespace, env: Mapping[str, str] = os.environ
 ) -> OperatorSettings:
@@ -190,6 +211,7 @@ def from_arguments(
             manage=args.webhook_manage,
         )  # fmt: skip
     return OperatorSettings(
+        operator_namespace=operator_namespace(env),
         webhook=webhook,
         network_policies=network_settings(args, env),
         namespaces=tuple(sorted(set(namespaces))),

@@ -36,6 +36,7 @@ KINDS: dict[tuple[str, str], Kind] = {
     for k in (
         Kind("v1", "ServiceAccount", "serviceaccounts"),
         Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Secret", "secrets"),
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
         Kind("v1", "Event", "events"),
