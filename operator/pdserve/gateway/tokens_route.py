@@ -129,7 +129,7 @@ class TokensRoute:
         if held is None:
             return handoff
         self.metrics.bidirectional_tokens.inc(matched)
-        return reuse_decode_kv_params(held)
+        return reuse_decode_kv_params(held, matched, self.config.block_size)
 
     def keep_decode_kv(
         self, ex: Exchange, prompt_ids: list[int], answer: Mapping[str, Any]

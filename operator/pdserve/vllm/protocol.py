@@ -36,10 +36,35 @@ def prefill_handoff_params() -> dict[str, Any]:
     }
 
 
-def reuse_decode_kv_params(held: Mapping[str, Any]) -> dict[str, Any]:
+def reuse_decode_kv_params(
+    held: Mapping[str, Any], matched_tokens: int, block_size: int
+) -> dict[str, Any]:
     """kv_transfer_params pointing prefill at the KV a decode engine still holds from the
-    conversation's last turn (bidirectional KV), still asking prefill to hand off to decode."""
-    return {**held, "do_remote_decode": True, "do_remote_prefill": False}
+    conversation's last turn (bidirectional KV), still asking prefill to hand off to decode.
+
+    Prefill loads the first `remote_num_tokens` of its prompt from those blocks without
+    comparing tokens (vLLM's NixlConnector), so they are cut to the whole blocks of the prefix
+    the new prompt shares with the held turn: decode holds the turn as it generated it, and
+    the next prompt's history can differ (a template that drops <think>, an edited message);
+    loading past the shared prefix answers from the wrong context."""
+    usable = min(int(held.get("remote_num_tokens") or 0), matched_tokens)
+    blocks = usable // block_size
+    return {
+        **held,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_num_tokens": blocks * block_size,
+        "remote_block_ids": _first_blocks(held.get("remote_block_ids"), blocks),
+    }
+
+
+def _first_blocks(block_ids: Any, count: int) -> Any:
+    """The first `count` block ids, of one list or of each KV cache group's list."""
+    if not isinstance(block_ids, list):
+        return block_ids
+    if block_ids and all(isinstance(group, list) for group in block_ids):
+        return [group[:count] for group in block_ids]
+    return block_ids[:count]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
