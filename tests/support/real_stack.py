@@ -39,6 +39,7 @@ async def gateway_over(
     render: str | None = None,
     prefill: Sequence[str] = (),
     engine_api: str = "tokens",
+    tokens_engines: str = "scale_out",
     kv_transfer: Mapping[str, Any] | None = None,
     operator_config: Mapping[str, Any] | None = None,
     **settings: Any,
@@ -55,6 +56,7 @@ async def gateway_over(
     config: dict[str, Any] = {
         "model": SERVED_NAME,
         "engineApi": engine_api,
+        "tokensEngines": tokens_engines,
         "parityHash": PARITY,
         "blockSize": 128,
         "routing": {"mode": "Disaggregated" if prefill else "Aggregated"},
