@@ -13,6 +13,7 @@ from openai import AsyncOpenAI
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
+from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.real_vllm import SERVED_NAME
 from tests.support.serving import serving
@@ -65,7 +66,7 @@ async def gateway_over(
         config["kvTransfer"] = dict(kv_transfer)
     gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
     async with (
-        serving(gateway.app()) as url,
+        serving(gateway.app(), runner_class=GatewayRunner) as url,
         AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client,
     ):
         yield GatewayUnderTest(gateway, url, client)
