@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,27 @@ from tests.support.serving import serving
 MODEL = "qwen"
 
 
-@pytest.fixture
-async def upstreams() -> AsyncIterator[dict[str, str]]:
+@asynccontextmanager
+async def simulated(time_scale: float) -> AsyncIterator[dict[str, str]]:
+    """A render server and a decode engine on loopback: their URLs by pool."""
     render = RenderServer(RenderConfig(model="m", served_model_name=MODEL))
     config = EngineConfig(
         model="m",
         served_model_name=MODEL,
         port=free_port(),
-        scheduler=SchedulerConfig(time_scale=0.01),
+        scheduler=SchedulerConfig(time_scale=time_scale),
     )
     async with (
         serving(render.app()) as render_url,
         serving(EngineServer(config).app(), port=config.port) as decode_url,
     ):
         yield {"render": render_url, "decode": decode_url}
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[dict[str, str]]:
+    async with simulated(time_scale=0.01) as urls:
+        yield urls
 
 
 def write_config(path: Path, upstreams: dict[str, str]) -> Path:
@@ -52,12 +61,12 @@ def write_config(path: Path, upstreams: dict[str, str]) -> Path:
     return path
 
 
-async def test_gateway_process_serves_and_logs_each_request(
-    upstreams: dict[str, str], tmp_path: Path
-) -> None:
+def start_gateway(
+    tmp_path: Path, upstreams: dict[str, str], *flags: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`pdserve gateway` over `upstreams`, serving (its /health answers): the process, its URL."""
     port = free_port()
-    log_file = tmp_path / "requests.jsonl"
-    process = subprocess.Popen(  # noqa: ASYNC220 - the gateway under test runs apart
+    process = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -69,17 +78,35 @@ async def test_gateway_process_serves_and_logs_each_request(
             "127.0.0.1",
             "--port",
             str(port),
-            "--request-log",
-            str(log_file),
-            "--log-format",
-            "json",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until("the gateway", lambda: httpx.get(f"{url}/health").status_code == 200, timeout=30)
+        wait_until("the gateway", lambda: _health(url) == 200, timeout=30)
+    except BaseException:
+        process.kill()
+        raise
+    return process, url
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/health").status_code
+    except httpx.TransportError:
+        return None
+
+
+async def test_gateway_process_serves_and_logs_each_request(
+    upstreams: dict[str, str], tmp_path: Path
+) -> None:
+    log_file = tmp_path / "requests.jsonl"
+    process, url = start_gateway(
+        tmp_path, upstreams, "--request-log", str(log_file), "--log-format", "json"
+    )
+    try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             body = {
                 "model": MODEL,
@@ -115,9 +142,55 @@ async def test_gateway_process_serves_and_logs_each_request(
         assert entry["render_engine"] == upstreams["render"]
         assert entry["parity_hash"] == "p1"
         assert (entry["prefill_engine"], entry["auto_reason"]) == (None, "no_prefill")
+        # What aiohttp's HTTP parser refuses, answered by the process in the OpenAI shape too.
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+            b"Transfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        answer = await asyncio.wait_for(reader.read(), 10)  # the refusal closes the connection
+        writer.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request")
+        assert b"Content-Type: application/json" in head
+        error = json.loads(payload)["error"]
+        assert error["message"].startswith("the request has both Content-Length and Transfer-")
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+async def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path: Path) -> None:
+    """SIGTERM (after the pod's preStop drain): the gateway stops accepting, lets a stream
+    under way run to its end, and exits 0."""
+    async with simulated(time_scale=0.5) as upstreams:  # ~10 ms a token
+        process, url = start_gateway(tmp_path, upstreams)
+        try:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 150,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+                client.stream("POST", "/v1/chat/completions", json=body) as response,
+            ):
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                process.terminate()
+                rest = [line async for line in lines if line]
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            assert '"finish_reason": "length"' in "".join(rest)
+            assert process.wait(timeout=30) == 0
+            assert _health(url) is None
+        finally:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def test_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from openai import AsyncOpenAI
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
+from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.chat_cases import LONG_ANSWER_TOKENS
 from tests.support.real_vllm import SERVED_NAME, VllmServer, engine_counts
@@ -79,7 +80,7 @@ async def gateway_over(
             config |= {"engineApi": "openai", "pools": {**config["pools"], "render": None}}
     gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
     async with (
-        serving(gateway.app()) as url,
+        serving(gateway.app(), runner_class=GatewayRunner) as url,
         AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client,
     ):
         yield GatewayUnderTest(gateway, url, client)

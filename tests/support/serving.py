@@ -11,9 +11,15 @@ from devtools.localplane import free_port
 
 
 @asynccontextmanager
-async def serving(app: web.Application, port: int | None = None) -> AsyncIterator[str]:
-    """Run an aiohttp app on a loopback port (a free one by default); yields its base URL."""
-    runner = web.AppRunner(app, handler_cancellation=True)
+async def serving(
+    app: web.Application,
+    port: int | None = None,
+    *,
+    runner_class: type[web.AppRunner] = web.AppRunner,
+) -> AsyncIterator[str]:
+    """Run an aiohttp app on a loopback port (a free one by default); yields its base URL.
+    A gateway's app runs on `runner_class=GatewayRunner`, as `pdserve gateway` runs it."""
+    runner = runner_class(app, handler_cancellation=True)
     await runner.setup()
     port = port or free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)

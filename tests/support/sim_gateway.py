@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from aiohttp import web
 
 from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import SchedulerConfig
@@ -85,7 +87,10 @@ class Stack:
         self.renders: list[RenderServer] = []
 
     async def start(self, server: Any, port: int | None = None) -> str:
-        return await self.exits.enter_async_context(serving(server.app(), port=port))
+        runner = GatewayRunner if isinstance(server, Gateway) else web.AppRunner
+        return await self.exits.enter_async_context(
+            serving(server.app(), port=port, runner_class=runner)
+        )
 
     async def engine(self, name: str, config: EngineConfig) -> str:
         server = EngineServer(config)

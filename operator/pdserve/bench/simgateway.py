@@ -16,9 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from aiohttp import web
-
 from pdserve.contract.routing import ConfigError, load_config
+from pdserve.gateway import server
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.policy import PolicySettings
@@ -72,9 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.time_scale, fair_queue=args.fair_queue, request_log=args.request_log
     )
     gateway = Gateway(config, settings)
-    web.run_app(
-        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None
-    )
+    server.run(gateway.app(), args.host, args.port)
     return 0
 
 

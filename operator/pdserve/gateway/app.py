@@ -10,7 +10,7 @@ Every request ends in a correct answer or a clear OpenAI-style error, never a ha
 
 This module wires the parts (intake.py, planner.py, tokens_route.py, openai_route.py,
 admission.py, upstream.py) into the web application, runs its background tasks, and serves
-the operational endpoints (health, ready, models, metrics, status)."""
+the operational endpoints (health, ready, models, metrics, status); server.py serves it."""
 
 from __future__ import annotations
 
@@ -135,6 +135,9 @@ class Gateway:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
             middlewares=[self.intake.middleware, self._errors],
+            # The intake undoes Content-Encoding (content_encoding.py): aiohttp's parser would
+            # refuse a coding or a body it cannot decode itself, in text/plain.
+            handler_args={"auto_decompress": False},
         )
         app.on_response_prepare.append(echo_request_id)
         expect = expect_continue
@@ -270,7 +273,7 @@ class Gateway:
         started = time.monotonic()
         route = "unknown"
         try:
-            await self.intake.receive(request)  # before a slot: slow bodies hold none
+            data = await self.intake.receive(request)  # before a slot: slow bodies hold none
         except GatewayError as error:
             self.metrics.requests.labels(route, f"error_{error.status}").inc()
             return error_response(error)
@@ -287,7 +290,7 @@ class Gateway:
             self.metrics.inflight.inc()
             exchange: Exchange | None = None
             try:
-                body = await self.intake.read_body(request)
+                body = self.intake.read_body(request, data)
                 body = self.intake.check_body(body, chat=chat)
                 # The engines' request id is the gateway's own: clients' ids may collide.
                 request_id = gateway_request_id(request)

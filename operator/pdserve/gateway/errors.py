@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from pdserve.gateway.endpoints import NoEndpoints
 
@@ -26,7 +27,9 @@ class GatewayError(Exception):
             401: "AuthenticationError",
             404: "NotFoundError",
             413: "RequestTooLarge",
+            415: "UnsupportedMediaType",
             429: "RateLimitError",
+            431: "RequestHeaderFieldsTooLarge",
             500: "InternalServerError",
             503: "ServiceUnavailableError",
             504: "TimeoutError",
@@ -108,6 +111,29 @@ def client_error(error: Exception, request_id: str | None = None) -> GatewayErro
         return GatewayError(502, message, kind="UpstreamError")
     where = f" (request id {request_id})" if request_id else ""
     return GatewayError(500, f"the gateway failed to serve the request{where}")
+
+
+def framing_error(error: HttpProcessingError, line_limit: int) -> GatewayError:
+    """What the client is told about a request aiohttp's HTTP parser refused (its head, or a
+    body's chunked framing): a line over `line_limit` bytes as 431, anything else as 400 with
+    the first line of aiohttp's reason, which names the fault (the rest draws the client's
+    bytes under a caret)."""
+    if isinstance(error, LineTooLong):
+        return GatewayError(
+            431,
+            f"a request header (or the request line) is longer than {line_limit} bytes, the "
+            "most the gateway reads; send shorter headers",
+        )
+    reason = (error.message.strip().splitlines() or ["malformed request"])[0].rstrip(": ")
+    if "Content-Length" in reason and "Transfer-Encoding" in reason:
+        # aiohttp's C parser and its Python one word this refusal differently.
+        message = (
+            "the request has both Content-Length and Transfer-Encoding headers; send one: "
+            "Content-Length for a body of known size, or Transfer-Encoding: chunked"
+        )
+    else:
+        message = f"the request is not valid HTTP/1.1: {reason[:200]}"
+    return GatewayError(400, message)
 
 
 def client_went_away(error: Exception) -> bool:

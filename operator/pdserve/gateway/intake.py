@@ -1,5 +1,6 @@
-"""Request intake: the API key (and the peers' key), the body's size, arrival time and shape
-(and whether the engines can serve it), the headers passed upstream.
+"""Request intake: the API key (and the peers' key), the body's size, arrival time, encoding
+(content_encoding.py) and shape (and whether the engines can serve it), the headers passed
+upstream.
 
 Who may call what, when keys are set (`authorize`, run by `middleware` before every handler):
 `/health` and `/ready` (probes) and `/metrics` (Prometheus, as vLLM's own: counts and latencies
@@ -18,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.gateway.content_encoding import decoded
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
@@ -87,14 +89,14 @@ class Intake:
                 return error_response(error)
         return await handler(request)
 
-    async def receive(self, request: web.Request) -> None:
-        """Receive the whole body (aiohttp keeps it for read_body) within the body timeout and
-        the size cap, before the request takes an in-flight slot: a client that sends its body
-        slowly holds no slot, and gets 408."""
+    async def receive(self, request: web.Request) -> bytes:
+        """The whole body, received within the body timeout and the size cap before the request
+        takes an in-flight slot (a client that sends its body slowly holds no slot, and gets
+        408), its Content-Encoding undone."""
         timeout = self.settings.body_timeout
         try:
             async with asyncio.timeout(timeout):
-                await request.read()
+                data = await request.read()
         except TimeoutError:
             raise GatewayError(
                 408, f"the request body did not arrive within {timeout:g} s", kind="RequestTimeout"
@@ -102,23 +104,26 @@ class Intake:
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
         except web.RequestPayloadError:
-            # aiohttp could not decode it (a gzip or deflate body that is not): the client's
-            # mistake, not the gateway's failure.
-            encoding = request.headers.get("Content-Encoding", "none")
-            message = f"request body could not be read as sent (Content-Encoding: {encoding})"
+            # Its chunked framing broke after the handler started (before, the HTTP parser
+            # refuses it: server.py): the client's mistake, not the gateway's failure.
+            message = (
+                "request body could not be read as sent: its chunked framing "
+                "(Transfer-Encoding: chunked) is broken"
+            )
             raise GatewayError(400, message) from None
+        encoding = request.headers.get("Content-Encoding", "")
+        return decoded(data, encoding, self.settings.max_body_bytes)
 
     def _too_large(self) -> GatewayError:
         limit = self.settings.max_body_bytes
         return GatewayError(413, f"request body exceeds {limit} bytes", kind="RequestTooLarge")
 
-    async def read_body(self, request: web.Request) -> dict[str, Any]:
+    def read_body(self, request: web.Request, data: bytes) -> dict[str, Any]:
+        """`data`, the body receive() returned, as the JSON object a completion request is."""
         try:
-            body = await request.json()
+            body = json.loads(data.decode(request.charset or "utf-8"))
         except json.JSONDecodeError as error:
             raise GatewayError(400, f"request body is not valid JSON: {error}") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise self._too_large() from None
         except UnicodeDecodeError as error:
             message = f"request body is not valid {error.encoding}: {error.reason}"
             raise GatewayError(400, message) from None

@@ -8,11 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from aiohttp import web
 from kubernetes.config import ConfigException
 
 from pdserve.contract.names import GATEWAY_SHUTDOWN_SECONDS
 from pdserve.contract.routing import ConfigError, load_config
+from pdserve.gateway import server
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.kube.client import Kube
@@ -177,10 +177,5 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
         gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
-    # A client that disconnects cancels its handler, which aborts the engines' work.
-    # SIGTERM (after the pod's preStop drain): stop accepting, finish what is in flight.
-    web.run_app(
-        gateway.app(), host=args.host, port=args.port, handler_cancellation=True, print=None,
-        shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS,
-    )  # fmt: skip
+    server.run(gateway.app(), args.host, args.port, shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS)
     return 0

@@ -4,6 +4,7 @@ bare 500, a stack trace or an engine's address."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -173,8 +174,42 @@ async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(pd: 
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     response = await post(client, None, data=b"not gzip", headers=headers)
     error = await openai_error(response, 400)
-    assert error["message"] == "request body could not be read as sent (Content-Encoding: gzip)"
+    assert error["message"].startswith(
+        "request body does not decode as its Content-Encoding: gzip says"
+    )
     assert upstream.calls == []
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress"])
+async def test_a_content_encoding_the_gateway_does_not_decode_is_a_415(
+    pd: Served, encoding: str
+) -> None:
+    client, gateway, upstream = pd
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    response = await post(client, None, data=json.dumps(CHAT).encode(), headers=headers)
+    error = await openai_error(response, 415)
+    assert error["message"] == (
+        f"Content-Encoding: {encoding} is not supported; send the body as gzip, deflate or "
+        "identity (uncompressed)"
+    )
+    assert upstream.calls == []
+    assert requests_counted(gateway, "error_415") == 1
+
+
+async def test_a_compressed_body_is_served(pd: Served) -> None:
+    client, _, upstream = pd
+    upstream.script = {
+        "render": [rendered()],
+        "prefill": [{"kv_transfer_params": KV}],
+        "decode": [ANSWER],
+        "derender": [DERENDERED],
+    }
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    data = gzip.compress(json.dumps(CHAT).encode())
+    response = await post(client, None, data=data, headers=headers)
+    assert response.status == 200, await response.text()
+    [render] = upstream.sent("render")
+    assert render["messages"] == CHAT["messages"]
 
 
 async def test_an_unknown_expectation_is_a_417_in_the_openai_shape(pd: Served) -> None:

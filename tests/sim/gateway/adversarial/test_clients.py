@@ -1,7 +1,8 @@
 """Clients that misbehave on the wire, on loopback simulators: bodies sent slowly (stalled,
 trickled, chunked and stalled) get a 408 within the body timeout while other clients are
 served; a client that goes away mid-stream or mid-answer has its engine work aborted and frees
-its in-flight slot; framing aiohttp's HTTP parser refuses is answered (known: in text/plain)."""
+its in-flight slot; framing aiohttp's HTTP parser refuses, and a Content-Encoding the gateway
+does not read or a compressed body cut short, are answered in the OpenAI shape."""
 
 from __future__ import annotations
 
@@ -204,37 +205,46 @@ async def test_a_client_leaving_mid_answer_has_its_engine_work_aborted(
     told_to_stop(decode, api)
 
 
-# Framing aiohttp's HTTP parser refuses before the application sees the request: answered
-# at once (no hang), but in aiohttp's text/plain, not the OpenAI shape.
+# Framing aiohttp's HTTP parser refuses before the application sees the request (the gateway's
+# server answers it, server.py), and Content-Encoding the gateway undoes itself rather than the
+# parser (content_encoding.py): each answered at once, in the OpenAI shape, naming the header.
 FRAMING = [
     pytest.param(
         HEAD + b"Content-Encoding: br\r\n" + f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY,
+        415,
+        "Content-Encoding: br is not supported",
         id="unsupported-content-encoding",
     ),
     pytest.param(
+        HEAD + b"Content-Encoding: zstd\r\nContent-Length: 2\r\n\r\n{}",
+        415,
+        "Content-Encoding: zstd is not supported",
+        id="unsupported-content-encoding-zstd",
+    ),
+    pytest.param(
         HEAD + b"Content-Encoding: deflate\r\nContent-Length: 4\r\n\r\nx\x9c\xabV",
+        400,
+        "Content-Encoding: deflate says (it is cut short)",
         id="compressed-body-cut-short",
     ),
     pytest.param(
         HEAD + b"Transfer-Encoding: chunked\r\n" + f"Content-Length: {len(BODY)}\r\n\r\n".encode(),
+        400,
+        "both Content-Length and Transfer-Encoding",
         id="length-and-chunked",
     ),
     pytest.param(
         HEAD + b"X-Big: " + b"x" * 10_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        431,
+        "a request header (or the request line) is longer than 8190 bytes",
         id="header-over-8-kib",
     ),
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiohttp's HTTP parser answers these itself in text/plain (RequestHandler."
-    "handle_error), before any route or middleware; the gateway would need its own protocol "
-    "handler",
-)
-@pytest.mark.parametrize("request_bytes", FRAMING)
+@pytest.mark.parametrize(("request_bytes", "status", "message"), FRAMING)
 async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
-    stack: Stack, request_bytes: bytes
+    stack: Stack, request_bytes: bytes, status: int, message: str
 ) -> None:
     client = await pd_stack(stack)
     assert client.base_url.port is not None
@@ -245,7 +255,8 @@ async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
         verdict = await asyncio.wait_for(read_answer(reader), HANG)
     finally:
         writer.close()
-    TALLY.add("framing aiohttp's parser refuses (known, xfail)", verdict)
-    assert verdict.status is not None
-    assert 400 <= verdict.status < 500  # answered, as the client's mistake
+    TALLY.add("framing and encodings refused, in the OpenAI shape", verdict)
     assert verdict.outcome is Outcome.CLEAR_ERROR, verdict
+    assert verdict.status == status, verdict
+    assert verdict.error is not None
+    assert message in verdict.error["message"], verdict

@@ -1,0 +1,103 @@
+"""The HTTP server the gateway runs on: aiohttp's, except that what aiohttp's HTTP parser
+refuses before any route or middleware sees the request (a header over 8 KiB, Content-Length
+with Transfer-Encoding, a broken chunked body...) is answered in the OpenAI error shape, as
+everything else is, not in aiohttp's own text/plain.
+
+aiohttp has no public hook for those answers (aio-libs/aiohttp#3287): its RequestHandler writes
+them in handle_error, so the gateway's connections are a RequestHandler subclass. aiohttp builds
+its RequestHandler in web.Server.__call__, and AppRunner builds that Server in _make_server, so
+this module, and only it, leans on aiohttp's private parts: AppRunner._make_server,
+Server._loop and Server._kwargs. tests/unit/gateway/test_server.py fails loudly if they change.
+Everything that serves the gateway (`pdserve gateway`, the bench's simulated gateway, the
+tests) does it on GatewayRunner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from pdserve.gateway.errors import GatewayError, client_error, error_response, framing_error
+
+log = logging.getLogger("pdserve.gateway")
+
+
+class _Connection(web.RequestHandler):
+    """One client connection: aiohttp's, with its own answers in the OpenAI shape."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request its parser refused (400, `exc` the parser's error), or
+        whose handler raised past every middleware (500; 504 for a timeout)."""
+        if request.writer.output_size > 0:
+            # As aiohttp's own: once a response is under way, an error cannot replace it.
+            raise ConnectionError("a response is already being sent: no room for an error")
+        if isinstance(exc, HttpProcessingError):
+            answer = framing_error(exc, self.max_field_size)
+            # The client's mistake: the gateway does not log those (Gateway._log_failure).
+            log.debug("refused a request from %s: %s", request.remote, exc)
+        else:
+            if isinstance(exc, Exception):
+                answer = client_error(exc)
+            else:
+                answer = GatewayError(status, HTTPStatus(status).phrase)
+            log.error("unexpected failure outside the gateway's handlers", exc_info=exc)
+        response = error_response(answer)
+        # What follows a refused request on its connection cannot be told apart from its body.
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        # aiohttp's own Server.__call__, with _Connection for its RequestHandler.
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """web.AppRunner whose connections answer aiohttp's refusals in the OpenAI shape."""
+
+    __slots__ = ()
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()
+        return _Server(
+            made.request_handler,
+            request_factory=made.request_factory,
+            handler_cancellation=made.handler_cancellation,
+            loop=made._loop,
+            **made._kwargs,
+        )
+
+
+async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float) -> None:
+    """web.run_app's job on GatewayRunner: serve `app` until SIGTERM (after the pod's preStop
+    drain) or SIGINT, then stop accepting and give the requests in flight `shutdown_timeout`
+    seconds to finish."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    # A client that disconnects cancels its handler, which aborts the engines' work.
+    runner = GatewayRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60) -> None:
+    asyncio.run(serve(app, host, port, shutdown_timeout=shutdown_timeout))
