@@ -4,6 +4,7 @@ says once ids and timestamps are set aside: the shape two servers must agree on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -188,15 +189,17 @@ def pretty(answer: Mapping[str, Any]) -> str:
 
 
 async def assert_left_work_is_aborted(
-    gateway_url: str, body: Mapping[str, Any], *, stream: bool, engine: VllmServer
+    route: GatewayUnderTest, body: Mapping[str, Any], *, stream: bool, engine: VllmServer
 ) -> None:
-    """Send `body` (a long answer) and leave: a stream after its first events, a non-streamed
-    request after 0.3 s. Then the engine must stop the request within a deadline,
+    """Send `body` (a long answer) through `route` and leave: a stream after its first events,
+    a non-streamed request once the gateway has it in flight on a decode engine (by the
+    gateway's own count, not a clock or the engine's /metrics: on a loaded machine both can
+    lag past the whole answer). Then the engine must stop the request within a deadline,
     without finishing it, having generated fewer tokens than asked."""
-    before = engine_counts(engine)
+    before = await counts_of(engine)
     payload = {key: value for key, value in body.items() if key != "extra_body"}
     payload |= dict(body.get("extra_body") or {})
-    async with httpx.AsyncClient(base_url=gateway_url) as client:
+    async with httpx.AsyncClient(base_url=route.url, timeout=60) as client:
         if stream:
             payload["stream"] = True
             async with client.stream("POST", "/v1/chat/completions", json=payload) as answer:
@@ -207,14 +210,18 @@ async def assert_left_work_is_aborted(
                     if events == 3:
                         break
         else:
-            with pytest.raises(httpx.ReadTimeout):
-                await client.post("/v1/chat/completions", json=payload,
-                                  timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+            sent = asyncio.create_task(client.post("/v1/chat/completions", json=payload))
+            try:
+                await until_decoding(route, sent)
+            finally:
+                sent.cancel()  # the client leaves: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sent
     # vLLM counts an aborted request in no finished_reason: it is aborted when it leaves the
     # running batch without finishing.
     deadline = time.monotonic() + 20
     while True:
-        after = engine_counts(engine)
+        after = await counts_of(engine)
         if after.get("running") == 0 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)  # polling another process's counters, with a deadline
@@ -223,5 +230,27 @@ async def assert_left_work_is_aborted(
     }
     generated = after.get("generated", 0.0) - before.get("generated", 0.0)
     assert after.get("running") == 0, f"still running after 20 s: {after}"
-    assert not any(finished.values()), f"the request finished instead of stopping: {finished}"
+    assert not any(finished.values()), (
+        f"the request finished instead of stopping: {finished}, {generated} tokens generated"
+    )
     assert generated < LONG_ANSWER_TOKENS, f"the engine generated {generated} tokens"
+
+
+async def counts_of(engine: VllmServer) -> dict[str, float]:
+    """engine_counts off the event loop, which may be serving an in-process gateway."""
+    return dict(await asyncio.to_thread(engine_counts, engine))
+
+
+async def until_decoding(route: GatewayUnderTest, sent: asyncio.Task[httpx.Response]) -> None:
+    """Return once the gateway has the request in flight on a decode engine (polled, with a
+    deadline); fail when the request was answered first."""
+    decode = route.gateway.endpoints.pools["decode"]
+    deadline = time.monotonic() + 30
+    while not any(endpoint.inflight for endpoint in decode):
+        if sent.done():
+            answer = sent.result()
+            pytest.fail(
+                f"answered before the client left: {answer.status_code} {answer.text[:300]}"
+            )
+        assert time.monotonic() < deadline, "the gateway never sent the request to decode"
+        await asyncio.sleep(0.005)  # polling the gateway's count, with a deadline

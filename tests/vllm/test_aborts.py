@@ -30,5 +30,5 @@ async def route(
 async def test_a_client_that_leaves_stops_the_engine(
     stream: bool, route: GatewayUnderTest, engine: VllmServer
 ) -> None:
-    await assert_left_work_is_aborted(route.url, long_answer(), stream=stream, engine=engine)
+    await assert_left_work_is_aborted(route, long_answer(), stream=stream, engine=engine)
     assert engine_counts(engine).get("running") == 0

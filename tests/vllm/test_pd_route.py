@@ -199,6 +199,6 @@ async def test_a_client_that_leaves_stops_both_engines(
     stream: bool, pair: Pair, pd_render_route: GatewayUnderTest
 ) -> None:
     await assert_left_work_is_aborted(
-        pd_render_route.url, long_answer(), stream=stream, engine=pair.decode
+        pd_render_route, long_answer(), stream=stream, engine=pair.decode
     )
     assert engine_counts(pair.prefill).get("running") == 0

@@ -92,4 +92,4 @@ async def test_what_they_cannot_serve_is_refused_naming_the_parameter(
 async def test_a_client_that_leaves_stops_a_tokens_only_engine(
     stream: bool, route: GatewayUnderTest, tokens_only: VllmServer
 ) -> None:
-    await assert_left_work_is_aborted(route.url, long_answer(), stream=stream, engine=tokens_only)
+    await assert_left_work_is_aborted(route, long_answer(), stream=stream, engine=tokens_only)
