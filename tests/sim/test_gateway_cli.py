@@ -185,7 +185,9 @@ async def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path: Path
                 process.terminate()
                 rest = [line async for line in lines if line]
             assert rest[-1] == "data: [DONE]", rest[-3:]
-            assert '"finish_reason": "length"' in "".join(rest)
+            events = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+            finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])]
+            assert finishes[-1] == "length", rest[-3:]
             assert process.wait(timeout=30) == 0
             assert _health(url) is None
         finally:

@@ -185,8 +185,8 @@ class Endpoints:
         """Least loaded, skipping ones that already failed this request. With `affinity` (URL ->
         cached prefix blocks, or a conversation bonus), the endpoint holding the most of this
         request's KV wins unless it is more than `slack` busier than the least loaded one."""
-        skipped = list(exclude)
-        pool = [e for e in candidates if all(e is not x for x in skipped)]
+        skipped = {id(e) for e in exclude}
+        pool = [e for e in candidates if id(e) not in skipped] if skipped else candidates
         if not pool:
             return None
         least = min(e.load() for e in pool)

@@ -3,8 +3,8 @@ the one mapping of whatever a request raised to the error its client gets."""
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from pdserve.gateway.endpoints import NoEndpoints
+from pdserve.wirejson import dumps, loads
 
 
 class GatewayError(Exception):
@@ -51,6 +52,15 @@ class LeaseExpiring(UpstreamFailed):
     prefills locally instead."""
 
 
+def json_response(
+    body: Any, *, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """web.json_response with the wire codec (pdserve.wirejson)."""
+    return web.Response(
+        body=dumps(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
@@ -58,14 +68,14 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
 def error_response(error: GatewayError) -> web.Response:
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     body = error_body(error.status, error.message, error.kind, error.param)
-    return web.json_response(body, status=error.status, headers=headers)
+    return json_response(body, status=error.status, headers=headers)
 
 
 def upstream_message(payload: bytes) -> str:
     """The error message inside an upstream error body (vLLM's or ours), else the raw text."""
     text = payload.decode(errors="replace")
     try:
-        body = json.loads(text)
+        body = loads(text)
     except ValueError:
         return text[:500]
     error = body.get("error") if isinstance(body, dict) else None
@@ -147,7 +157,7 @@ def http_error_response(error: web.HTTPException) -> web.Response:
     headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
     kind = GatewayError(error.status, error.reason).kind
     body = error_body(error.status, error.reason, kind)
-    return web.json_response(body, status=error.status, headers=headers)
+    return json_response(body, status=error.status, headers=headers)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:

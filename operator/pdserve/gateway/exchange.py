@@ -3,9 +3,8 @@ Routes fill it in; the app logs it when it finishes."""
 
 from __future__ import annotations
 
-import json
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +12,7 @@ from aiohttp import web
 
 from pdserve.gateway.endpoints import Endpoint, Selection
 from pdserve.gateway.request_log import p95
+from pdserve.wirejson import dumps
 
 if TYPE_CHECKING:
     from pdserve.gateway.streaming import ClientWriter
@@ -26,7 +26,7 @@ def gateway_request_id(request: web.Request) -> str:
     """The gateway's own id of `request` (given on first use): unique, whatever the client
     sends, so one client's id never names another's work on the engines."""
     if (own := request.get(REQUEST_ID)) is None:
-        own = request[REQUEST_ID] = f"pdserve-{uuid.uuid4().hex}"
+        own = request[REQUEST_ID] = f"pdserve-{os.urandom(16).hex()}"
     return own
 
 
@@ -80,6 +80,7 @@ class Exchange:
     """The status of the error event a stream ended with (the request failed after its 200)."""
     client_request_id: str | None = None
     """The client's `X-Request-Id`, for the log only."""
+    _prompt_estimate: int | None = field(default=None, repr=False)
 
     @property
     def stream(self) -> bool:
@@ -99,8 +100,12 @@ class Exchange:
         return "openai_pd" if self.pd else "aggregated"
 
     def estimated_prompt_tokens(self) -> int:
-        """Without a render pool there are no token ids: ~4 characters a token."""
-        return len(json.dumps(self.body.get("messages") or self.body.get("prompt") or "")) // 4
+        """Without a render pool there are no token ids: ~4 characters a token. Encoded once
+        per request: a stream asks for it on every event."""
+        if self._prompt_estimate is None:
+            prompt = self.body.get("messages") or self.body.get("prompt") or ""
+            self._prompt_estimate = len(dumps(prompt)) // 4
+        return self._prompt_estimate
 
     def log_entry(self) -> dict[str, Any]:
         """The request log's JSON Lines entry (the chunked-prefill article's fields)."""

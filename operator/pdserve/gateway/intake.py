@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.wirejson import JSONDecodeError, loads
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Probes and the metrics scrape: they must work without a key (the kubelet, Prometheus, the
@@ -121,8 +121,8 @@ class Intake:
     def read_body(self, request: web.Request, data: bytes) -> dict[str, Any]:
         """`data`, the body receive() returned, as the JSON object a completion request is."""
         try:
-            body = json.loads(data.decode(request.charset or "utf-8"))
-        except json.JSONDecodeError as error:
+            body = loads(data.decode(request.charset or "utf-8"))
+        except JSONDecodeError as error:
             raise GatewayError(400, f"request body is not valid JSON: {error}") from None
         except UnicodeDecodeError as error:
             message = f"request body is not valid {error.encoding}: {error.reason}"

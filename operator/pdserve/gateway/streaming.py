@@ -6,7 +6,6 @@ event, then `[DONE]`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Mapping
@@ -20,6 +19,7 @@ from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.vllm.derender_gaps import StreamStop
 from pdserve.vllm.protocol import ChunkChoice, DerenderStreamRequest, derender_chunk_body
+from pdserve.wirejson import dumps
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -28,7 +28,7 @@ DONE = "[DONE]"
 
 
 def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data)}\n\n".encode()
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 class StreamTimeout(TimeoutError):

@@ -5,7 +5,6 @@ decode turn left on decode."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
@@ -17,7 +16,7 @@ from aiohttp import web
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import DecodeKv
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, UpstreamFailed, upstream_message
+from pdserve.gateway.errors import GatewayError, UpstreamFailed, json_response, upstream_message
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops, has_choices
 from pdserve.gateway.metrics import GatewayMetrics
@@ -49,6 +48,7 @@ from pdserve.vllm.protocol import (
     tokens_decode_body,
     tokens_prefill_body,
 )
+from pdserve.wirejson import loads
 
 
 class TokensRoute:
@@ -185,7 +185,7 @@ class TokensRoute:
             usage.get("completion_tokens"),
         )
         self.metrics.ttft.labels(ex.route).observe(time.monotonic() - ex.started)
-        return web.json_response(result)
+        return json_response(result)
 
     @asynccontextmanager
     async def open_decode_stream(
@@ -325,7 +325,7 @@ class TokensRoute:
                                 done = True
                                 break
                             try:
-                                event = json.loads(data)
+                                event = loads(data)
                                 if "error" in event:
                                     broke = f"decode reported: {event['error']}"
                                     break

@@ -6,7 +6,6 @@ skips it, and a retry never goes back to a replica that already failed the reque
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -21,6 +20,7 @@ from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.vllm.protocol import ABORT_PATH, AbortRequest, abort_body
+from pdserve.wirejson import dumps, loads
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -46,6 +46,11 @@ async def counted(endpoint: Endpoint, prefill_tokens: int = 0) -> AsyncIterator[
         prefilled()
 
 
+def json_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """`headers` for a body already encoded (pdserve.wirejson), with its content type."""
+    return {**headers, "Content-Type": "application/json"}
+
+
 class UpstreamClient:
     def __init__(
         self, endpoints: Endpoints, metrics: GatewayMetrics, settings: GatewaySettings
@@ -61,7 +66,6 @@ class UpstreamClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=s.keepalive_expiry),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
-                json_serialize=json.dumps,
             )
         return self._session
 
@@ -103,7 +107,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(wait):
                 return await self.session.post(
-                    f"{endpoint.url}{path}", json=body, headers=dict(headers),
+                    f"{endpoint.url}{path}", data=dumps(body), headers=json_headers(headers),
                     timeout=aiohttp.ClientTimeout(
                         total=None, sock_connect=self.settings.connect_timeout
                     ),
@@ -156,8 +160,8 @@ class UpstreamClient:
                     counted(endpoint, prefill_tokens),
                     self.session.post(
                         f"{endpoint.url}{path}",
-                        json=body,
-                        headers=dict(headers),
+                        data=dumps(body),
+                        headers=json_headers(headers),
                         timeout=aiohttp.ClientTimeout(
                             total=limit, sock_connect=self.settings.connect_timeout
                         ),
@@ -180,7 +184,7 @@ class UpstreamClient:
                     if status >= 400:
                         raise GatewayError(status, upstream_message(payload), kind="UpstreamError")
                     try:
-                        return endpoint, json.loads(payload)
+                        return endpoint, loads(payload)
                     except ValueError:  # a broken replica (or what stands in front of it)
                         last, timed_out = f"{stage} at {endpoint.url} answered non-JSON", False
                 else:
@@ -225,8 +229,8 @@ class UpstreamClient:
         with suppress(aiohttp.ClientError, asyncio.TimeoutError):
             async with self.session.post(
                 f"{endpoint.url}{ABORT_PATH}",
-                json=body,
-                headers=dict(headers),
+                data=dumps(body),
+                headers=json_headers(headers),
                 timeout=aiohttp.ClientTimeout(total=5.0),
             ) as response:
                 await response.read()
