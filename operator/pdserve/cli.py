@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sim", help="run a simulated vLLM server: pdserve sim {render,engine,vllm} ...")
     sub.add_parser(
         "bench",
-        help="measure TTFT, ITL, goodput and fairness: pdserve bench {run,scenario} ...",
+        help="measure TTFT, ITL, goodput and fairness: pdserve bench {run,scenario,overhead} ...",
     )
     gateway = sub.add_parser("gateway", help="serve the OpenAI API over the model's pools")
     add_gateway_arguments(gateway)

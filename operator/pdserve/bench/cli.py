@@ -32,11 +32,13 @@ from pdserve.bench.workload import (
     plan,
 )
 
-USAGE = """usage: pdserve bench {run,scenario} ...
+USAGE = """usage: pdserve bench {run,scenario,overhead} ...
 
   run [flags]          load an OpenAI-compatible endpoint (a pdserve gateway, vLLM, the simulator)
   scenario NAME        a scripted scenario on simulated engines: article, chunked, routing,
                        timescale, all
+  overhead [flags]     what a P/D proxy costs: pdserve beside vllm-router and vLLM's toy proxy,
+                       on stub engines, side by side
 
 `pdserve bench run --help` and `pdserve bench scenario --help` list the flags."""
 
@@ -305,6 +307,10 @@ def main(argv: Sequence[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if argv[:1] == ["run"]:
         return run(argv[1:])
+    if argv[:1] == ["overhead"]:
+        from pdserve.bench.overhead import main as overhead
+
+        return overhead(argv[1:])
     if argv[:1] == ["scenario"]:
         from pdserve.bench.scenarios import main as scenario
 

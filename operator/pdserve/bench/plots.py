@@ -30,6 +30,38 @@ class Series:
     marker: str = "o"
 
 
+def bar_chart(
+    path: Path, bars: Sequence[tuple[str, float | None]], *, title: str, ylabel: str
+) -> str | None:
+    """One bar per (label, value) into a small PNG; returns None, or why nothing was drawn."""
+    if (reason := unavailable()) is not None:
+        return reason
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [(label, value) for label, value in bars if value is not None]
+    figure, axes = plt.subplots(figsize=(7.2, 3.8), dpi=80)
+    try:
+        positions = range(len(shown))
+        axes.bar(
+            positions,
+            [value for _, value in shown],
+            color=[COLORS[i % len(COLORS)] for i in positions],
+        )
+        axes.set_xticks(list(positions), [label for label, _ in shown], fontsize=7)
+        axes.set_title(title, fontsize=10)
+        axes.set_ylabel(ylabel)
+        axes.grid(axis="y", alpha=0.3)
+        figure.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path)
+    finally:
+        plt.close(figure)
+    return None
+
+
 def line_chart(
     path: Path,
     series: Sequence[Series],

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+PreExec = Callable[[], None] | None
 
 
 def free_port() -> int:
@@ -90,11 +91,14 @@ class Processes:
     ) -> None:
         self.stop()
 
-    def spawn(self, argv: list[str], port: int) -> Proc:
-        """Run argv (to serve on 127.0.0.1:port) without waiting for it: see wait_ready."""
+    def spawn(self, argv: list[str], port: int, preexec_fn: PreExec = None) -> Proc:
+        """Run argv (to serve on 127.0.0.1:port) without waiting for it: see wait_ready.
+        `preexec_fn` runs in the child before it starts (benchmarks pin it to CPUs there)."""
         log_path = self._workdir / f"{len(self.items)}.log"
         with log_path.open("wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn
+            )
         proc = Proc(process, f"http://127.0.0.1:{port}", log_path, argv)
         self.items.append(proc)
         return proc
@@ -116,9 +120,11 @@ class Processes:
                     raise RuntimeError(f"{command} did not start:\n{tail}")
                 time.sleep(0.1)
 
-    def start(self, argv: list[str], port: int, health: str = "/health") -> Proc:
+    def start(
+        self, argv: list[str], port: int, health: str = "/health", preexec_fn: PreExec = None
+    ) -> Proc:
         """Run argv (serving on 127.0.0.1:port) and wait until health answers 200."""
-        proc = self.spawn(argv, port)
+        proc = self.spawn(argv, port, preexec_fn)
         self.wait_ready(proc, health=health)
         return proc
 
@@ -130,6 +136,7 @@ class Processes:
         tokens_only: bool = False,
         served_model_name: str | None = None,
         extra: Sequence[str] = (),
+        preexec_fn: PreExec = None,
     ) -> Proc:
         port = free_port()
         argv = sim_engine_argv(
@@ -140,17 +147,26 @@ class Processes:
             served_model_name=served_model_name,
             extra=extra,
         )
-        return self.start(argv, port)
+        return self.start(argv, port, preexec_fn=preexec_fn)
 
     def render(
-        self, model: str, *, served_model_name: str | None = None, extra: Sequence[str] = ()
+        self,
+        model: str,
+        *,
+        served_model_name: str | None = None,
+        extra: Sequence[str] = (),
+        preexec_fn: PreExec = None,
     ) -> Proc:
         port = free_port()
         argv = sim_render_argv(model, port, served_model_name=served_model_name, extra=extra)
-        return self.start(argv, port)
+        return self.start(argv, port, preexec_fn=preexec_fn)
 
     def gateway(
-        self, config: dict[str, Any], *extra: str, module: Sequence[str] = (*PDSERVE, "gateway")
+        self,
+        config: dict[str, Any],
+        *extra: str,
+        module: Sequence[str] = (*PDSERVE, "gateway"),
+        preexec_fn: PreExec = None,
     ) -> Proc:
         """A gateway over `config` (a routing.json with static endpoints); `module` picks the
         entry point (`pdserve gateway`, or the benchmark's time-scaled one)."""
@@ -158,7 +174,7 @@ class Processes:
         path = self._workdir / f"routing-{len(self.items)}.json"
         path.write_text(json.dumps(config))
         argv = [*module, "--config", str(path), "--host", "127.0.0.1", "--port", str(port)]
-        return self.start([*argv, *extra], port)
+        return self.start([*argv, *extra], port, preexec_fn=preexec_fn)
 
     def stop(self) -> None:
         for proc in self.items:
