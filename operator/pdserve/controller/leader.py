@@ -234,13 +234,15 @@ class LeaderElector:
         if self.gauge is not None:
             self.gauge.set(0)
         try:
-            lease = await self.store.get(LEASE, self.namespace, self.name)
-            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
-                return
-            spec = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
-                    "renewTime": micro_time(self.clock())}  # fmt: skip
-            await self.store.replace({**lease, "spec": spec})
+            async with asyncio.timeout(self.request_seconds):  # within the grace period
+                lease = await self.store.get(LEASE, self.namespace, self.name)
+                spec = (lease or {}).get("spec") or {}
+                if lease is None or spec.get("holderIdentity") != self.identity:
+                    return
+                spec = {**spec, "holderIdentity": "", "leaseDurationSeconds": 1,
+                        "renewTime": micro_time(self.clock())}  # fmt: skip
+                await self.store.replace({**lease, "spec": spec})
             log.info("released the leader Lease %s/%s", self.namespace, self.name)
-        except (KubeError, httpx.HTTPError) as error:
+        except (KubeError, httpx.HTTPError, TimeoutError) as error:
             log.warning("could not release the leader Lease (%s): another replica takes it "
                         "once it expires", error)  # fmt: skip

@@ -69,7 +69,8 @@ class Reconciler:
             return  # remembered only: the leader reconciles it, this replica once it leads
         self._dirty.add(key)
         worker = self._workers.get(key)
-        if worker is None or worker.done():
+        # A worker cancelled by `step_down` but not yet unwound would never pick the key up.
+        if worker is None or worker.done() or worker.cancelling():
             self._workers[key] = asyncio.create_task(self._work(key), name=f"reconcile {key}")
 
     def forget(self, namespace: str, name: str) -> None:
