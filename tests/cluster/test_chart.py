@@ -23,7 +23,7 @@ from pdserve.builders.scaling import (
     RENDER_HANDLERS,
     SERVER_DURATION_SERIES,
 )
-from pdserve.contract.names import PEER_MASTER_SECRET_NAME
+from pdserve.contract.names import LEADER_LEASE_NAME, PEER_MASTER_SECRET_NAME
 from pdserve.controller.children import MANAGED_KINDS
 
 pytestmark = pytest.mark.cluster
@@ -64,10 +64,18 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [doc] = [d for d in by_kind(docs, kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+OWN_ROLES = ("-peer-master", "-leader-election")
+
+
 def model_roles(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The Roles that let the operator manage models (the peer-master Role aside: it is in
-    the release namespace in every mode)."""
-    return [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-peer-master")]
+    """The Roles that let the operator manage models (the peer-master and leader-election Roles
+    aside: they are in the release namespace in every mode)."""
+    return [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith(OWN_ROLES)]
 
 
 # Every optional object on: NetworkPolicies (operator flags, RBAC, the operator pod's policy),
@@ -96,7 +104,12 @@ def test_default_rendering_is_secure_and_cluster_wide(tmp_path: Path) -> None:
     [deployment] = by_kind(docs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas behind leader election: they may overlap, so an upgrade rolls them.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["securityContext"] == {
@@ -116,6 +129,67 @@ def test_default_rendering_is_secure_and_cluster_wide(tmp_path: Path) -> None:
     [hook] = webhook["webhooks"]
     assert hook["clientConfig"]["service"]["path"] == "/spec"
     assert hook["clientConfig"]["caBundle"]
+
+
+def test_default_operator_runs_two_replicas_behind_a_leader_lease(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    [deployment] = by_kind(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert "--leader-election" in container["args"]
+    assert "--leader-election-lease-seconds=15" in container["args"]
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["PDSERVE_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    # Ready on the webhook port, which every replica serves, leader or not; the webhook Service
+    # selects every replica.
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
+    labels = deployment["spec"]["selector"]["matchLabels"]
+    service = named(docs, "Service", "pdserve-webhook")
+    assert service["spec"]["selector"] == labels
+    [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": labels},
+    }
+    [budget] = by_kind(docs, "PodDisruptionBudget")
+    assert budget["spec"] == {"minAvailable": 1, "selector": {"matchLabels": labels}}
+    role = named(docs, "Role", "pdserve-leader-election")
+    assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": [LEADER_LEASE_NAME], "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ]  # fmt: skip
+    binding = named(docs, "RoleBinding", "pdserve-leader-election")
+    assert binding["roleRef"]["name"] == "pdserve-leader-election"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "pdserve", "namespace": RELEASE_NAMESPACE}
+    ]
+    # The user's own affinity replaces the default spreading.
+    mine = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "pool", "operator": "In", "values": ["system"]}]}]}}}  # fmt: skip
+    docs = render(tmp_path, json_sets=(f"operator.affinity={json.dumps(mine)}",))
+    assert by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["affinity"] == mine
+
+
+def test_single_replica_without_leader_election(tmp_path: Path) -> None:
+    docs = render(tmp_path, "operator.replicas=1", "operator.leaderElection.enabled=false")
+    [deployment] = by_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # never two at once
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in container["args"] if a.startswith("--leader-election")]
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
+    assert not by_kind(docs, "PodDisruptionBudget")  # minAvailable 1 of 1 would block drains
+    assert not [r for r in by_kind(docs, "Role") if "leader" in r["metadata"]["name"]]
+    # Several replicas without a Lease would all reconcile: refused, naming the values.
+    proc = helm("template", "pdserve", str(CHART), "--set", "operator.leaderElection.enabled=false",
+                tmp=tmp_path)  # fmt: skip
+    assert proc.returncode != 0
+    assert "operator.leaderElection.enabled" in proc.stderr
+    assert "operator.replicas" in proc.stderr
 
 
 def test_watching_namespaces_uses_roles_there_only(tmp_path: Path) -> None:
@@ -160,6 +234,9 @@ def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
         ("operator.autoscaleSeconds=-1", "autoscaleSeconds"),
         ("operator.engineMetricsSeconds=-1", "engineMetricsSeconds"),
         ("operator.metricsPort=70000", "metricsPort"),
+        ("operator.replicas=0", "replicas"),
+        ("operator.leaderElection.enabled=maybe", "enabled"),
+        ("operator.leaderElection.leaseSeconds=2", "leaseSeconds"),
         ("prometheusAdapter.rules.enabled=maybe", "enabled"),
         ("prometheusAdapter.rules.namespace=Monitoring", "namespace"),
     ],
@@ -238,6 +315,16 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
         assert can_i(kubectl, account, "get", master) == "no"  # not a master in a user's namespace
         assert can_i(kubectl, account, "create", "secrets", RELEASE_NAMESPACE) == "yes"
         assert can_i(kubectl, account, "patch", "pods") == "yes"
+        # The leader Lease: get and update on its name alone, in the release namespace.
+        lease = f"leases.coordination.k8s.io/{LEADER_LEASE_NAME}"
+        for verb in ("get", "update"):
+            assert can_i(kubectl, account, verb, lease, RELEASE_NAMESPACE) == "yes", verb
+            other = "leases.coordination.k8s.io/other"
+            assert can_i(kubectl, account, verb, other, RELEASE_NAMESPACE) == "no", verb
+            assert can_i(kubectl, account, verb, lease) == "no", verb  # not in a user's namespace
+        assert can_i(kubectl, account, "create", "leases.coordination.k8s.io",
+                     RELEASE_NAMESPACE) == "yes"  # fmt: skip
+        assert can_i(kubectl, account, "delete", lease, RELEASE_NAMESPACE) == "no"
         # Switched off (as `helm upgrade` would): nothing is created, but what was made can
         # still be pruned.
         switched_off = render(tmp_path, "webhook.failurePolicy=Ignore")

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from devtools.localplane import wait_until
+from pdserve.contract.names import LEADER_LEASE_NAME
 from tests.support.realcluster import (
     MODEL_NAMESPACE,
     OPERATOR_ACCOUNT,
@@ -26,10 +27,24 @@ from tests.support.realcluster import (
 def test_chart_runs_the_operator_as_a_pod_and_its_webhook_names_the_bad_field(
     cluster: Cluster, operator: None, tmp_path: Path
 ) -> None:
-    [operator_pod] = pods(cluster, RELEASE_NAMESPACE, "app.kubernetes.io/name=pdserve")
-    assert ready(operator_pod), operator_pod["status"]
-    assert operator_pod["spec"]["serviceAccountName"] == "pdserve"
-    assert operator_pod["spec"]["nodeName"] == "real-node"
+    # Two replicas (the chart's default), both Ready: every replica serves the webhook.
+    operator_pods = pods(cluster, RELEASE_NAMESPACE, "app.kubernetes.io/name=pdserve")
+    assert len(operator_pods) == 2, [p["metadata"]["name"] for p in operator_pods]
+    for operator_pod in operator_pods:
+        assert ready(operator_pod), operator_pod["status"]
+        assert operator_pod["spec"]["serviceAccountName"] == "pdserve"
+        assert operator_pod["spec"]["nodeName"] == "real-node"
+    names = {p["metadata"]["name"] for p in operator_pods}
+
+    def one_leads() -> bool:
+        lease = cluster.kubectl("get", "lease", "-n", RELEASE_NAMESPACE, LEADER_LEASE_NAME,
+                                "-o", "json", check=False)  # fmt: skip
+        return (
+            lease.returncode == 0
+            and json.loads(lease.stdout)["spec"].get("holderIdentity") in names
+        )
+
+    wait_until("one operator replica to hold the leader Lease", one_leads, timeout=30)
 
     cluster.kubectl("create", "namespace", "webhook-check")
     bad = {

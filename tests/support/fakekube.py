@@ -83,7 +83,10 @@ class FakeKube:
         return [
             copy.deepcopy(obj)
             for (k, ns, _), obj in sorted(self.objects.items())
-            if k == kind.kind and ns == (namespace or "") and matches(obj, label_selector)
+            if k == kind.kind
+            # No namespace: a namespaced kind is listed across all of them, as the API does.
+            and (ns == (namespace or "") or (namespace is None and kind.namespaced))
+            and matches(obj, label_selector)
         ]
 
     async def apply(

@@ -91,8 +91,10 @@ def describe(cluster: Cluster, namespace: str) -> str:
 
 
 def operator_logs(cluster: Cluster) -> str:
+    # Every replica's (the leader's reconciles, the others' webhook calls), each line prefixed.
     logs = cluster.kubectl(
-        "logs", "-n", RELEASE_NAMESPACE, "deploy/pdserve", "--tail=40", check=False
+        "logs", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/name=pdserve", "--prefix",
+        "--tail=40", check=False,
     )  # fmt: skip
     return f"\noperator log:\n{logs.stdout}{logs.stderr}"
 

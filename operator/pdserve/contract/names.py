@@ -35,6 +35,10 @@ PEER_KEY_SECRET_KEY = "peer-key"
 PEER_MASTER_SECRET_NAME = "pdserve-operator-peer-master"
 PEER_MASTER_SECRET_KEY = "master-key"
 
+# The Lease the operator replicas elect their leader with, in the operator's own namespace (the
+# chart's RBAC grants get/update on this name alone).
+LEADER_LEASE_NAME = "pdserve-operator-leader"
+
 
 def peer_key_secret_name(model: str) -> str:
     return f"{model}-gateway-peer-key"

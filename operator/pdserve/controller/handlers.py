@@ -1,7 +1,10 @@
-"""kopf wiring, kept thin: every event only schedules a level-based reconcile."""
+"""kopf wiring, kept thin: every event only schedules a level-based reconcile. With leader
+election every replica serves the webhook and hears every event; only the Lease holder's
+Reconciler acts on them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_resource
 from pdserve.contract.names import INSTANCE_LABEL
+from pdserve.controller.leader import LeaderElector
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube
@@ -40,15 +44,40 @@ async def serve_metrics(registry: CollectorRegistry, port: int) -> web.AppRunner
 @dataclass
 class Running:
     """What the handlers own while the operator runs: the Reconciler (it holds the loops and
-    all per-model state) and the /metrics server."""
+    all per-model state), the leader elector and its loop, and the /metrics server."""
 
     reconciler: Reconciler | None = None
     metrics: web.AppRunner | None = None
+    elector: LeaderElector | None = None
+    election: asyncio.Task[None] | None = None
 
     def started(self) -> Reconciler:
         if self.reconciler is None:
             raise RuntimeError("an event before the operator's startup handler ran")
         return self.reconciler
+
+
+async def shut_down(running: Running) -> None:
+    """Stop reconciling, then hand the Lease over: a leader stops its passes at once (the next
+    leader repeats any of them harmlessly) and releases the Lease, so that a rolling restart
+    hands over within the other replica's poll period rather than a lease duration."""
+    if running.election is not None:
+        running.election.cancel()
+        await asyncio.gather(running.election, return_exceptions=True)
+    reconciler = running.reconciler
+    if reconciler is not None:
+        if running.elector is not None:
+            reconciler.step_down()
+        else:
+            reconciler.stop_loops()
+    if running.metrics is not None:
+        await running.metrics.cleanup()
+    if reconciler is not None:
+        await reconciler.drain()
+    if running.elector is not None:
+        await running.elector.release()
+    if reconciler is not None:
+        await reconciler.close()
 
 
 def build_registry(
@@ -81,21 +110,33 @@ def build_registry(
             )  # fmt: skip
             if hook.manage:
                 settings.admission.managed = WEBHOOK_CONFIGURATION
-        reconciler = running.reconciler = Reconciler(Kube(credentials), operator_settings)
-        reconciler.start_loops()
-        if reconciler.autoscaler is not None and operator_settings.metrics_port is not None:
-            running.metrics = await serve_metrics(
-                reconciler.autoscaler.metrics.registry, operator_settings.metrics_port
-            )
+        election = operator_settings.leader_election
+        kube = Kube(credentials)
+        reconciler = running.reconciler = Reconciler(
+            kube, operator_settings, leading=election is None
+        )
+        metrics = (
+            reconciler.autoscaler.metrics.registry
+            if reconciler.autoscaler is not None
+            else CollectorRegistry()
+        )
+        if election is None:
+            reconciler.start_loops()
+        else:
+            if operator_settings.operator_namespace is None:  # the settings insist on it
+                raise RuntimeError("leader election needs the operator's namespace")
+            elector = running.elector = LeaderElector(
+                kube, operator_settings.operator_namespace, election.identity,
+                lease_seconds=election.lease_seconds, on_lead=reconciler.lead,
+                on_lose=reconciler.step_down, registry=metrics,
+            )  # fmt: skip
+            running.election = asyncio.create_task(elector.run(), name="leader election")
+        if operator_settings.metrics_port is not None:
+            running.metrics = await serve_metrics(metrics, operator_settings.metrics_port)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        if running.reconciler is not None:
-            running.reconciler.stop_loops()
-        if running.metrics is not None:
-            await running.metrics.cleanup()
-        if running.reconciler is not None:
-            await running.reconciler.close()
+        await shut_down(running)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def on_model(type: str, namespace: str | None, name: str, **_: Any) -> None:

@@ -23,7 +23,9 @@ async def run_operator(settings: OperatorSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     await kopf.operator(
         registry=registry,
-        standalone=True,  # no KopfPeering CRDs needed; run one replica (or leader-elect later)
+        # No KopfPeering: several replicas all watch and serve the webhook; pdserve's own Lease
+        # (--leader-election) decides which one reconciles.
+        standalone=True,
         clusterwide=not settings.namespaces,
         namespaces=settings.namespaces,
         liveness_endpoint=settings.liveness_endpoint,
@@ -34,9 +36,10 @@ async def run_operator(settings: OperatorSettings) -> None:
 def main(settings: OperatorSettings) -> int:
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("pdserve.operator").info(
-        "starting: namespaces=%s resync=%ss network-policies=%s",
+        "starting: namespaces=%s resync=%ss network-policies=%s leader-election=%s",
         list(settings.namespaces) or "all", settings.resync_seconds,
         "on" if settings.network_policies is not None else "off",
+        settings.leader_election.identity if settings.leader_election else "off",
     )  # fmt: skip
     asyncio.run(run_operator(settings))
     return 0

@@ -1,6 +1,12 @@
 """Coalescing reconcile scheduler: one worker per DisaggregatedModel, bursts of events collapse
 into one pass, failures retry with capped exponential backoff, and a resync loop reconciles
-every known resource periodically so drift is repaired even without events."""
+every known resource periodically so drift is repaired even without events.
+
+With leader election only the Lease holder reconciles: a follower remembers the models it hears
+of, and on taking over (`lead`) reconciles every model it can list, since it may have missed
+events; on losing the Lease (`step_down`) its loops and in-flight passes are cancelled at once.
+A pass cut short, or one the next leader repeats, is harmless: passes are level-based and write
+by server-side apply, so writing the same desired state twice changes nothing."""
 
 from __future__ import annotations
 
@@ -25,12 +31,16 @@ Key = tuple[str, str]  # namespace, name
 
 class Reconciler:
     def __init__(
-        self, kube: Kube, settings: OperatorSettings, *, resolve: TargetResolver = pod_metrics_url
-    ) -> None:
+        self, kube: Kube, settings: OperatorSettings, *, resolve: TargetResolver = pod_metrics_url,
+        leading: bool = True,
+    ) -> None:  # fmt: skip
         """`resolve`: a pod -> its /metrics URL, for the autoscaling loop (tests point it at
-        simulators on loopback)."""
+        simulators on loopback). `leading`: False for a replica that waits for the leader
+        Lease (`lead` starts it)."""
         self.kube = kube
         self.settings = settings
+        self.leading = leading
+        self._takeover: asyncio.Task[None] | None = None
         self.known: set[Key] = set()
         self._dirty: set[Key] = set()
         self._workers: dict[Key, asyncio.Task[None]] = {}
@@ -55,9 +65,12 @@ class Reconciler:
     def trigger(self, namespace: str, name: str) -> None:
         key = (namespace, name)
         self.known.add(key)
+        if not self.leading:
+            return  # remembered only: the leader reconciles it, this replica once it leads
         self._dirty.add(key)
         worker = self._workers.get(key)
-        if worker is None or worker.done():
+        # A worker cancelled by `step_down` but not yet unwound would never pick the key up.
+        if worker is None or worker.done() or worker.cancelling():
             self._workers[key] = asyncio.create_task(self._work(key), name=f"reconcile {key}")
 
     def forget(self, namespace: str, name: str) -> None:
@@ -67,8 +80,43 @@ class Reconciler:
         if self.autoscaler is not None:
             self.autoscaler.forget((namespace, name))
 
+    def lead(self) -> None:
+        """This replica took the leader Lease: start the loops and reconcile every model, the
+        listed ones and those heard of while following."""
+        if self.leading:
+            return
+        self.leading = True
+        self.start_loops()
+        self._takeover = asyncio.create_task(self._reconcile_all(), name="takeover")
+
+    async def _reconcile_all(self) -> None:
+        keys = set(self.known)
+        try:
+            for namespace in self.settings.namespaces or (None,):
+                for body in await self.kube.list(DM_KIND, namespace):
+                    keys.add((body["metadata"]["namespace"], body["metadata"]["name"]))
+        except (KubeError, httpx.HTTPError) as error:
+            # kopf's watch lists every model again when it restarts, and each one is triggered.
+            log.warning("listing DisaggregatedModels on takeover failed (%s); reconciling the "
+                        "%d known", error, len(keys))  # fmt: skip
+        for namespace, name in sorted(keys):
+            self.trigger(namespace, name)
+
+    def step_down(self) -> None:
+        """This replica lost the leader Lease: nothing more may be written, so the loops, the
+        takeover and every in-flight pass are cancelled now (their next await raises), and the
+        keys stay known for the next time it leads."""
+        self.leading = False
+        self.stop_loops()
+        if self._takeover is not None:
+            self._takeover.cancel()
+        for worker in self._workers.values():
+            worker.cancel()
+        self._dirty.clear()
+        self._failures.clear()
+
     async def _work(self, key: Key) -> None:
-        while key in self._dirty:
+        while key in self._dirty and self.leading:
             self._dirty.discard(key)
             try:
                 await self._reconcile_once(key)
@@ -124,6 +172,7 @@ class Reconciler:
     def stop_loops(self) -> None:
         for task in self._loops:
             task.cancel()
+        self._loops = []  # a replica that leads again starts them anew
 
     async def close(self) -> None:
         """Shutdown, after `stop_loops`: in-flight reconciles end, then the clients close."""
@@ -136,5 +185,7 @@ class Reconciler:
 
     async def drain(self) -> None:
         """Wait for in-flight reconciles (shutdown and tests)."""
+        if self._takeover is not None:  # first: it may start workers
+            await asyncio.gather(self._takeover, return_exceptions=True)
         while running := [w for w in self._workers.values() if not w.done()]:
             await asyncio.gather(*running, return_exceptions=True)

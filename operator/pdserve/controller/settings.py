@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,18 @@ class OperatorSettings:
     """The operator's own namespace, which keeps the gateways' peer master key (env
     PDSERVE_OPERATOR_NAMESPACE, else the in-cluster service account's); None: unknown, and
     models with API keys cannot be served."""
+    leader_election: LeaderElectionSettings | None = None
+    """Reconcile only while holding the leader Lease (several replicas); None: always (one
+    replica)."""
+
+
+@dataclass(frozen=True)
+class LeaderElectionSettings:
+    identity: str
+    """This replica's holderIdentity: env POD_NAME (the chart sets it from the downward API),
+    else the host name (a pod's host name is its name too)."""
+    lease_seconds: float = 15.0
+    """leaseDurationSeconds: how long a Lease not renewed keeps others from taking over."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "port at /metrics (env PDSERVE_METRICS_PORT; default: not served)",
     )  # fmt: skip
     add_network_arguments(parser)
+    election = parser.add_argument_group("leader election (several operator replicas)")
+    election.add_argument(
+        "--leader-election", action=argparse.BooleanOptionalAction, default=None,
+        help="reconcile only while holding the Lease pdserve-operator-leader in the operator's "
+        "namespace, so that several replicas can run (all serve the webhook); needs "
+        "PDSERVE_OPERATOR_NAMESPACE. Identity: env POD_NAME, else the host name (env "
+        "PDSERVE_LEADER_ELECTION=true|false, default false; the chart turns it on)",
+    )  # fmt: skip
+    election.add_argument(
+        "--leader-election-lease-seconds", type=float,
+        help="lease duration: a leader that stopped renewing is replaced after it (env "
+        "PDSERVE_LEADER_ELECTION_LEASE_SECONDS, default 15)",
+    )  # fmt: skip
     hook = parser.add_argument_group("validating admission webhook")
     hook.add_argument("--webhook-port", type=int, help="serve the webhook on this port (HTTPS)")
     hook.add_argument("--webhook-cert", help="TLS certificate file of the webhook server")
@@ -210,8 +236,10 @@ def from_arguments(
             listen=args.webhook_listen, host=args.webhook_host, ca_file=args.webhook_ca,
             manage=args.webhook_manage,
         )  # fmt: skip
+    namespace = operator_namespace(env)
     return OperatorSettings(
-        operator_namespace=operator_namespace(env),
+        operator_namespace=namespace,
+        leader_election=leader_election_settings(args, env, namespace),
         webhook=webhook,
         network_policies=network_settings(args, env),
         namespaces=tuple(sorted(set(namespaces))),
@@ -224,6 +252,34 @@ def from_arguments(
         kubeconfig=args.kubeconfig or env.get("PDSERVE_KUBECONFIG"),
         liveness_endpoint=args.liveness,
     )
+
+
+def leader_election_settings(
+    args: argparse.Namespace, env: Mapping[str, str], namespace: str | None
+) -> LeaderElectionSettings | None:
+    """--leader-election and its lease duration; ValueError names the flag or variable."""
+    enabled = args.leader_election
+    if enabled is None:
+        text = env.get("PDSERVE_LEADER_ELECTION", "false").strip().lower()
+        if text not in TRUE + FALSE:
+            raise ValueError(f"PDSERVE_LEADER_ELECTION must be true or false, got {text!r}")
+        enabled = text in TRUE
+    lease = seconds(args.leader_election_lease_seconds, env,
+                    "leader-election-lease-seconds", "15")  # fmt: skip
+    if not enabled:
+        return None
+    if lease < 3:
+        # Renewed every third of it: a shorter lease renews faster than API latency allows.
+        raise ValueError(f"--leader-election-lease-seconds must be >= 3, got {lease}")
+    if namespace is None:
+        raise ValueError(
+            "--leader-election needs the operator's namespace for its Lease: set "
+            "PDSERVE_OPERATOR_NAMESPACE (the chart does)"
+        )
+    identity = env.get("POD_NAME", "").strip() or socket.gethostname()
+    if not identity:
+        raise ValueError("--leader-election needs an identity: set POD_NAME")
+    return LeaderElectionSettings(identity=identity, lease_seconds=lease)
 
 
 def network_settings(

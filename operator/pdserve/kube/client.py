@@ -1,5 +1,6 @@
 """A small async Kubernetes client for exactly what pdserve does: server-side apply, get,
-list by label, delete, status patch. Requests go over httpx with a timeout on every call."""
+list by label, delete, status patch, and the leader Lease's create/replace. Requests go over
+httpx with a timeout on every call."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("batch/v1", "Job", "jobs"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("coordination.k8s.io/v1", "Lease", "leases"),
         Kind(f"{GROUP}/{VERSION}", "DisaggregatedModel", PLURAL),
         Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions",
              namespaced=False),
@@ -154,5 +156,16 @@ class Kube:
         result = await self._send(
             "POST", kind.collection(obj["metadata"].get("namespace")), json=dict(obj)
         )
+        assert result is not None
+        return result
+
+    async def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the whole object. With metadata.resourceVersion set the write is optimistic: the
+        server answers 409 Conflict (a KubeError) when someone wrote the object since it was
+        read, which is how a Lease update tells a replica that another one won."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        result = await self._send("PUT", kind.item(meta.get("namespace"), meta["name"]),
+                                  json=dict(obj))  # fmt: skip
         assert result is not None
         return result
