@@ -27,6 +27,13 @@ def test_what_clients_send_that_orjson_refuses_reads_as_json_reads_it() -> None:
     assert again["n"] == body["n"]
 
 
+def test_integers_past_64_bits_read_exactly() -> None:
+    body = loads(b'{"conversation_id": -9223372036854775809, "n": 1}')
+    assert body["conversation_id"] == -9223372036854775809
+    assert isinstance(body["conversation_id"], int)
+    assert loads('{"seed": 12345678901234567890123}')["seed"] == 12345678901234567890123
+
+
 def test_malformed_text_and_numbers_too_long_raise_what_json_raises() -> None:
     with pytest.raises(JSONDecodeError):
         loads(b'{"a": ')

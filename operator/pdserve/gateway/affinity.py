@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,14 +16,19 @@ from typing import Any
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks (the same keys vLLM's prefix cache is built on)."""
-    hashes: list[bytes] = []
-    parent = b""
+    """Chained hashes of the full blocks (the same keys vLLM's prefix cache is built on):
+    one running hash over the ids as 64-bit integers, read at every block boundary."""
     full = len(token_ids) - len(token_ids) % block_size
-    for start in range(0, full, block_size):
-        block = ",".join(map(str, token_ids[start : start + block_size])).encode()
-        parent = hashlib.blake2b(parent + block, digest_size=12).digest()
-        hashes.append(parent)
+    try:
+        data = array("q", token_ids[:full]).tobytes()
+    except OverflowError:  # no engine's token ids: hashed all the same, modulo 2**64
+        data = array("Q", (token & 0xFFFF_FFFF_FFFF_FFFF for token in token_ids[:full])).tobytes()
+    running = hashlib.blake2b(digest_size=12)
+    hashes: list[bytes] = []
+    step = 8 * block_size
+    for start in range(0, len(data), step):
+        running.update(data[start : start + step])
+        hashes.append(running.copy().digest())
     return hashes
 
 

@@ -81,6 +81,8 @@ class Exchange:
     client_request_id: str | None = None
     """The client's `X-Request-Id`, for the log only."""
     _prompt_estimate: int | None = field(default=None, repr=False)
+    block_hashes: tuple[list[int], list[bytes]] | None = field(default=None, repr=False)
+    """The token ids placement hashed last, and their block hashes (placement.py)."""
 
     @property
     def stream(self) -> bool:

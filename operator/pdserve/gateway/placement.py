@@ -20,7 +20,7 @@ class Placement:
         """Where this request's prefix is probably cached, and where its conversation ran."""
         scores: dict[str, int] = {}
         if token_ids:
-            hashes = block_hashes(token_ids, self.block_size)
+            hashes = self.hashes(exchange, token_ids)
             for endpoint in exchange.selection.pools.get(stage, []):
                 if blocks := self.prefixes.cached_blocks(endpoint.url, hashes):
                     scores[endpoint.url] = blocks
@@ -34,9 +34,18 @@ class Placement:
     ) -> None:
         exchange.served_by[stage] = endpoint.label
         if token_ids:
-            self.prefixes.record(endpoint.url, block_hashes(token_ids, self.block_size))
+            self.prefixes.record(endpoint.url, self.hashes(exchange, token_ids))
         if conversation := exchange.conversation:
             self.conversations.remember(conversation, stage, endpoint.url)
+
+    def hashes(self, exchange: Exchange, token_ids: list[int]) -> list[bytes]:
+        """The prompt's block hashes, computed once per request: every hop asks for them."""
+        cached = exchange.block_hashes
+        if cached is not None and cached[0] is token_ids:
+            return cached[1]
+        hashes = block_hashes(token_ids, self.block_size)
+        exchange.block_hashes = (token_ids, hashes)
+        return hashes
 
     @staticmethod
     def decode_candidates(

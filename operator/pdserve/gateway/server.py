@@ -91,7 +91,10 @@ async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     # A client that disconnects cancels its handler, which aborts the engines' work.
-    runner = GatewayRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    # No access log: the request log (--request-log) records every request, off the hot path.
+    runner = GatewayRunner(
+        app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

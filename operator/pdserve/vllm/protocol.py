@@ -5,7 +5,6 @@ of both engine APIs, the derender calls and the aborts."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
@@ -108,10 +107,11 @@ def derender_path(chat: bool) -> str:
 def tokens_prefill_body(generate: Mapping[str, Any], handoff: Mapping[str, Any]) -> dict[str, Any]:
     """The rendered generate request cut to prefill only (one token, one choice, not
     streamed), with the handoff's kv_transfer_params."""
-    body = copy.deepcopy(dict(generate))
+    # Copied down to what changes: the token ids (most of the body) are shared, not copied.
+    body = dict(generate)
     body["stream"] = False
     body["stream_options"] = None
-    params = body["sampling_params"]
+    params = body["sampling_params"] = dict(body["sampling_params"])
     params.update({"max_tokens": 1, "min_tokens": 0, "n": 1})
     body["kv_transfer_params"] = handoff
     # Older engines read it only from extra_args.
@@ -122,10 +122,10 @@ def tokens_prefill_body(generate: Mapping[str, Any], handoff: Mapping[str, Any])
 def tokens_decode_body(generate: Mapping[str, Any], kv: Mapping[str, Any] | None) -> dict[str, Any]:
     """The rendered generate request, pulling prefill's KV when `kv` is given (else decode
     prefills itself)."""
-    body = copy.deepcopy(dict(generate))
+    body = dict(generate)
     if kv is not None:
         body["kv_transfer_params"] = dict(kv)
-        params = body["sampling_params"]
+        params = body["sampling_params"] = dict(body["sampling_params"])
         # Older engines read it only from extra_args.
         params["extra_args"] = {
             **(params.get("extra_args") or {}),
