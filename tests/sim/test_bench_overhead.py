@@ -31,6 +31,7 @@ def test_overhead_measures_the_gateway_and_the_engine_direct(tmp_path: Path) -> 
     direct = [p for p in points if p["target"].startswith("engine direct")]
     assert direct
     assert all(p["per_core"] == {"4": None} for p in direct)  # no proxy to count
+    assert all(p["half_rate"] is None for p in direct)
     report = (tmp_path / "overhead.md").read_text()
     assert "| pdserve, OpenAI P/D route | 200KB |" in report
     assert "pdserve CPU per request, 200 KB / 2 KB prompt = " in report

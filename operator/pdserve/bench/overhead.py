@@ -292,7 +292,9 @@ def measure(driver: Driver, target: Target, prompt: str, settings: Settings) -> 
     point.stream_tokens_per_s = tokens / load.seconds if load.seconds else None
     point.stream_tokens_per_core = tokens / load.cpu_seconds if load.cpu_seconds else None
     top = max(point.rps.values(), default=0.0)
-    if top > 0:
+    # The engine direct has no proxy core: its "maximum" is the load generator's, on the
+    # engines' own core, and half of it measures that core, not a proxy.
+    if top > 0 and target.pid is not None:
         point.half_rate = top / 2
         half = run(body=plain, seconds=settings.seconds, rate=point.half_rate)
         point.half_p50_ms, point.half_p99_ms = (

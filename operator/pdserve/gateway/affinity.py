@@ -16,7 +16,7 @@ from typing import Any
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks (the same keys vLLM's prefix cache is built on):
+    """Chained hashes of the full blocks (keyed like vLLM's prefix cache, but the gateway's own):
     one running hash over the ids as 64-bit integers, read at every block boundary."""
     full = len(token_ids) - len(token_ids) % block_size
     try:
