@@ -45,7 +45,8 @@ def digests(dm: DisaggregatedModel) -> dict[str, str | None]:
 
 def test_prefill_and_decode_with_equal_inputs_get_one_digest() -> None:
     d = digests(model())
-    assert d["prefill"] is not None and d["prefill"] == d["decode"]
+    assert d["prefill"] is not None
+    assert d["prefill"] == d["decode"]
     pools = routing_config(model(), "p").pools
     assert pools.prefill is not None
     assert (pools.prefill.kv_compat, pools.decode.kv_compat) == (d["prefill"], d["decode"])
