@@ -189,6 +189,7 @@ class Rig:
 
     def exchange(self, body: dict[str, Any], *, chat: bool = True) -> Exchange:
         selection = self.planner.endpoints.select(self.planner.needed_pools(), ["prefill"])
+        plan = self.planner.settle(selection)
         request = make_mocked_request("POST", "/v1/chat/completions")
         return Exchange(
             request=request,
@@ -196,7 +197,7 @@ class Rig:
             chat=chat,
             request_id="req-1",
             selection=selection,
-            pd=self.planner.wants_pd(selection),
+            pd=plan.pd,
             started=time.monotonic(),
             tokens_api=isinstance(self.route, TokensRoute),
             headers={"X-Request-Id": "req-1"},

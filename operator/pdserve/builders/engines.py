@@ -6,6 +6,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
+from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
 from pdserve.builders.placement import (
     engine_affinity,
@@ -25,7 +26,7 @@ from pdserve.builders.pods import (
 )
 from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
-from pdserve.contract.names import ENGINE_PORT, MODEL_LABEL, Component
+from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
 
@@ -87,6 +88,10 @@ def engine_pool(
     security = engine_security_context(dm)
     if security is not None:
         container["securityContext"] = security
+    annotations = {**engine_pod_annotations(dm), **pool.pod_annotations}
+    if role is not None:
+        # Which decode pods can pull this pool's KV (and a new engine image rolls the pods).
+        annotations[KV_COMPAT_ANNOTATION] = kv_compat_digest(dm, pool)
     objects: list[dict[str, Any]] = []
     for slice_index in range(dm.spec.placement.slices):
         template = pod_template(
@@ -94,9 +99,7 @@ def engine_pool(
             component,
             containers=[container],
             volumes=volumes,
-            annotations=pod_annotations(
-                parity, {**engine_pod_annotations(dm), **pool.pod_annotations}
-            ),
+            annotations=pod_annotations(parity, annotations),
             node_selector=pool.node_selector,
             tolerations=[dict(t) for t in pool.tolerations],
             # Let in-flight generations finish before the engine goes away.

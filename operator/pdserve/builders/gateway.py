@@ -7,6 +7,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.render import EngineApi
+from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.names import child_name, meta, selector_labels
 from pdserve.builders.peer_key import PEER_KEY_DIR, PEER_KEY_FILE, peer_key_digest
 from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
@@ -37,10 +38,23 @@ from pdserve.contract.routing import (
 )
 
 
-def _pool_ref(dm: DisaggregatedModel, component: Component, port: int) -> PoolRef:
+def _pool_ref(
+    dm: DisaggregatedModel, component: Component, port: int, kv_compat: str | None = None
+) -> PoolRef:
+    extra = {} if kv_compat is None else {"kv_compat": kv_compat}
     return PoolRef(
-        service=child_name(dm, component), port=port, selector=selector_labels(dm, component)
+        service=child_name(dm, component),
+        port=port,
+        selector=selector_labels(dm, component),
+        **extra,
     )
+
+
+def _engine_pool_ref(dm: DisaggregatedModel, component: Component) -> PoolRef:
+    """An engine pool; with P/D, with the KV-compatibility digest its pods get."""
+    pool = dm.spec.prefill if component is Component.prefill else dm.spec.decode
+    digest = kv_compat_digest(dm, pool) if dm.spec.disaggregated and pool is not None else None
+    return _pool_ref(dm, component, ENGINE_PORT, digest)
 
 
 def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
@@ -68,8 +82,8 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
         ),
         pools=Pools(
             render=_pool_ref(dm, Component.render, RENDER_PORT) if spec.render.enabled else None,
-            prefill=_pool_ref(dm, Component.prefill, ENGINE_PORT) if spec.disaggregated else None,
-            decode=_pool_ref(dm, Component.decode, ENGINE_PORT),
+            prefill=_engine_pool_ref(dm, Component.prefill) if spec.disaggregated else None,
+            decode=_engine_pool_ref(dm, Component.decode),
             # Peers: the replicas that share the cluster-wide long-prefill limit.
             gateway=_pool_ref(dm, Component.gateway, GATEWAY_CONTAINER_PORT),
         ),

@@ -8,6 +8,10 @@ from enum import StrEnum
 
 FIELD_MANAGER = "pdserve"
 PARITY_HASH_ANNOTATION = "pdserve.io/parity-hash"
+# On prefill and decode pods (and their pools in the routing config): a digest of every input of
+# NIXL's KV-transfer compatibility check; the gateway pairs only prefill and decode pods whose
+# digests are equal (builders/kv_compat.py).
+KV_COMPAT_ANNOTATION = "pdserve.io/kv-compat"
 CONFIG_HASH_ANNOTATION = "pdserve.io/config-hash"
 # On gateway pods: a digest of the peer key they read at start-up, so a new key rolls them.
 PEER_KEY_HASH_ANNOTATION = "pdserve.io/peer-key-hash"

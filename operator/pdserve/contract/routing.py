@@ -28,6 +28,9 @@ class PoolRef(_Model):
     service: str
     port: int
     selector: dict[str, str] = Field(default_factory=dict)
+    kv_compat: str | None = None
+    """Prefill and decode with P/D: the KV-compatibility digest the spec gives the pool's pods
+    (pdserve.io/kv-compat). Pods of an older spec carry their own until they roll."""
 
 
 class Pools(_Model):
@@ -74,6 +77,8 @@ class KvTransfer(_Model):
 class StaticEndpoint(_Model):
     url: str
     parity_hash: str | None = None
+    kv_compat: str | None = None
+    """Prefill and decode: its KV-compatibility digest; unset pairs only with unset."""
     slice: str | None = None
     kv_transport: str | None = None
     name: str | None = None  # names the replica in metrics (in a cluster: the pod name)

@@ -117,6 +117,16 @@ class Gateway:
             max_holds_per_peer=s.max_inflight,
         )  # fmt: skip
         self.request_log = RequestLog(s.request_log) if s.request_log else None
+        prefill, decode = config.pools.prefill, config.pools.decode
+        if prefill is not None and prefill.kv_compat != decode.kv_compat:
+            # The spec's own pools can never pair: every request will prefill on decode.
+            log.warning(
+                "prefill and decode pools have different KV-compatibility digests (%s, %s): "
+                "no P/D pairing is possible; check the pools' --dtype and other KV layout "
+                "inputs in extraArgs/env",
+                prefill.kv_compat,
+                decode.kv_compat,
+            )
 
     @property
     def policy(self) -> AutoPolicy:
@@ -259,8 +269,19 @@ class Gateway:
                     "leader": self.peers.leader() or "self",
                     "peers": sorted(self.peers.live),
                 },
+                "kvCompat": self.kv_compat_status(),
             }
         )
+
+    def kv_compat_status(self) -> dict[str, dict[str, str | None]]:
+        """Each engine replica's KV-compatibility digest (pod name or URL -> digest), and what
+        the routing config expects of each pool: mid-upgrade it shows which pods pair."""
+        pools = {"prefill": self.config.pools.prefill, "decode": self.config.pools.decode}
+        status: dict[str, dict[str, str | None]] = {
+            pool: {e.label: e.kv_compat for e in self.endpoints.pools[pool]} for pool in pools
+        }
+        status["expected"] = {pool: ref.kv_compat for pool, ref in pools.items() if ref}
+        return status
 
     # ---- completions ---------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

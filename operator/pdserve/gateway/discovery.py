@@ -1,5 +1,6 @@
 """In-cluster discovery: list and watch the model's Pods (namespace-scoped RBAC) and keep every
-pool's endpoints current: ready pods only, addressed by pod IP, each with its parity hash."""
+pool's endpoints current: ready pods only, addressed by pod IP, each with its parity hash (and,
+engines, its KV-compatibility digest)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Any
 
 import httpx
 
-from pdserve.contract.names import KV_TRANSPORT_ANNOTATION, PARITY_HASH_ANNOTATION, SLICE_LABEL
+from pdserve.contract.names import (
+    KV_COMPAT_ANNOTATION,
+    KV_TRANSPORT_ANNOTATION,
+    PARITY_HASH_ANNOTATION,
+    SLICE_LABEL,
+)
 from pdserve.contract.routing import GatewayConfig, PoolRef
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.peers import PeerAdmission
@@ -67,6 +73,7 @@ class PodDiscovery:
                     kv_transport=pod["metadata"]
                     .get("annotations", {})
                     .get(KV_TRANSPORT_ANNOTATION),
+                    kv_compat=pod["metadata"].get("annotations", {}).get(KV_COMPAT_ANNOTATION),
                     name=pod["metadata"]["name"],
                 )
                 for pod in self.pods.values()

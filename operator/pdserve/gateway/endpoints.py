@@ -56,6 +56,9 @@ class Endpoint:
     # preflight verdict (pdserve.io/kv-transport: Verified, Failed, Unverified).
     slice: str | None = None
     kv_transport: str | None = None
+    # Prefill and decode: the KV-compatibility digest (pdserve.io/kv-compat) of the spec the
+    # pod was built from; NIXL hands KV only between engines with equal ones (kv_compatible).
+    kv_compat: str | None = None
     # Prompt tokens this gateway sent to the engine that have not produced a first token yet:
     # prefill work queued there, which a request count alone hides (one 8k-token prompt holds
     # an engine ~30x longer than a short chat).
@@ -109,6 +112,7 @@ class Endpoints:
                         e.parity_hash,
                         slice=e.slice,
                         kv_transport=e.kv_transport,
+                        kv_compat=e.kv_compat,
                         name=e.name,
                     )
                     for e in getattr(config.endpoints, pool)
@@ -123,6 +127,7 @@ class Endpoints:
             if kept is not None:
                 kept.parity_hash = endpoint.parity_hash
                 kept.slice, kept.kv_transport = endpoint.slice, endpoint.kv_transport
+                kept.kv_compat = endpoint.kv_compat
                 kept.name = endpoint.name
                 updated.append(kept)
             else:
@@ -205,6 +210,17 @@ class Endpoints:
         while (best := Endpoints.pick(candidates, ranked, affinity)) is not None:
             ranked.append(best)
         return ranked
+
+    @staticmethod
+    def kv_compatible(decodes: list[Endpoint], prefill: Endpoint | None) -> list[Endpoint]:
+        """The decode replicas that can pull `prefill`'s KV: those with its KV-compatibility
+        digest. NIXL refuses a handshake between engines built differently (an engine image
+        upgrade rolls prefill and decode separately), so no request pairs them. A replica
+        without a digest pairs only with others without one: configs without digests keep
+        working, and an unknown build never meets a known one."""
+        if prefill is None:
+            return decodes
+        return [e for e in decodes if e.kv_compat == prefill.kv_compat]
 
     @staticmethod
     def same_slice(candidates: list[Endpoint], peer: Endpoint | None) -> list[Endpoint]:

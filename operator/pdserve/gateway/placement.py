@@ -51,13 +51,16 @@ class Placement:
     def decode_candidates(
         exchange: Exchange, *, with_kv: bool, local_on_prefill_pool: bool
     ) -> list[Endpoint]:
-        """Decode replicas for this request: with prefill's KV to pull, those in the prefill
-        replica's slice first (same topology domain, the verified path). A request Auto mode
+        """Decode replicas for this request: with prefill's KV to pull, only those that can
+        (its KV-compatibility digest; the planner kept only prefill replicas that have one),
+        and those in the prefill replica's slice first (same topology domain, the verified
+        path). A request Auto mode
         prefills locally may also run whole on a prefill replica (engines serve a request
         without kv_transfer_params end to end)."""
         pool = exchange.selection.pools["decode"]
         if with_kv:
-            return Endpoints.same_slice(pool, exchange.prefilled_on)
+            prefill = exchange.prefilled_on
+            return Endpoints.same_slice(Endpoints.kv_compatible(pool, prefill), prefill)
         if exchange.local_anywhere and local_on_prefill_pool:
             return pool + exchange.selection.pools.get("prefill", [])
         return pool

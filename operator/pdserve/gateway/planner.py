@@ -53,13 +53,21 @@ class RoutePlanner:
         selection = await self.endpoints.wait_select(
             self.needed_pools(), ["prefill"], wait_seconds=self.endpoint_wait_seconds
         )
+        return self.settle(selection)
+
+    def settle(self, selection: Selection) -> Plan:
+        """The plan for a selected set: the prefill replicas that may take P/D traffic, and P/D
+        or not. With no prefill left for want of a verified transport or a compatible decode,
+        the request prefills locally (counted), even in mode Disaggregated."""
         unverified = self.keep_verified_prefill(selection)
+        unpaired = self.keep_paired_prefill(selection)
         pd = self.wants_pd(selection)
         if (
             self.config.routing.mode == "Disaggregated"
             and not pd
             and self.config.pools.prefill
             and not unverified
+            and not unpaired
         ):
             raise NoEndpoints("routing mode Disaggregated but no healthy prefill endpoint")
         return Plan(selection, pd)
@@ -75,6 +83,22 @@ class RoutePlanner:
         if selection.pools["prefill"]:
             return False
         self.metrics.fallbacks.labels("transport_unverified").inc()
+        return True
+
+    def keep_paired_prefill(self, selection: Selection) -> bool:
+        """Only prefill replicas with a decode replica that can pull their KV (equal
+        KV-compatibility digests) take P/D traffic: mid engine upgrade a new prefill with only
+        old decodes is left out, so no request's transfer is refused. True when that left no
+        prefill endpoint (the request prefills locally on decode)."""
+        prefill = selection.pools.get("prefill")
+        if not prefill or self.config.routing.mode == "Aggregated":
+            return False
+        decode = selection.pools.get("decode", [])
+        selection.pools["prefill"] = [p for p in prefill if Endpoints.kv_compatible(decode, p)]
+        if selection.pools["prefill"]:
+            return False
+        # Not a P/D failure Auto mode learns from: the pools are mid-rollout, not broken.
+        self.metrics.fallbacks.labels("no_compatible_decode").inc()
         return True
 
     def wants_pd(self, selection: Selection) -> bool:
