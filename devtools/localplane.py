@@ -228,8 +228,11 @@ class ControlPlane(Components):
             timeout=10.0,
         )
 
-    def audit_events(self, *, user: str | None = None) -> list[dict[str, Any]]:
-        """Write requests seen by the API server so far (optionally by one user)."""
+    def audit_events(
+        self, *, user: str | None = None, writes_only: bool = True
+    ) -> list[dict[str, Any]]:
+        """Write requests seen by the API server so far (optionally by one user); with
+        `writes_only=False` also the operator user's reads (get, list, watch)."""
         if not self.audit_log.exists():
             return []
         events = []
@@ -237,6 +240,8 @@ class ControlPlane(Components):
             if not line.strip():
                 continue
             event = json.loads(line)
+            if writes_only and event.get("verb") not in planecommands.WRITE_VERBS:
+                continue
             if user is None or event.get("user", {}).get("username") == user:
                 events.append(event)
         return events
@@ -248,7 +253,8 @@ class ControlPlane(Components):
         for user in self.users:
             self.tokens.setdefault(user, secrets.token_hex(16))
         credentials.write_token_file(self.pki / "tokens.csv", self.tokens)
-        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(planecommands.AUDIT_POLICY))
+        policy = planecommands.audit_policy([OPERATOR_USER])
+        (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(policy))
 
     def _start_etcd(self, timeout: float) -> None:
         client = f"http://127.0.0.1:{self.ports.etcd_client}"

@@ -16,18 +16,27 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from devtools.localplane import running_control_plane, wait_until
+from devtools.localplane import OPERATOR_USER, running_control_plane, wait_until
 from devtools.nodes import cpu_node, create_nodes, gpu_node, wait_nodes_ready
 from devtools.operator_proc import running_operator
+from devtools.planecommands import WRITE_VERBS
 from devtools.resources import APPLY, SMALL_PD_SPEC, dm_url
 from pdserve.api.crd import build_crd
 
 NAMESPACE = "bench"
 
 
-def measure(count: int) -> list[float]:
+@dataclass
+class Run:
+    seconds: list[float]  # creation -> Ready, per resource that became Ready
+    requests: int  # the operator's API requests (audit log), reads and writes
+    writes: int
+
+
+def measure(count: int) -> Run:
     with tempfile.TemporaryDirectory() as tmp, running_control_plane(Path(tmp) / "plane") as plane:
         gpu_nodes = max(2, (2 * count + 7) // 8)  # 2 GPUs per resource, 8 per node
         with plane.http() as http:
@@ -81,7 +90,9 @@ def measure(count: int) -> list[float]:
                     http.post(dm_url(NAMESPACE), json=body).raise_for_status()
             if not done.wait(timeout=600):
                 print(f"only {len(ready)}/{count} became Ready within 600 s", file=sys.stderr)
-            return sorted(ready[n] - created[n] for n in ready)
+            seen = plane.audit_events(user=OPERATOR_USER, writes_only=False)
+            writes = [e for e in seen if e.get("verb") in WRITE_VERBS]
+            return Run(sorted(ready[n] - created[n] for n in ready), len(seen), len(writes))
 
 
 def main() -> int:
@@ -92,13 +103,15 @@ def main() -> int:
     args = parser.parse_args()
     for count in args.count or [1, 50]:
         started = time.monotonic()
-        seconds = measure(count)
+        run = measure(count)
+        seconds = run.seconds
         total = time.monotonic() - started
         p95 = seconds[max(0, round(0.95 * len(seconds)) - 1)] if seconds else float("nan")
         print(
             f"{count:>3} DisaggregatedModels: {len(seconds)} Ready; creation -> Ready "
-            f"p50 {statistics.median(seconds):.2f}s, p95 {p95:.2f}s, max {max(seconds):.2f}s "
-            f"(run incl. plane start {total:.0f}s)",
+            f"p50 {statistics.median(seconds):.2f}s, p95 {p95:.2f}s, max {max(seconds):.2f}s; "
+            f"operator API requests per model {run.requests / count:.1f} "
+            f"({run.writes / count:.1f} writes) (run incl. plane start {total:.0f}s)",
             flush=True,
         )
     return 0

@@ -7,6 +7,7 @@ each to serve.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,22 @@ KWOK_NODE_IP = "10.0.0.1"
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 KWOK_STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
-AUDIT_POLICY: dict[str, Any] = {
-    "apiVersion": "audit.k8s.io/v1",
-    "kind": "Policy",
-    "omitStages": ["RequestReceived"],
-    "rules": [
-        # Writes only: tests count them (e.g. "a no-op resync performs no write").
-        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
-        {"level": "None"},
-    ],
-}
+WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
+
+
+def audit_policy(readers: Sequence[str]) -> dict[str, Any]:
+    """Every write (tests count them, e.g. "a no-op resync performs no write"), and the reads of
+    `readers` (the operator: its API requests per model are measured, measure_ready)."""
+    return {
+        "apiVersion": "audit.k8s.io/v1",
+        "kind": "Policy",
+        "omitStages": ["RequestReceived"],
+        "rules": [
+            {"level": "Metadata", "verbs": list(WRITE_VERBS)},
+            {"level": "Metadata", "users": list(readers), "verbs": ["get", "list", "watch"]},
+            {"level": "None"},
+        ],
+    }
 
 
 def etcd(binary: Path, *, data_dir: Path, client_url: str, peer_url: str) -> list[str]:

@@ -23,6 +23,7 @@ from pdserve.api import (
 from pdserve.api.autoscaling import RenderAutoscaler
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
+    KIND_ORDER,
     Component,
     NetworkPolicyOptions,
     build_all,
@@ -90,6 +91,22 @@ class Outcome:
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.events.append(Event(type_, reason, message))
+
+
+WORKLOAD_KINDS = ("StatefulSet", "Deployment")
+
+
+def apply_waves(desired: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """`desired` (in apply order) in three waves applied one after another, each at once:
+    what pods need (accounts, RBAC, policies, Secrets, ConfigMaps, Services), the workloads,
+    then what points at them (autoscalers, disruption budgets, preflight Jobs)."""
+    waves: list[list[Mapping[str, Any]]] = [[], [], []]
+    first_workload = min(KIND_ORDER.index(kind) for kind in WORKLOAD_KINDS)
+    for obj in desired:
+        kind = obj["kind"]
+        wave = 1 if kind in WORKLOAD_KINDS else 0 if KIND_ORDER.index(kind) < first_workload else 2
+        waves[wave].append(obj)
+    return [wave for wave in waves if wave]
 
 
 def utc_now() -> str:
@@ -298,16 +315,27 @@ async def _converge(
         # Deployment still tells that a Secret is left, so the retry deletes it.
         await kube.delete(SECRET, dm.namespace, peer_key_secret_name(dm.name))
         outcome.pruned.append(f"Secret/{peer_key_secret_name(dm.name)}")
-    for obj in desired:
+
+    async def apply_changed(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The object as applied, or None when nothing was told (current already)."""
         if obj["kind"] in WRITE_ONLY_KINDS:
             # Never listed, so applied every pass; the same bytes each time, which the API
             # server does not write again. Not told as applied: it almost never changes.
             await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
-            continue
+            return None
         if is_current(live.get(key_of(obj)), obj):
-            continue
-        results[key_of(obj)] = await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
-        outcome.applied.append(describe(obj))
+            return None
+        return await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
+
+    for wave in apply_waves(desired):
+        # One round trip per wave, not per object: what a wave needs exists before it starts.
+        answers = await asyncio.gather(*map(apply_changed, wave), return_exceptions=True)
+        for obj, answer in zip(wave, answers, strict=True):
+            if answer is not None and not isinstance(answer, BaseException):
+                results[key_of(obj)] = answer
+                outcome.applied.append(describe(obj))
+        if failed := next((a for a in answers if isinstance(a, BaseException)), None):
+            raise failed
     wanted = {key_of(obj) for obj in desired}
     for key, obj in live.items():
         owners = obj["metadata"].get("ownerReferences", [])
