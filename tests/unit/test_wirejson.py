@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.wirejson import JSONDecodeError, dumps, loads
+from pdserve.wirejson import JSONDecodeError, dumps, loads, loads_trusted
 
 
 def test_plain_bodies_round_trip_compact_and_utf8() -> None:
@@ -39,3 +39,8 @@ def test_malformed_text_and_numbers_too_long_raise_what_json_raises() -> None:
         loads(b'{"a": ')
     with pytest.raises(ValueError, match="4300"):
         loads(b'{"max_tokens": ' + b"9" * 5000 + b"}")
+
+
+def test_servers_answers_read_fast_and_still_take_what_json_takes() -> None:
+    assert loads_trusted(b'{"token_ids": [1, 2, 3]}') == {"token_ids": [1, 2, 3]}
+    assert math.isnan(loads_trusted(b'{"x": NaN}')["x"])

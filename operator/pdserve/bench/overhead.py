@@ -399,7 +399,11 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             print("toy proxy: no --toy-proxy PATH given; skipped", file=sys.stderr)
         if "pdserve-render" in wanted:
             engines = {
-                "render": [procs.render(SIM_MODEL, served_model_name=MODEL, preexec_fn=rest).url],
+                "render": [
+                    procs.render(
+                        SIM_MODEL, served_model_name=MODEL, extra=SIM_CONTEXT, preexec_fn=rest
+                    ).url
+                ],
                 "prefill": [sim_tokens_engine(procs, "prefill", rest)],
                 "decode": [sim_tokens_engine(procs, "decode", rest)],
             }
@@ -417,13 +421,17 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
 GATEWAY_FLAGS = ("--max-inflight", "4096")
 
 
+# Room for the 200 KB prompt (the simulator's tokenizer makes a token of each character).
+SIM_CONTEXT = ["--max-model-len", "262144"]
+
+
 def sim_tokens_engine(procs: Processes, role: str, preexec: Callable[[], None] | None) -> str:
     return procs.engine(
         SIM_MODEL,
         role=role,
         tokens_only=True,
         served_model_name=MODEL,
-        extra=ZERO_LATENCY,
+        extra=[*ZERO_LATENCY, *SIM_CONTEXT],
         preexec_fn=preexec,
     ).url
 

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from pdserve.gateway.endpoints import NoEndpoints
-from pdserve.wirejson import dumps, loads
+from pdserve.wirejson import dumps, loads_trusted
 
 
 class GatewayError(Exception):
@@ -75,7 +75,7 @@ def upstream_message(payload: bytes) -> str:
     """The error message inside an upstream error body (vLLM's or ours), else the raw text."""
     text = payload.decode(errors="replace")
     try:
-        body = loads(text)
+        body = loads_trusted(text)
     except ValueError:
         return text[:500]
     error = body.get("error") if isinstance(body, dict) else None

@@ -28,7 +28,7 @@ from pdserve.vllm.protocol import (
     openai_prefill_body,
     prefill_handoff_params,
 )
-from pdserve.wirejson import dumps_text, loads
+from pdserve.wirejson import dumps_text, loads_trusted
 
 
 class OpenAIRoute:
@@ -145,7 +145,7 @@ class OpenAIRoute:
                                 done = True
                                 break
                             try:
-                                event = loads(data)
+                                event = loads_trusted(data)
                                 if "error" in event:  # decode's own error event: pass it on
                                     ex.stream_error = status
                                     data = scrubbed(event, data)

@@ -48,7 +48,7 @@ from pdserve.vllm.protocol import (
     tokens_decode_body,
     tokens_prefill_body,
 )
-from pdserve.wirejson import loads
+from pdserve.wirejson import loads_trusted
 
 
 class TokensRoute:
@@ -325,7 +325,7 @@ class TokensRoute:
                                 done = True
                                 break
                             try:
-                                event = loads(data)
+                                event = loads_trusted(data)
                                 if "error" in event:
                                     broke = f"decode reported: {event['error']}"
                                     break

@@ -20,7 +20,7 @@ from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.vllm.protocol import ABORT_PATH, AbortRequest, abort_body
-from pdserve.wirejson import dumps, loads
+from pdserve.wirejson import dumps, loads_trusted
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -184,7 +184,7 @@ class UpstreamClient:
                     if status >= 400:
                         raise GatewayError(status, upstream_message(payload), kind="UpstreamError")
                     try:
-                        return endpoint, loads(payload)
+                        return endpoint, loads_trusted(payload)
                     except ValueError:  # a broken replica (or what stands in front of it)
                         last, timed_out = f"{stage} at {endpoint.url} answered non-JSON", False
                 else:

@@ -14,7 +14,7 @@ import httpx
 
 from pdserve.contract.resource import GROUP, PLURAL, VERSION
 from pdserve.kube.credentials import Credentials, bearer_auth
-from pdserve.wirejson import loads
+from pdserve.wirejson import loads_trusted
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Kube:
             return None
         if not response.is_success:
             raise KubeError(response)
-        result: dict[str, Any] = loads(response.content)  # lists are most of what it reads
+        result: dict[str, Any] = loads_trusted(response.content)  # lists are most of what it reads
         return result
 
     async def apply(
