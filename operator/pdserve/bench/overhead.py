@@ -360,6 +360,9 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
                 "--queue-size",
                 "4096",
                 "--disable-retries",
+                # Its own metrics port, not the default one another router may hold.
+                "--prometheus-port",
+                str(free_port()),
             ]
             proc = procs.start(argv, port, preexec_fn=proxy)
             found.append(
