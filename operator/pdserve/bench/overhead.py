@@ -564,7 +564,7 @@ def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
 def chart(points: Sequence[Point], settings: Settings, path: Path) -> str | None:
     """Requests per proxy core at the first concurrency, per target and prompt."""
     c = settings.concurrency[0]
-    bars = [(f"{p.target}\n{p.prompt}", p.per_core.get(c)) for p in points if p.per_core.get(c)]
+    bars = [(f"{p.target}, {p.prompt}", p.per_core.get(c)) for p in points if p.per_core.get(c)]
     return plots.bar_chart(
         path,
         bars,

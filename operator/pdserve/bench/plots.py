@@ -33,7 +33,8 @@ class Series:
 def bar_chart(
     path: Path, bars: Sequence[tuple[str, float | None]], *, title: str, ylabel: str
 ) -> str | None:
-    """One bar per (label, value) into a small PNG; returns None, or why nothing was drawn."""
+    """One horizontal bar per (label, value) into a small PNG; returns None, or why nothing was
+    drawn."""
     if (reason := unavailable()) is not None:
         return reason
     import matplotlib
@@ -42,18 +43,18 @@ def bar_chart(
     import matplotlib.pyplot as plt
 
     shown = [(label, value) for label, value in bars if value is not None]
-    figure, axes = plt.subplots(figsize=(7.2, 3.8), dpi=80)
+    figure, axes = plt.subplots(figsize=(7.2, 1.2 + 0.4 * len(shown)), dpi=80)
     try:
-        positions = range(len(shown))
-        axes.bar(
+        positions = list(range(len(shown)))[::-1]  # the first bar on top
+        axes.barh(
             positions,
             [value for _, value in shown],
-            color=[COLORS[i % len(COLORS)] for i in positions],
+            color=[COLORS[i % len(COLORS)] for i in range(len(shown))],
         )
-        axes.set_xticks(list(positions), [label for label, _ in shown], fontsize=7)
+        axes.set_yticks(positions, [label for label, _ in shown], fontsize=8)
         axes.set_title(title, fontsize=10)
-        axes.set_ylabel(ylabel)
-        axes.grid(axis="y", alpha=0.3)
+        axes.set_xlabel(ylabel)
+        axes.grid(axis="x", alpha=0.3)
         figure.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path)
