@@ -32,3 +32,15 @@ def autoscaled_model(**spec: Any) -> DisaggregatedModel:
     }  # fmt: skip
     body["spec"].update(copy.deepcopy(spec))
     return parse_resource(body)
+
+
+def spec_with(base: dict[str, Any], **changes: Any) -> DisaggregatedModel:
+    """`base` parsed, its spec changed by `pool__field=value` (a path dotted by `__`)."""
+    body = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        node = body["spec"]
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_resource(body)

@@ -254,16 +254,22 @@ def from_arguments(
     )
 
 
+def switch(flag: bool | None, env: Mapping[str, str], variable: str) -> bool:
+    """An on/off setting: its flag when given, else its environment variable (default off);
+    ValueError names the variable."""
+    if flag is not None:
+        return flag
+    text = env.get(variable, "false").strip().lower()
+    if text not in TRUE + FALSE:
+        raise ValueError(f"{variable} must be true or false, got {text!r}")
+    return text in TRUE
+
+
 def leader_election_settings(
     args: argparse.Namespace, env: Mapping[str, str], namespace: str | None
 ) -> LeaderElectionSettings | None:
     """--leader-election and its lease duration; ValueError names the flag or variable."""
-    enabled = args.leader_election
-    if enabled is None:
-        text = env.get("PDSERVE_LEADER_ELECTION", "false").strip().lower()
-        if text not in TRUE + FALSE:
-            raise ValueError(f"PDSERVE_LEADER_ELECTION must be true or false, got {text!r}")
-        enabled = text in TRUE
+    enabled = switch(args.leader_election, env, "PDSERVE_LEADER_ELECTION")
     lease = seconds(args.leader_election_lease_seconds, env,
                     "leader-election-lease-seconds", "15")  # fmt: skip
     if not enabled:
@@ -286,12 +292,7 @@ def network_settings(
     args: argparse.Namespace, env: Mapping[str, str]
 ) -> NetworkPolicyOptions | None:
     """--network-policies and its options; ValueError names the flag or variable."""
-    enabled = args.network_policies
-    if enabled is None:
-        text = env.get("PDSERVE_NETWORK_POLICIES", "false").strip().lower()
-        if text not in TRUE + FALSE:
-            raise ValueError(f"PDSERVE_NETWORK_POLICIES must be true or false, got {text!r}")
-        enabled = text in TRUE
+    enabled = switch(args.network_policies, env, "PDSERVE_NETWORK_POLICIES")
     if not enabled:
         return None
     namespaces = args.metrics_namespaces or [

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -11,13 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel
 from pdserve.builders import build_all, parity_hash
 from pdserve.builders.gateway import routing_config
 from pdserve.builders.vllm_args import kv_transfer_config
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from pdserve.contract.routing import config_text_of
 from pdserve.manifests import load_resources, render_manifests
+from tests.support.specs import spec_with
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -211,14 +211,7 @@ BASE: dict[str, Any] = {
 
 
 def with_spec(**changes: Any) -> DisaggregatedModel:
-    body = copy.deepcopy(BASE)
-    for dotted, value in changes.items():
-        node = body["spec"]
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return parse_resource(body)
+    return spec_with(BASE, **changes)
 
 
 @pytest.mark.parametrize(

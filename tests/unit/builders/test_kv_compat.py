@@ -4,14 +4,14 @@ value in the routing config the gateway reads."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel
 from pdserve.builders import build_all, routing_config
 from pdserve.contract.names import KV_COMPAT_ANNOTATION
+from tests.support.specs import spec_with
 
 BASE: dict[str, Any] = {
     "metadata": {"name": "m", "namespace": "ns"},
@@ -20,15 +20,7 @@ BASE: dict[str, Any] = {
 
 
 def model(**changes: Any) -> DisaggregatedModel:
-    """BASE with `pool__field=value` changes (dotted by `__`)."""
-    body = copy.deepcopy(BASE)
-    for dotted, value in changes.items():
-        node = body["spec"]
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return parse_resource(body)
+    return spec_with(BASE, **changes)
 
 
 def digests(dm: DisaggregatedModel) -> dict[str, str | None]:
