@@ -191,32 +191,27 @@ def pretty(answer: Mapping[str, Any]) -> str:
 async def assert_left_work_is_aborted(
     route: GatewayUnderTest, body: Mapping[str, Any], *, stream: bool, engine: VllmServer
 ) -> None:
-    """Send `body` (a long answer) through `route` and leave: a stream after its first events,
-    a non-streamed request once the gateway has it in flight on a decode engine (by the
-    gateway's own count, not a clock or the engine's /metrics: on a loaded machine both can
-    lag past the whole answer). Then the engine must stop the request within a deadline,
-    without finishing it, having generated fewer tokens than asked."""
+    """Send `body` (a long answer) through `route`, streamed or not, and leave once the gateway
+    has it in flight on a decode engine (by the gateway's own count: a client-side clock, the
+    engine's /metrics and even a stream's first events can all lag past the whole answer on a
+    loaded machine, when the tiny model has generated every token). Then the engine must stop
+    the request within a deadline, without finishing it, having generated fewer tokens than
+    asked."""
     before = await counts_of(engine)
     payload = {key: value for key, value in body.items() if key != "extra_body"}
     payload |= dict(body.get("extra_body") or {})
     async with httpx.AsyncClient(base_url=route.url, timeout=60) as client:
         if stream:
             payload["stream"] = True
-            async with client.stream("POST", "/v1/chat/completions", json=payload) as answer:
-                assert answer.status_code == 200, await answer.aread()
-                events = 0
-                async for line in answer.aiter_lines():
-                    events += line.startswith("data: ")
-                    if events == 3:
-                        break
+            sent = asyncio.create_task(read_stream(client, payload))
         else:
             sent = asyncio.create_task(client.post("/v1/chat/completions", json=payload))
-            try:
-                await until_decoding(route, sent)
-            finally:
-                sent.cancel()  # the client leaves: its connection closes
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sent
+        try:
+            await until_decoding(route, sent)
+        finally:
+            sent.cancel()  # the client leaves: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
     # vLLM counts an aborted request in no finished_reason: it is aborted when it leaves the
     # running batch without finishing.
     deadline = time.monotonic() + 20
@@ -239,6 +234,13 @@ async def assert_left_work_is_aborted(
 async def counts_of(engine: VllmServer) -> dict[str, float]:
     """engine_counts off the event loop, which may be serving an in-process gateway."""
     return dict(await asyncio.to_thread(engine_counts, engine))
+
+
+async def read_stream(client: httpx.AsyncClient, payload: Mapping[str, Any]) -> httpx.Response:
+    """A streamed chat read to its end (unless the caller leaves first)."""
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as answer:
+        await answer.aread()
+        return answer
 
 
 async def until_decoding(route: GatewayUnderTest, sent: asyncio.Task[httpx.Response]) -> None:
