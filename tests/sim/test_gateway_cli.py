@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -162,8 +163,8 @@ async def test_gateway_process_serves_and_logs_each_request(
 
 
 async def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path: Path) -> None:
-    """SIGTERM (after the pod's preStop drain): the gateway stops accepting, lets a stream
-    under way run to its end, and exits 0."""
+    """SIGTERM: after its drain the gateway stops accepting, lets a stream under way run to its
+    end, and exits 0."""
     async with simulated(time_scale=0.5) as upstreams:  # ~10 ms a token
         process, url = start_gateway(tmp_path, upstreams)
         try:
@@ -193,6 +194,51 @@ async def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path: Path
         finally:
             process.kill()
             process.wait(timeout=10)
+
+
+async def test_sigterm_drains_each_answer_closing_its_connection(
+    upstreams: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM first drains: the gateway keeps answering, on new connections and on kept-alive
+    ones, and each answer says `Connection: close` and closes its connection, so a busy client
+    moves to another replica between two requests instead of losing one to a closed
+    connection. SIGINT ends the drain."""
+    process, url = start_gateway(tmp_path, upstreams, "--drain-seconds", "600")
+    host, port = url.removeprefix("http://").split(":")
+    health = b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n"
+    try:
+        # A connection kept alive from before the signal, idle when it comes.
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(health)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert b"Connection: close" not in head
+        await reader.readexactly(int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
+
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            process.terminate()
+
+            async def closes() -> bool:
+                answer = await client.get("/health")
+                assert answer.status_code == 200
+                return answer.headers.get("connection") == "close"
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while not await closes():  # until the gateway has the signal
+                assert asyncio.get_running_loop().time() < deadline, "never started draining"
+            # Each a new connection (the last one closed), each answered, each closing.
+            assert [await closes() for _ in range(3)] == [True] * 3
+
+        writer.write(health)
+        answer = await asyncio.wait_for(reader.read(), 10)  # to the connection's end
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:80]
+        assert b"Connection: close" in answer.partition(b"\r\n\r\n")[0].split(b"\r\n")
+        assert process.poll() is None, "stopped during its 600 s drain"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+        process.wait(timeout=10)
 
 
 def test_bad_config_is_refused_naming_the_field(tmp_path: Path) -> None:

@@ -130,13 +130,15 @@ def gateway(
             f"{ROUTING_DIR}/{ROUTING_KEY}",
             "--port",
             str(GATEWAY_CONTAINER_PORT),
+            # Within the grace period below: the drain, then the shutdown timeout.
+            "--drain-seconds",
+            str(GATEWAY_DRAIN_SECONDS),
             # The container's stdout: `kubectl logs` shows the lines.
             *(["--request-log", "/dev/stdout"] if spec.request_log else []),
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": resources(spec.resources),
         **http_probes("/health", slow_start=False),
-        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_DRAIN_SECONDS}}},
         "volumeMounts": [{"name": "routing", "mountPath": ROUTING_DIR, "readOnly": True}],
     }
     container["env"] = env

@@ -24,9 +24,9 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 ENGINE_PORT = 8000
 RENDER_PORT = 8000
 GATEWAY_CONTAINER_PORT = 8000
-# A stopping gateway keeps serving this long before SIGTERM, while kube-proxy and load balancers
-# stop sending it new connections; then it finishes in-flight requests (the gateway's own
-# shutdown timeout) within the rest of the grace period.
+# A gateway keeps serving this long after SIGTERM (`--drain-seconds`), while kube-proxy and load
+# balancers stop sending it new connections, each answer closing its connection; then it finishes
+# in-flight requests (the gateway's own shutdown timeout) within the rest of the grace period.
 GATEWAY_DRAIN_SECONDS = 5
 GATEWAY_SHUTDOWN_SECONDS = 30
 # The gateway replicas' own credential for each other's /status and /admission* (its key inside

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kubernetes.config import ConfigException
 
-from pdserve.contract.names import GATEWAY_SHUTDOWN_SECONDS
+from pdserve.contract.names import GATEWAY_DRAIN_SECONDS, GATEWAY_SHUTDOWN_SECONDS
 from pdserve.contract.routing import ConfigError, load_config
 from pdserve.gateway import server
 from pdserve.gateway.app import Gateway
@@ -45,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one derender call per engine event (for comparison only)",
     )
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--drain-seconds",
+        type=drain_seconds,
+        default=GATEWAY_DRAIN_SECONDS,
+        help="after SIGTERM, keep serving this long, each answer closing its connection so "
+        "kept-alive clients move to another replica, before stopping (default %(default)s; "
+        "0: none)",
+    )
     parser.add_argument(
         "--max-inflight", type=int, default=256, help="requests in flight before 429 + Retry-After"
     )
@@ -137,6 +145,13 @@ def seconds(text: str) -> float:
     return value
 
 
+def drain_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds, not {text}")
+    return value
+
+
 def api_keys(path: Path | None) -> tuple[str, ...]:
     return load_keys(path, "--api-key-file", "PDSERVE_API_KEY")
 
@@ -177,5 +192,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
         gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
-    server.run(gateway.app(), args.host, args.port, shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS)
+    server.run(
+        gateway.app(),
+        args.host,
+        args.port,
+        shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS,
+        drain_seconds=args.drain_seconds,
+    )
     return 0

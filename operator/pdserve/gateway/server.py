@@ -14,12 +14,13 @@ tests) does it on GatewayRunner."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.gateway.errors import GatewayError, client_error, error_response, framing_error
@@ -82,14 +83,37 @@ class GatewayRunner(web.AppRunner):
         )
 
 
-async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float) -> None:
-    """web.run_app's job on GatewayRunner: serve `app` until SIGTERM (after the pod's preStop
-    drain) or SIGINT, then stop accepting and give the requests in flight `shutdown_timeout`
-    seconds to finish."""
-    stop = asyncio.Event()
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout: float,
+    drain_seconds: float = 0,
+) -> None:
+    """web.run_app's job on GatewayRunner: serve `app` until a signal, then stop accepting and
+    give the requests in flight `shutdown_timeout` seconds to finish.
+
+    SIGTERM first drains for `drain_seconds`: the gateway keeps accepting (kube-proxy and load
+    balancers take a while to stop sending new connections to a pod being deleted) and every
+    answer says `Connection: close` and closes its connection. A client on a kept-alive
+    connection so reconnects, to another replica, between two requests. Closing a connection a
+    busy client is about to reuse would instead fail its next request ("server disconnected"),
+    which no client can tell apart from a crash. SIGINT (or a second signal) skips or ends the
+    drain."""
+    draining = False
+
+    async def close_after_answer(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        if draining:
+            # The header too: aiohttp computed it before this hook runs.
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
+
+    app.on_response_prepare.append(close_after_answer)
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, signals.put_nowait, signum)
     # A client that disconnects cancels its handler, which aborts the engines' work.
     # No access log: the request log (--request-log) records every request, off the hot path.
     runner = GatewayRunner(
@@ -98,14 +122,30 @@ async def serve(app: web.Application, host: str, port: int, *, shutdown_timeout:
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
-        await stop.wait()
+        if await signals.get() is signal.SIGTERM and drain_seconds > 0:
+            draining = True
+            log.info(
+                "SIGTERM: draining for %g s (each answer closes its connection), then stopping",
+                drain_seconds,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signals.get(), drain_seconds)
     finally:
         await runner.cleanup()
 
 
-def run(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60) -> None:
+def run(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout: float = 60,
+    drain_seconds: float = 0,
+) -> None:
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(serve(app, host, port, shutdown_timeout=shutdown_timeout))
+        runner.run(
+            serve(app, host, port, shutdown_timeout=shutdown_timeout, drain_seconds=drain_seconds)
+        )
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
