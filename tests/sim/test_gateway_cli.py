@@ -220,7 +220,7 @@ async def test_sigterm_drains_each_answer_closing_its_connection(
             async def closes() -> bool:
                 answer = await client.get("/health")
                 assert answer.status_code == 200
-                return answer.headers.get("connection") == "close"
+                return bool(answer.headers.get("connection") == "close")
 
             deadline = asyncio.get_running_loop().time() + 30
             while not await closes():  # until the gateway has the signal

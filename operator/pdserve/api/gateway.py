@@ -67,3 +67,9 @@ class GatewaySpec(ApiModel):
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token
     counts. Off by default: a line per request costs CPU at high rates."""
+    replica_check: Literal["Enforce", "Off"] = "Enforce"
+    """Enforce: each gateway checks every render and engine replica before it takes traffic (a
+    canary render, tokenize and derender on render; vLLM version and served model on engines)
+    and keeps out of routing any replica that disagrees with the rest of its group, naming the
+    fields that differ (`/status`, an Event on the pod). Off: no checks (every ready replica
+    is routed at once)."""

@@ -99,6 +99,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
             bidirectional=kv.bidirectional,
             verify=kv.verify.value,
         ),
+        replica_check=spec.gateway.replica_check,
     )
 
 
@@ -179,6 +180,8 @@ def gateway(
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": labels_meta,
          "rules": [
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+             # Replica checks report a disagreeing pod in an Event on it.
+             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
               "verbs": ["get", "list", "watch"]},
          ]},

@@ -43,6 +43,13 @@ PEER_MASTER_SECRET_KEY = "master-key"
 # chart's RBAC grants get/update on this name alone).
 LEADER_LEASE_NAME = "pdserve-operator-leader"
 
+# The gateway's replica checks report a pod that disagrees with its group (or rejoins it) in
+# Events on the pod from this reporter; the operator reads them into ContractVerified.
+GATEWAY_EVENT_REPORTER = "pdserve-gateway"
+REPLICA_MISMATCH_REASON = "ReplicaContractMismatch"
+REPLICA_UNCHECKED_REASON = "ReplicaContractUnchecked"
+REPLICA_VERIFIED_REASON = "ReplicaContractVerified"
+
 
 def peer_key_secret_name(model: str) -> str:
     return f"{model}-gateway-peer-key"

@@ -110,6 +110,10 @@ class GatewayConfig(_Model):
     routing: Routing = Field(default_factory=Routing)
     pools: Pools
     kv_transfer: KvTransfer = Field(default_factory=KvTransfer)
+    replica_check: Literal["Enforce", "Off"] = "Off"
+    """Enforce: check every replica before it takes traffic, keep out the ones that disagree
+    (gateway/replica_contract.py). The operator writes spec.gateway.replicaCheck (default
+    Enforce); a hand-written file routes unchecked unless it asks."""
     endpoints: StaticEndpoints | None = None
 
     @property

@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from pdserve.contract.names import GATEWAY_EVENT_REPORTER
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.admission import AdmissionHandlers
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
@@ -54,11 +55,19 @@ from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.placement import Placement
 from pdserve.gateway.planner import RoutePlanner
 from pdserve.gateway.policy import AutoPolicy
+from pdserve.gateway.replica_contract import (
+    ReplicaCheck,
+    ReplicaContract,
+    Verdict,
+    event_of,
+    session_fetch,
+)
 from pdserve.gateway.request_log import RequestLog
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
 from pdserve.kube.client import Kube
+from pdserve.kube.events import post_event
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -117,6 +126,15 @@ class Gateway:
             max_holds_per_peer=s.max_inflight,
         )  # fmt: skip
         self.request_log = RequestLog(s.request_log) if s.request_log else None
+        self.replica_contract = (
+            ReplicaContract(
+                self.endpoints, config.model, session_fetch(lambda: self.upstream.session),
+                report=self._report_check,
+            )
+            if config.replica_check == "Enforce"
+            else None
+        )  # fmt: skip
+        self._event_tasks: set[asyncio.Task[None]] = set()
         prefill, decode = config.pools.prefill, config.pools.decode
         if prefill is not None and prefill.kv_compat != decode.kv_compat:
             # The spec's own pools can never pair: every request will prefill on decode.
@@ -171,6 +189,8 @@ class Gateway:
     async def _start_background(self, _: web.Application) -> None:
         if self.request_log is not None:
             self.request_log.start()
+        if self.replica_contract is not None:
+            self.replica_contract.start()
         if self.settings.load_scrape_seconds is not None:
             scraper = LoadScraper(
                 self.endpoints,
@@ -188,6 +208,8 @@ class Gateway:
         for task in (self._scrape_task, self._peers_task):
             if task is not None:
                 task.cancel()
+        if self.replica_contract is not None:
+            self.replica_contract.stop()
         if self.request_log is not None:
             await self.request_log.stop()
         if self._discovery_task is not None:
@@ -215,6 +237,25 @@ class Gateway:
             answer = client_error(error, request_id)
             self._log_failure(error, answer, request_id)
             return error_response(answer)
+
+    def _report_check(self, check: ReplicaCheck) -> None:
+        """A replica check's verdict changed: logged and, in a cluster, an Event on the pod."""
+        replica = f"{check.pool} replica {check.endpoint.label}"
+        if check.verdict is Verdict.verified:
+            log.info("%s passed its replica check", replica)
+        else:
+            log.warning("%s: %s (%s)", replica, check.verdict.value, check.reason)
+        discovery = self._discovery
+        pod = discovery.pods.get(check.endpoint.name or "") if discovery else None
+        event = event_of(check, discovery.own_pod if discovery else None)
+        if discovery is None or pod is None or event is None:
+            return
+        task = asyncio.create_task(
+            post_event(discovery.kube, {**pod, "apiVersion": "v1", "kind": "Pod"}, *event,
+                       reporter=GATEWAY_EVENT_REPORTER)
+        )  # fmt: skip
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
 
     # ---- operational endpoints -----------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -250,6 +291,12 @@ class Gateway:
         # Read live: what the operator's transport monitor reports as GatewayFallback.
         self.metrics.pd_degraded.set(int(self.policy.health.degraded))
         self.metrics.pd_recent_failures.set(len(self.policy.health.failures))
+        if self.replica_contract is not None:
+            # Rebuilt each scrape: replicas that left take their series with them.
+            self.metrics.replica_checks.clear()
+            for pool, replicas in self.replica_contract.status().items():
+                for replica, entry in replicas.items():
+                    self.metrics.replica_checks.labels(pool, replica, entry["verdict"]).set(1)
         return web.Response(
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )
@@ -270,6 +317,9 @@ class Gateway:
                     "peers": sorted(self.peers.live),
                 },
                 "kvCompat": self.kv_compat_status(),
+                "replicaCheck": (
+                    self.replica_contract.status() if self.replica_contract else "Off"
+                ),
             }
         )
 

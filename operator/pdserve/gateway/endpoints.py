@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.contract.routing import GatewayConfig
@@ -65,6 +65,8 @@ class Endpoint:
     prefill_backlog: int = 0
     name: str | None = None  # the pod's name (discovery) or a static endpoint's name
     steps: StepMeter = field(default_factory=StepMeter)
+    # False while its replica check (replica_contract.py) is pending or found it disagreeing.
+    routable: bool = True
 
     @property
     def label(self) -> str:
@@ -72,7 +74,7 @@ class Endpoint:
         return self.name or self.url
 
     def healthy(self, now: float) -> bool:
-        return self.down_until <= now
+        return self.routable and self.down_until <= now
 
     def load(self) -> float:
         """Lower is better. Queued requests weigh most (they wait for everything running); the
@@ -104,6 +106,8 @@ class Endpoints:
         self.pools: dict[str, list[Endpoint]] = {"render": [], "prefill": [], "decode": []}
         # Set (and replaced) on every discovery update: requests waiting for a complete set.
         self._changed = asyncio.Event()
+        # Told of every discovery update (the replica checks start on new endpoints).
+        self.on_change: Callable[[], None] | None = None
         if config.endpoints is not None:
             for pool in self.pools:
                 self.pools[pool] = [
@@ -133,6 +137,12 @@ class Endpoints:
             else:
                 updated.append(endpoint)
         self.pools[pool] = updated
+        if self.on_change is not None:
+            self.on_change()
+        self.changed()
+
+    def changed(self) -> None:
+        """Wake the requests waiting for a complete set: endpoints came, or became routable."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -174,7 +184,9 @@ class Endpoints:
                 return Selection(parity, chosen)
         missing = [p for p in needed if not healthy[p]]
         if missing:
-            raise NoEndpoints(f"no healthy {' or '.join(missing)} endpoint")
+            held = sum(not e.routable for p in missing for e in self.pools[p])
+            why = f" ({held} held out of routing by the replica check: see /status)" if held else ""
+            raise NoEndpoints(f"no healthy {' or '.join(missing)} endpoint{why}")
         raise NoEndpoints(
             "no complete set of render/prefill/decode endpoints with one parity hash "
             f"(seen: {sorted(h for h in hashes if h)}); refusing to mix chat templates or parsers"

@@ -121,6 +121,13 @@ class GatewayMetrics:
             "Long prompts admitted by aging (waited max_wait_seconds)",
             registry=r,
         )
+        self.replica_checks = Gauge(
+            "pdserve_gateway_replica_check",
+            "1 for each render and engine replica's replica-check verdict (Pending, Verified, "
+            "Mismatch: kept out of routing, Unchecked: routed unchecked)",
+            ["pool", "replica", "verdict"],
+            registry=r,
+        )
         self.admission_leader_errors = Gauge(
             "pdserve_gateway_admission_leader_errors",
             "Long prompts admitted by this replica because the admission leader could not be "

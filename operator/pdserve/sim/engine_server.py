@@ -27,7 +27,14 @@ from pdserve.sim.engine_metrics import EngineMetrics
 from pdserve.sim.engine_openai import OpenAIApi
 from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.engine_tokens import TokensApi
-from pdserve.sim.http import HttpError, error_response, health, metrics_response, read_json
+from pdserve.sim.http import (
+    HttpError,
+    error_response,
+    health,
+    metrics_response,
+    read_json,
+    version,
+)
 from pdserve.sim.kv_transfer import HeldBlocks, KvTransfer
 from pdserve.sim.render_server import RenderConfig, RenderServer
 from pdserve.sim.tokenizer import SimTokenizer
@@ -106,6 +113,7 @@ class EngineServer:
         app.router.add_post("/sim/kv/pull", self.kv.kv_pull)
         app.router.add_post("/sim/faults", self.set_faults)
         app.router.add_get("/health", health)
+        app.router.add_get("/version", version)
         app.router.add_get("/v1/models", self.render.models)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app

@@ -11,6 +11,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdserve import __version__
+
 
 class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
@@ -45,6 +47,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 async def health(_: web.Request) -> web.Response:
     return web.Response(status=200)
+
+
+async def version(_: web.Request) -> web.Response:
+    """As vLLM's /version: what the engine runs (the gateway's replica check compares it)."""
+    return web.json_response({"version": f"pdserve-sim {__version__}"})
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:

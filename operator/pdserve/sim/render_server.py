@@ -23,7 +23,14 @@ from pdserve.sim.chat import (
     ReasoningParser,
     ToolParser,
 )
-from pdserve.sim.http import HttpError, error_response, health, metrics_response, read_json
+from pdserve.sim.http import (
+    HttpError,
+    error_response,
+    health,
+    metrics_response,
+    read_json,
+    version,
+)
 from pdserve.sim.render_derender import Derenderer
 from pdserve.sim.render_metrics import RenderMetrics
 from pdserve.sim.tokenizer import SimTokenizer
@@ -141,6 +148,7 @@ class RenderServer:
         for path, handler in routes.items():
             app.router.add_post(path, self._wrap(path, handler))
         app.router.add_get("/health", health)
+        app.router.add_get("/version", version)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
