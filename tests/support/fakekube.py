@@ -39,6 +39,24 @@ def matches(obj: Mapping[str, Any], selector: str | None) -> bool:
     return True
 
 
+# Field selectors that name another path than their own (an Event's `source`).
+FIELD_PATHS = {"source": "source.component"}
+
+
+def fields_match(obj: Mapping[str, Any], selector: str | None) -> bool:
+    """Equality field selectors (`a.b=v,c=w`), as the API server reads them."""
+    for term in (selector or "").split(","):
+        if not term:
+            continue
+        path, _, wanted = term.partition("=")
+        value: Any = obj
+        for part in FIELD_PATHS.get(path, path).split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value != wanted:
+            return False
+    return True
+
+
 class FakeKube:
     def __init__(self) -> None:
         self.objects: dict[ObjKey, dict[str, Any]] = {}
@@ -75,7 +93,12 @@ class FakeKube:
         return copy.deepcopy(found) if found is not None else None
 
     async def list(
-        self, kind: Kind, namespace: str | None, *, label_selector: str | None = None
+        self,
+        kind: Kind,
+        namespace: str | None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         self.reads.append(f"list {kind.kind} {namespace or ''}")
         if kind.kind in self.forbidden:
@@ -87,6 +110,7 @@ class FakeKube:
             # No namespace: a namespaced kind is listed across all of them, as the API does.
             and (ns == (namespace or "") or (namespace is None and kind.namespaced))
             and matches(obj, label_selector)
+            and fields_match(obj, field_selector)
         ]
 
     async def apply(

@@ -92,8 +92,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: [networkpolicies]
   verbs: [list, delete]
 {{- end }}
-# Events on DisaggregatedModels (transitions, parity drift, invalid specs).
+# Events on DisaggregatedModels (transitions, parity drift, invalid specs); list: the gateways'
+# replica-check Events on pods, read into ContractVerified. (The gateway Role grants create.)
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create, patch, list]
 {{- end -}}

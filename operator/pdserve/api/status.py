@@ -19,6 +19,7 @@ class ConditionType(StrEnum):
     transport_verified = "TransportVerified"
     transport_healthy = "TransportHealthy"
     kv_policy = "KVPolicy"
+    contract_verified = "ContractVerified"
 
 
 class Condition(ApiModel):

@@ -37,6 +37,7 @@ from pdserve.contract.names import (
     ENGINE_PORT,
     FIELD_MANAGER,
     GATEWAY_CONTAINER_PORT,
+    GATEWAY_EVENT_REPORTER,
     INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
     peer_key_secret_name,
@@ -56,6 +57,7 @@ from pdserve.controller.diff import is_current, merge_patch
 from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.peer_key import SECRET, PeerMaster, had_peer_key, peer_key_for
+from pdserve.controller.replica_check import replica_mismatches
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -71,6 +73,7 @@ DM_KIND = KINDS[(API_VERSION, KIND)]
 SCALED_OBJECT = KINDS[("keda.sh/v1alpha1", "ScaledObject")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
+EVENT = KINDS[("v1", "Event")]
 
 
 @dataclass(frozen=True)
@@ -361,9 +364,15 @@ async def _converge(
     for pod_name, value in pod_annotation_patches(verdicts, engines):
         if await annotate_pod(kube, dm.namespace, pod_name, {KV_TRANSPORT_ANNOTATION: value}):
             outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
+    mismatches = None
+    if dm.spec.gateway.replica_check == "Enforce":
+        gateway_events = await kube.list(
+            EVENT, dm.namespace, field_selector=f"source={GATEWAY_EVENT_REPORTER}"
+        )
+        mismatches = replica_mismatches(pods, gateway_events)
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
-        health=watch_transport(health, dm, pods),
+        health=watch_transport(health, dm, pods), replica_mismatches=mismatches,
     )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()

@@ -18,6 +18,7 @@ from pdserve.api.status import (
 from pdserve.builders import Component, endpoint
 from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
 from pdserve.controller.health import HealthVerdict, kv_policy
+from pdserve.controller.replica_check import contract_condition
 from pdserve.controller.transport import verified_condition
 
 # Container waiting reasons that will not fix themselves.
@@ -39,6 +40,8 @@ class Observation:
     warnings: list[str] = field(default_factory=list)  # e.g. a missing chat-template ConfigMap
     transport: list[SliceTransport] = field(default_factory=list)  # preflight verdicts
     health: HealthVerdict | None = None  # decode engines' NIXL metrics, last interval
+    # Pods the gateways keep out of routing and why; None: spec.gateway.replicaCheck is Off.
+    replica_mismatches: list[str] | None = None
 
 
 def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
@@ -203,7 +206,8 @@ def compute_status(
 
     stuck = stuck_pods(seen.pods)
     ready = not waiting
-    degraded_reasons = stuck + seen.warnings
+    mismatched = seen.replica_mismatches or []
+    degraded_reasons = stuck + seen.warnings + mismatched
     conditions = [
         condition(
             ConditionType.ready, ready,
@@ -226,7 +230,8 @@ def compute_status(
         ),
         condition(
             ConditionType.degraded, bool(degraded_reasons),
-            "PodsStuck" if stuck else ("ConfigMissing" if seen.warnings else "AsExpected"),
+            "PodsStuck" if stuck else "ConfigMissing" if seen.warnings
+            else "ReplicaMismatch" if mismatched else "AsExpected",
             "; ".join(degraded_reasons) if degraded_reasons else "no stuck pods",
             generation, before, now,
         ),
@@ -248,6 +253,10 @@ def compute_status(
     conditions.append(
         condition(ConditionType.kv_policy, *kv_policy(dm, seen.health), generation, before, now)
     )
+    conditions.append(
+        condition(ConditionType.contract_verified, *contract_condition(seen.replica_mismatches),
+                  generation, before, now)
+    )  # fmt: skip
     if degraded_reasons:
         phase = Phase.degraded
     elif ready:

@@ -136,9 +136,16 @@ class Kube:
         return await self._send("GET", kind.item(namespace, name))
 
     async def list(
-        self, kind: Kind, namespace: str | None, *, label_selector: str | None = None
+        self,
+        kind: Kind,
+        namespace: str | None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
         params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         result = await self._send("GET", kind.collection(namespace), params=params)
         return list(result["items"]) if result else []
 
