@@ -3,21 +3,10 @@ request is served by render, prefill and decode pods of one parity hash."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import IO, Any
-
-import openai
-from openai.types.chat import ChatCompletionMessageParam
 
 from devtools.localplane import ControlPlaneError, wait_until
-from pdserve.contract.names import PARITY_HASH_ANNOTATION
 from tests.support.realcluster import (
     MODEL_NAMESPACE,
     Cluster,
@@ -27,129 +16,9 @@ from tests.support.realcluster import (
     pods,
     settled,
 )
+from tests.support.rollout_load import GatewayLogs, Load, PodHistory, running
 
 GATEWAY = "app.kubernetes.io/component=gateway"
-
-
-@dataclass
-class PodHistory:
-    """Every pod incarnation seen (by uid): its name and parity hash."""
-
-    by_name: dict[str, set[str]] = field(default_factory=dict)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def watch(self, cluster: Cluster) -> None:
-        while not self.stop.is_set():
-            for pod in pods(cluster, MODEL_NAMESPACE):
-                parity = pod["metadata"]["annotations"].get(PARITY_HASH_ANNOTATION, "")
-                self.by_name.setdefault(pod["metadata"]["name"], set()).add(parity)
-            self.stop.wait(0.25)
-
-
-@dataclass
-class GatewayLogs:
-    """Every gateway container's log, read from the node's log files through descriptors opened
-    while the pod lives, so a replaced pod's last lines are read even after the kubelet deletes
-    its files. (`kubectl logs -f` is not enough: it stops at the end of the file as soon as the
-    runtime reports the container exited, and the runtime may still be writing its last lines.)"""
-
-    directory: Path
-    namespace: str
-    files: dict[Path, IO[str]] = field(default_factory=dict)
-    unfinished: dict[Path, str] = field(default_factory=dict)  # a record being written
-    joined: dict[Path, str] = field(default_factory=dict)  # P(artial) records of a long line
-    lines: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def follow(self) -> None:
-        while not self.stop.is_set():
-            self.read()
-            self.stop.wait(0.2)
-
-    def read(self) -> None:
-        with self.lock:
-            for path in self.directory.glob(f"{self.namespace}_*/gateway/*.log"):
-                if path not in self.files:
-                    self.files[path] = path.open(encoding="utf-8")
-            for path, handle in self.files.items():
-                text = self.unfinished.pop(path, "") + handle.read()
-                for record in text.splitlines(keepends=True):
-                    if not record.endswith("\n"):
-                        self.unfinished[path] = record
-                        continue
-                    # CRI format: <time> <stream> <P|F> <text>
-                    _, _, tag, content = record.split(" ", 3)
-                    content = self.joined.pop(path, "") + content.removesuffix("\n")
-                    if tag == "P":
-                        self.joined[path] = content
-                    else:
-                        self.lines.append(content)
-
-    def requests(self) -> dict[str, dict[str, Any]]:
-        """The request log's entries by the client's X-Request-Id (`request_id` is the
-        gateway's own)."""
-        self.read()
-        entries = (json.loads(line) for line in self.lines if line.startswith('{"request_id"'))
-        return {entry["client_request_id"]: entry for entry in entries}
-
-    def close(self) -> None:
-        for handle in self.files.values():
-            handle.close()
-
-
-@dataclass
-class Load:
-    """Clients sending chat completions, streamed and not, one after another."""
-
-    url: str
-    clients: int = 3
-    sent: list[str] = field(default_factory=list)  # request ids
-    failures: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run_one(self, index: int) -> None:
-        client = openai.OpenAI(base_url=self.url, api_key="unused", timeout=30, max_retries=0)
-        turn = 0
-        while not self.stop.is_set():
-            turn += 1
-            question: list[ChatCompletionMessageParam] = [
-                {"role": "user", "content": f"client {index}, question {turn}"}
-            ]
-            request_id = f"rollout-{index}-{turn}"
-            headers = {"X-Request-Id": request_id}
-            finish: str | None
-            try:
-                if turn % 2:
-                    chat = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16, extra_headers=headers
-                    )
-                    finish = chat.choices[0].finish_reason
-                else:
-                    stream = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16, stream=True,
-                        extra_headers=headers,
-                    )  # fmt: skip
-                    finish = [c.choices[0].finish_reason for c in stream if c.choices][-1]
-                if finish not in ("stop", "length"):
-                    self.failures.append(f"finish_reason {finish}")
-            except openai.OpenAIError as error:
-                self.failures.append(f"{request_id}: {error!r}")
-            self.sent.append(request_id)
-
-
-@contextmanager
-def running(*targets: tuple[Any, threading.Event]) -> Iterator[None]:
-    threads = [threading.Thread(target=t, daemon=True) for t, _ in targets]
-    for thread in threads:
-        thread.start()
-    try:
-        yield
-    finally:
-        for _, stop in targets:
-            stop.set()
-        for thread in threads:
-            thread.join(timeout=60)
 
 
 def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(

@@ -46,6 +46,8 @@ PRINTER_COLUMNS = [
      "jsonPath": '.status.conditions[?(@.type=="TransportVerified")].reason', "priority": 1},
     {"name": "KV-Healthy", "type": "string",
      "jsonPath": '.status.conditions[?(@.type=="TransportHealthy")].message', "priority": 1},
+    {"name": "Contract", "type": "string",
+     "jsonPath": '.status.conditions[?(@.type=="ContractVerified")].reason', "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]  # fmt: skip
