@@ -128,11 +128,11 @@ class Endpoints:
         updated = []
         for endpoint in endpoints:
             kept = current.get(endpoint.url)
-            if kept is not None:
+            # A new pod on a released pod IP is a new replica (its own replica check).
+            if kept is not None and kept.name == endpoint.name:
                 kept.parity_hash = endpoint.parity_hash
                 kept.slice, kept.kv_transport = endpoint.slice, endpoint.kv_transport
                 kept.kv_compat = endpoint.kv_compat
-                kept.name = endpoint.name
                 updated.append(kept)
             else:
                 updated.append(endpoint)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.gateway.endpoints import Endpoint
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.replica_contract import (
     NOT_SERVED,
     ReplicaCheck,
@@ -70,3 +71,16 @@ def test_the_events_a_verdict_change_posts_on_the_pod() -> None:
     first = answered("first", 1, ids=[1])
     first.verdict = Verdict.verified
     assert event_of(first, "gw-1") is None  # a replica verified on arrival: no event
+
+
+async def test_a_new_pod_on_a_released_pod_ip_is_checked_anew() -> None:
+    config = GatewayConfig.model_validate(
+        {"model": "m", "pools": {"decode": {"service": "x", "port": 8000}}}
+    )
+    endpoints = Endpoints(config)
+    endpoints.replace("decode", [Endpoint("http://10.0.0.5:8000", "p1", name="decode-0")])
+    first = endpoints.pools["decode"][0]
+    endpoints.replace("decode", [Endpoint("http://10.0.0.5:8000", "p1", name="decode-0")])
+    assert endpoints.pools["decode"][0] is first  # the same pod: its state is kept
+    endpoints.replace("decode", [Endpoint("http://10.0.0.5:8000", "p1", name="decode-1")])
+    assert endpoints.pools["decode"][0] is not first
