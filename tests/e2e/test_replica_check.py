@@ -16,15 +16,12 @@ from tests.support.realcluster import (
     Cluster,
     describe,
     model_status,
-    patch_dm,
     pods,
     ready,
-    settled,
 )
-from tests.support.rollout_load import GatewayLogs, Load, running
+from tests.support.rollout_load import GATEWAY, GatewayLogs, Load, request_log_on, running
 
 RENDER = "app.kubernetes.io/component=render"
-GATEWAY = "app.kubernetes.io/component=gateway"
 HAND = "sim-qwen3-render-by-hand"
 
 
@@ -66,11 +63,7 @@ def contract(cluster: Cluster) -> dict[str, Any]:
 def test_a_render_replica_started_by_hand_with_another_parser_never_takes_traffic(
     cluster: Cluster, model: str
 ) -> None:
-    patch_dm(cluster, {"spec": {"gateway": {"requestLog": True}}})
-    wait_until("the gateways to roll with the request log", lambda: settled(cluster) and all(
-        "--request-log" in p["spec"]["containers"][0]["args"]
-        for p in pods(cluster, MODEL_NAMESPACE, GATEWAY)
-    ), timeout=120, interval=1)  # fmt: skip
+    request_log_on(cluster)
     wait_until("ContractVerified", lambda: contract(cluster).get("status") == "True",
                timeout=120, interval=1)  # fmt: skip
     gateways = len(pods(cluster, MODEL_NAMESPACE, GATEWAY))

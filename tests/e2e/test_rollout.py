@@ -13,23 +13,15 @@ from tests.support.realcluster import (
     describe,
     model_status,
     patch_dm,
-    pods,
     settled,
 )
-from tests.support.rollout_load import GatewayLogs, Load, PodHistory, running
-
-GATEWAY = "app.kubernetes.io/component=gateway"
+from tests.support.rollout_load import GatewayLogs, Load, PodHistory, request_log_on, running
 
 
 def test_parity_change_under_load_fails_no_request_and_never_mixes_hashes(
     cluster: Cluster, model: str
 ) -> None:
-    # The request log, so each request names the pods that served it (a non-parity change).
-    patch_dm(cluster, {"spec": {"gateway": {"requestLog": True}}})
-    wait_until("the gateways to roll with the request log", lambda: settled(cluster) and all(
-        "--request-log" in p["spec"]["containers"][0]["args"]
-        for p in pods(cluster, MODEL_NAMESPACE, GATEWAY)
-    ), timeout=120, interval=1)  # fmt: skip
+    request_log_on(cluster)
     old = model_status(cluster)["parityHash"]
 
     history, load = PodHistory(), Load(model)

@@ -15,8 +15,11 @@ from typing import IO, Any
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from devtools.localplane import wait_until
 from pdserve.contract.names import PARITY_HASH_ANNOTATION
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, pods
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, patch_dm, pods, settled
+
+GATEWAY = "app.kubernetes.io/component=gateway"
 
 
 @dataclass
@@ -138,3 +141,13 @@ def running(*targets: tuple[Any, threading.Event]) -> Iterator[None]:
             stop.set()
         for thread in threads:
             thread.join(timeout=60)
+
+
+def request_log_on(cluster: Cluster) -> None:
+    """The gateways' request log on, so each request names the pods that served it (not a
+    parity change: only the gateways roll)."""
+    patch_dm(cluster, {"spec": {"gateway": {"requestLog": True}}})
+    wait_until("the gateways to roll with the request log", lambda: settled(cluster) and all(
+        "--request-log" in p["spec"]["containers"][0]["args"]
+        for p in pods(cluster, MODEL_NAMESPACE, GATEWAY)
+    ), timeout=120, interval=1)  # fmt: skip
