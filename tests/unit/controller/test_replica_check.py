@@ -3,6 +3,7 @@ pods that are gone do not, and a pod kept out of routing makes the model Degrade
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pdserve.builders import Component
@@ -46,7 +47,9 @@ def test_each_pods_latest_verdict_counts_and_gone_pods_do_not() -> None:
 
 def test_a_pod_kept_out_of_routing_makes_the_model_degraded_and_not_verified() -> None:
     ok = workload(1, 1)
-    pools = {Component(name): [ok] for name in ("prefill", "decode", "render", "gateway")}
+    pools: dict[Component, list[Mapping[str, Any]]] = {
+        Component(name): [ok] for name in ("prefill", "decode", "render", "gateway")
+    }
     mismatch = [f"render pod m-render-a: {MISMATCH}"]
     status = compute_status(DM, Observation(workloads=pools, replica_mismatches=mismatch), None,
                             generation=3, parity="abc", now="t")  # fmt: skip
