@@ -196,7 +196,29 @@ async def assert_left_work_is_aborted(
     engine's /metrics and even a stream's first events can all lag past the whole answer on a
     loaded machine, when the tiny model has generated every token). Then the engine must stop
     the request within a deadline, without finishing it, having generated fewer tokens than
-    asked."""
+    asked. A try whose request finished anyway is repeated, up to LEAVE_ATTEMPTS."""
+    outcomes = []
+    for _ in range(LEAVE_ATTEMPTS):
+        outcome = await leave_once(route, body, stream=stream, engine=engine)
+        if outcome is None:
+            return
+        outcomes.append(outcome)
+    raise AssertionError(
+        f"in {LEAVE_ATTEMPTS} tries the request finished instead of stopping: {outcomes}"
+    )
+
+
+# On a loaded 2-core machine the tiny model can generate a whole long answer before the
+# client's leaving reaches the gateway (CI saw it in 2 of 4 tries): a finished request is
+# tried again. An abort that never works finishes every try, so the test still fails then.
+LEAVE_ATTEMPTS = 4
+
+
+async def leave_once(
+    route: GatewayUnderTest, body: Mapping[str, Any], *, stream: bool, engine: VllmServer
+) -> str | None:
+    """One try of assert_left_work_is_aborted: None when the engine stopped the request
+    early, else what it did instead."""
     before = await counts_of(engine)
     payload = {key: value for key, value in body.items() if key != "extra_body"}
     payload |= dict(body.get("extra_body") or {})
@@ -225,10 +247,9 @@ async def assert_left_work_is_aborted(
     }
     generated = after.get("generated", 0.0) - before.get("generated", 0.0)
     assert after.get("running") == 0, f"still running after 20 s: {after}"
-    assert not any(finished.values()), (
-        f"the request finished instead of stopping: {finished}, {generated} tokens generated"
-    )
-    assert generated < LONG_ANSWER_TOKENS, f"the engine generated {generated} tokens"
+    if any(finished.values()) or generated >= LONG_ANSWER_TOKENS:
+        return f"finished {finished} after {generated} tokens"
+    return None
 
 
 async def counts_of(engine: VllmServer) -> dict[str, float]:
