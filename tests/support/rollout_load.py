@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,26 +16,54 @@ from typing import IO, Any
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from devtools.localplane import wait_until
-from pdserve.contract.names import PARITY_HASH_ANNOTATION
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, patch_dm, pods, settled
+from devtools.localplane import ControlPlaneError, wait_until
+from pdserve.contract.names import KV_COMPAT_ANNOTATION, PARITY_HASH_ANNOTATION
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, patch_dm, pods, ready, settled
 
 GATEWAY = "app.kubernetes.io/component=gateway"
 
 
 @dataclass
+class Incarnation:
+    """One pod (by uid) and when it was seen, in wall-clock ms (the request log's clock)."""
+
+    name: str
+    kv_compat: str | None
+    first_ms: int
+    last_ms: int
+    ready_ms: int | None = None  # first seen Ready
+
+
+@dataclass
 class PodHistory:
-    """Every pod incarnation seen (by uid): its name and parity hash."""
+    """Every pod incarnation seen (by uid): its name, parity hash and KV-compatibility digest."""
 
     by_name: dict[str, set[str]] = field(default_factory=dict)
+    incarnations: dict[str, Incarnation] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def watch(self, cluster: Cluster) -> None:
         while not self.stop.is_set():
+            seen_ms = int(time.time() * 1000)
             for pod in pods(cluster, MODEL_NAMESPACE):
-                parity = pod["metadata"]["annotations"].get(PARITY_HASH_ANNOTATION, "")
-                self.by_name.setdefault(pod["metadata"]["name"], set()).add(parity)
+                meta = pod["metadata"]
+                parity = meta["annotations"].get(PARITY_HASH_ANNOTATION, "")
+                self.by_name.setdefault(meta["name"], set()).add(parity)
+                known = self.incarnations.setdefault(meta["uid"], Incarnation(
+                    meta["name"], meta["annotations"].get(KV_COMPAT_ANNOTATION), seen_ms, seen_ms
+                ))  # fmt: skip
+                known.last_ms = seen_ms
+                if known.ready_ms is None and ready(pod):
+                    known.ready_ms = seen_ms
             self.stop.wait(0.25)
+
+    def kv_compat_of(self, pod: str, start_ms: int, end_ms: int) -> set[str | None]:
+        """The digests of the incarnations named `pod` alive at some moment of [start, end]
+        (one, unless the pod was replaced within it; the poll's 250 ms widens each)."""
+        return {
+            i.kv_compat for i in self.incarnations.values()
+            if i.name == pod and i.first_ms - 500 <= end_ms and start_ms <= i.last_ms + 500
+        }  # fmt: skip
 
 
 @dataclass
@@ -151,3 +180,22 @@ def request_log_on(cluster: Cluster) -> None:
         "--request-log" in p["spec"]["containers"][0]["args"]
         for p in pods(cluster, MODEL_NAMESPACE, GATEWAY)
     ), timeout=120, interval=1)  # fmt: skip
+
+
+def logged_requests(load: Load, logs: GatewayLogs) -> list[dict[str, Any]]:
+    """Every request the clients sent, as a gateway logged it: nothing is lost (the log is
+    written in the background, so polled for)."""
+
+    def missing() -> list[str]:
+        return sorted(set(load.sent) - set(logs.requests()))
+
+    try:
+        wait_until("every request in the request log", lambda: not missing(), timeout=30)
+    except ControlPlaneError as error:
+        lost = missing()
+        raise AssertionError(
+            f"{error}: {len(lost)} of {len(load.sent)} never logged ({lost[:10]}); "
+            f"failed: {load.failures[:5]}"
+        ) from None
+    logged = logs.requests()
+    return [logged[request_id] for request_id in load.sent]

@@ -15,6 +15,7 @@ from pdserve.builders.network import NetworkPolicyOptions, network_policies
 from pdserve.builders.parity import content_digest, parity_hash, parity_set
 from pdserve.builders.peer_key import peer_key_secret, wants_peer_key
 from pdserve.builders.render import render_pool
+from pdserve.builders.rollout import RolloutPlan
 from pdserve.builders.scaling import ReplicaPlan
 from pdserve.contract.names import Component
 
@@ -38,19 +39,21 @@ def build_all(
     network: NetworkPolicyOptions | None = None,
     plan: ReplicaPlan | None = None,
     peer_key: str | None = None,
+    rollout: RolloutPlan | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object pdserve owns for this resource, in apply order. `network`: also the
     model's NetworkPolicies (None: none, and the operator prunes those it made before).
     `plan`: replicas of Builtin-autoscaled pools (None: their starting counts). `peer_key`: the
     gateways' own key, which the controller derives (used only by a model that
     wants_peer_key); None: no peer-key Secret, and the gateway replicas send their first API
-    key to each other (`pdserve manifests`, which never writes a key into a file)."""
+    key to each other (`pdserve manifests`, which never writes a key into a file).
+    `rollout`: engine StatefulSets held mid engine upgrade (None: none)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []
     if dm.spec.disaggregated:
         assert dm.spec.prefill is not None
-        objects += engine_pool(dm, Component.prefill, dm.spec.prefill, parity, plan)
-    objects += engine_pool(dm, Component.decode, dm.spec.decode, parity, plan)
+        objects += engine_pool(dm, Component.prefill, dm.spec.prefill, parity, plan, rollout)
+    objects += engine_pool(dm, Component.decode, dm.spec.decode, parity, plan, rollout)
     if dm.spec.render.enabled:
         objects += render_pool(dm, parity, plan)
     key = peer_key if wants_peer_key(dm) else None
@@ -67,6 +70,7 @@ __all__ = [
     "Component",
     "NetworkPolicyOptions",
     "ReplicaPlan",
+    "RolloutPlan",
     "build_all",
     "child_name",
     "content_digest",

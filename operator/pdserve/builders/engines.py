@@ -24,6 +24,7 @@ from pdserve.builders.pods import (
     pod_annotations,
     pod_template,
 )
+from pdserve.builders.rollout import RolloutPlan
 from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
 from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
@@ -53,10 +54,12 @@ def engine_pool(
     pool: EnginePoolSpec,
     parity: str,
     plan: ReplicaPlan | None = None,
+    rollout: RolloutPlan | None = None,
 ) -> list[dict[str, Any]]:
     """The objects of one engine pool: a StatefulSet per slice, one headless Service and one PDB.
     Roles: prefill produces KV, decode consumes it; without a prefill pool, decode serves
-    aggregated (no KV transfer)."""
+    aggregated (no KV transfer). `rollout`: the partitions holding StatefulSets mid engine
+    upgrade (builders/rollout.py); None: none held."""
     service_name = child_name(dm, component)
     role = ROLES[component] if dm.spec.disaggregated else None
     kv = dm.spec.kv_transfer
@@ -115,18 +118,22 @@ def engine_pool(
         replicas = engine_replicas(dm, component, pool, slice_index, plan)
         if replicas is not None:  # None: an External autoscaler owns them
             spec["replicas"] = replicas
+        name = engine_name(dm, component, slice_index)
+        # Always written, 0 included: a partition released is then set back, not left behind.
+        partition = rollout.partition(name) if rollout is not None else 0
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
         objects.append({
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
             "metadata": {
-                **meta(dm, component, engine_name(dm, component, slice_index)),
+                **meta(dm, component, name),
                 "labels": template["metadata"]["labels"],
             },
             "spec": {
                 **spec,
                 "podManagementPolicy": "Parallel",
                 "selector": {"matchLabels": selector},
-                "updateStrategy": {"type": "RollingUpdate"},
+                "updateStrategy": strategy,
                 "template": template,
             },
         })  # fmt: skip

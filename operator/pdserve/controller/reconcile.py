@@ -58,6 +58,7 @@ from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.peer_key import SECRET, PeerMaster, had_peer_key, peer_key_for
 from pdserve.controller.replica_check import replica_mismatches
+from pdserve.controller.rollout import engine_rollout, rollout_steps
 from pdserve.controller.status import (
     Observation,
     component_pods,
@@ -303,8 +304,17 @@ async def _converge(
             reason = "ScaledUp" if decision.direction == "up" else "ScaledDown"
             outcome.event("Normal", reason, decision.reason)
     gateway_key = await peer_key_for(dm, peer_master)
+    statefulsets = {k[2]: o for k, o in live.items() if k[1] == "StatefulSet"}
+    rollout = engine_rollout(dm, plan, statefulsets, pods_before)
+    for step in rollout_steps(rollout, statefulsets):
+        outcome.event("Normal", "EngineRolloutStep", step)
     built = build_all(
-        dm, chat_template_digest=digest, network=network, plan=plan, peer_key=gateway_key
+        dm,
+        chat_template_digest=digest,
+        network=network,
+        plan=plan,
+        peer_key=gateway_key,
+        rollout=rollout,
     )
     built += preflight(dm, node_pairs(engine_pods(pods_before)))
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
@@ -373,6 +383,7 @@ async def _converge(
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
         health=watch_transport(health, dm, pods), replica_mismatches=mismatches,
+        rollout_notes=rollout.notes,
     )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()

@@ -42,6 +42,8 @@ class Observation:
     health: HealthVerdict | None = None  # decode engines' NIXL metrics, last interval
     # Pods the gateways keep out of routing and why; None: spec.gateway.replicaCheck is Off.
     replica_mismatches: list[str] | None = None
+    # Engine StatefulSets held so prefill and decode roll in step (controller/rollout.py).
+    rollout_notes: list[str] = field(default_factory=list)
 
 
 def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
@@ -218,7 +220,8 @@ def compute_status(
         condition(
             ConditionType.progressing, not ready,
             "RollingOut" if not ready else "RolloutComplete",
-            ", ".join(waiting) if waiting else f"all pools serve generation {generation}",
+            "; ".join([", ".join(waiting), *seen.rollout_notes]) if waiting
+            else f"all pools serve generation {generation}",
             generation, before, now,
         ),
         condition(

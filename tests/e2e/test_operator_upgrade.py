@@ -1,0 +1,131 @@
+"""The operator upgraded by `helm upgrade` (a new image tag) under steady load, on the real node:
+no request fails, every apply keeps being admitted (every replica serves the webhook), the new
+replicas take the leader Lease, and the model's children are neither rewritten nor replaced."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from functools import partial
+from typing import Any
+
+from devtools.localplane import wait_until
+from pdserve.contract.names import LEADER_LEASE_NAME
+from tests.support.realcluster import (
+    CHART,
+    EXAMPLE,
+    MODEL_NAMESPACE,
+    RELEASE_NAMESPACE,
+    Cluster,
+    operator_logs,
+    pods,
+    ready,
+)
+from tests.support.rollout_load import GatewayLogs, Load, logged_requests, request_log_on, running
+
+OPERATOR = "app.kubernetes.io/name=pdserve"
+
+
+def children(cluster: Cluster) -> dict[str, Any]:
+    """Each of the model's workloads by kind/name: its spec and applied hash, replicas aside
+    (the Builtin render autoscaler may scale under the load)."""
+    listed = json.loads(cluster.kubectl(
+        "get", "statefulsets,deployments", "-n", MODEL_NAMESPACE, "-l",
+        "app.kubernetes.io/instance=sim-qwen3", "-o", "json").stdout)  # fmt: skip
+    return {
+        f"{o['kind']}/{o['metadata']['name']}": (
+            {k: v for k, v in o["spec"].items() if k != "replicas"},
+            o["metadata"]["annotations"].get("pdserve.io/applied-hash"),
+        )
+        for o in listed["items"]
+    }
+
+
+def fixed_pods(cluster: Cluster) -> set[str]:
+    """The uids of the pods no autoscaler adds or removes here: engines and gateways."""
+    return {p["metadata"]["uid"] for p in pods(cluster, MODEL_NAMESPACE,
+            "app.kubernetes.io/component in (prefill,decode,gateway)")}  # fmt: skip
+
+
+def image_of(pod: dict[str, Any]) -> str:
+    return str(pod["spec"]["containers"][0]["image"])
+
+
+def holder(cluster: Cluster) -> str:
+    lease = json.loads(cluster.kubectl("get", "lease", LEADER_LEASE_NAME, "-n",
+                                       RELEASE_NAMESPACE, "-o", "json").stdout)  # fmt: skip
+    return str(lease["spec"].get("holderIdentity", ""))
+
+
+class Applies:
+    """`kubectl apply --dry-run=server` of the example, again and again: the API server calls the
+    webhook each time (failurePolicy Fail: no replica serving it refuses the apply)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster, self.sent, self.failures = cluster, 0, list[str]()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            applied = self.cluster.kubectl(
+                "apply", "--dry-run=server", "-f", str(EXAMPLE), check=False, timeout=60
+            )
+            self.sent += 1
+            if applied.returncode != 0:
+                self.failures.append(applied.stderr.strip())
+            self.stop.wait(0.5)
+
+
+def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_nothing(
+    cluster: Cluster, model: str
+) -> None:
+    request_log_on(cluster)
+    wait_until("the model's children settled", lambda: all(
+        ready(p) for p in pods(cluster, MODEL_NAMESPACE)), timeout=120, interval=1)  # fmt: skip
+    before_children = children(cluster)
+    model_pods = fixed_pods(cluster)
+    old_operators = {p["metadata"]["name"] for p in pods(cluster, RELEASE_NAMESPACE, OPERATOR)}
+    # The same operator under a new tag: what the next release is to the node.
+    repository, tag = cluster.images.pdserve.rsplit(":", 1)
+    cluster.node.ctr("images", "tag", "--force", cluster.images.pdserve,
+                     f"{repository}:{tag}-next")  # fmt: skip
+
+    load, applies = Load(model), Applies(cluster)
+    logs = GatewayLogs(cluster.node.pod_logs, MODEL_NAMESPACE)
+    workers = [(partial(load.run_one, i), load.stop) for i in range(load.clients)]
+    with running((logs.follow, logs.stop), (applies.run, applies.stop), *workers):
+        wait_until("steady load", lambda: len(load.sent) >= 10 and applies.sent >= 2, timeout=60)
+        started = time.monotonic()
+        cluster.helm(
+            "upgrade", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, "--reuse-values",
+            "--set", f"image.tag={tag}-next", "--wait", "--timeout", "3m",
+        )  # fmt: skip
+
+        def upgraded() -> bool:
+            now = pods(cluster, RELEASE_NAMESPACE, OPERATOR)
+            names = {p["metadata"]["name"] for p in now}
+            return (
+                not names & old_operators
+                and all(ready(p) and image_of(p).endswith("-next") for p in now)
+                and holder(cluster) in names
+            )
+
+        wait_until("the new operator replicas, one leading", upgraded, timeout=120, interval=1)
+        upgrade_seconds = time.monotonic() - started
+        # A pass of the new leader over the model (any change would be written by now).
+        cluster.kubectl("annotate", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--overwrite",
+                        f"pdserve.test/touched={time.time()}")  # fmt: skip
+        during, applied = len(load.sent), applies.sent
+        wait_until("requests and applies after the upgrade", lambda: len(load.sent) >= during + 10
+                   and applies.sent >= applied + 4, timeout=60)  # fmt: skip
+        entries = logged_requests(load, logs)
+    logs.close()
+
+    refused = len(applies.failures)
+    print(f"operator upgrade {upgrade_seconds:.1f}s, {len(entries)} requests, "
+          f"{len(load.failures)} failed, {applies.sent} applies, {refused} refused")  # fmt: skip
+    assert load.failures == [], load.failures[:5]
+    assert applies.failures == [], applies.failures[:3]
+    assert children(cluster) == before_children, operator_logs(cluster)
+    assert fixed_pods(cluster) == model_pods
