@@ -174,7 +174,7 @@ def test_engine_upgrade_under_load_never_pairs_engines_of_two_digests(
     with running((lambda: history.watch(cluster), history.stop), (logs.follow, logs.stop)):
         with running(*workers):
             wait_until("steady load", lambda: len(load.sent) >= 10, timeout=60)
-            started = time.monotonic()
+            started, started_ms = time.monotonic(), int(time.time() * 1000)
             patch_dm(cluster, {"spec": {"image": {"engine": upgraded}}})
 
             def rolled() -> bool:
@@ -194,7 +194,7 @@ def test_engine_upgrade_under_load_never_pairs_engines_of_two_digests(
                 )
 
             wait_until("a new decode pod Ready", decode_leads, timeout=180, interval=0.5)
-            killed = leader(cluster)
+            killed, killed_s = leader(cluster), time.monotonic() - started
             cluster.kubectl("delete", "pod", killed, "-n", RELEASE_NAMESPACE, "--grace-period=0",
                             "--force")  # fmt: skip
             wait_until("every engine pod on the new digest", rolled, timeout=300, interval=1)
@@ -220,10 +220,16 @@ def test_engine_upgrade_under_load_never_pairs_engines_of_two_digests(
         if not history.kv_compat_of(e["prefill_engine"], e["sent_at_ms"], e["finished_at_ms"])
         & history.kv_compat_of(e["decode_engine"], e["sent_at_ms"], e["finished_at_ms"])
     ]  # fmt: skip
-    print(f"leader {killed} killed mid-upgrade, {successor} took over; "
+    print(f"leader {killed} killed at +{killed_s:.1f}s, {successor} took over; "
           f"engine upgrade {rollout_seconds:.1f}s, {len(load.sent)} requests, "
           f"{len(load.failures)} failed, {len(paired)} P/D, {len(mixed)} across digests\n"
           + "\n".join(steps) + "\n" + "\n".join(wide))  # fmt: skip
+    # When each new engine pod appeared and got Ready, seconds after the patch.
+    for i in sorted(history.incarnations.values(), key=lambda i: i.first_ms):
+        if i.kv_compat == new and i.first_ms > started_ms:
+            ready_s = "-" if i.ready_ms is None else f"{(i.ready_ms - started_ms) / 1000:.1f}"
+            created_s = f"{(i.first_ms - started_ms) / 1000:.1f}"
+            print(f"  {i.name}: created +{created_s}s, ready +{ready_s}s")
     assert load.failures == [], f"{len(load.failures)} failed: {load.failures[:5]}"
     assert mixed == [], mixed[:5]
     assert successor not in ("", killed)

@@ -86,6 +86,10 @@ class HeldKv:
     token_ids: tuple[int, ...]
     expires_at: float
     """On the store's own monotonic clock."""
+    decode_url: str | None = None
+    """The decode replica holding it, and its KV-compatibility digest: only a prefill replica
+    of that digest can pull it, and only while that replica is still discovered."""
+    kv_compat: str | None = None
 
 
 class DecodeKv:
@@ -109,8 +113,18 @@ class DecodeKv:
         self.clock = clock
         self.held: OrderedDict[str, HeldKv] = OrderedDict()
 
-    def keep(self, conversation: str, params: Mapping[str, Any], token_ids: Sequence[int]) -> None:
-        self.held[conversation] = HeldKv(dict(params), tuple(token_ids), self.clock() + self.ttl)
+    def keep(
+        self,
+        conversation: str,
+        params: Mapping[str, Any],
+        token_ids: Sequence[int],
+        *,
+        decode_url: str | None = None,
+        kv_compat: str | None = None,
+    ) -> None:
+        self.held[conversation] = HeldKv(
+            dict(params), tuple(token_ids), self.clock() + self.ttl, decode_url, kv_compat
+        )
         self.held.move_to_end(conversation)
         while len(self.held) > self.max:
             self.held.popitem(last=False)

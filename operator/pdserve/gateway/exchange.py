@@ -66,6 +66,7 @@ class Exchange:
     gaps: list[float] = field(default_factory=list)
     prefill_done_at: float | None = None
     prefilled_on: Endpoint | None = None
+    decoded_on: Endpoint | None = None  # the decode replica that answered (non-streamed)
     local_anywhere: bool = False  # Auto found the P/D path unusable (see policy.Decision)
     auto_reason: str | None = None
     served_by: dict[str, str] = field(default_factory=dict)

@@ -201,6 +201,7 @@ class Hops:
                 start_by=None if local else self.kv_start_by(exchange),
             )
             self.placement.remember(exchange, "decode", endpoint, token_ids if local else None)
+            exchange.decoded_on = endpoint
         except UpstreamFailed as error:
             pool = self.decode_candidates(exchange, with_kv=False)
             untried = [e for e in pool if all(e is not t for t in tried)]
@@ -230,6 +231,7 @@ class Hops:
             except UpstreamFailed as again:
                 raise GatewayError(502, str(again), kind="UpstreamError") from None
             exchange.served_by["decode"] = endpoint.label
+            exchange.decoded_on = endpoint
         if not (isinstance(answer, dict) and has_choices(answer)):
             # Nothing to derender or pass on: a broken engine (or what stands in front of it).
             raise GatewayError(502, "decode answered without choices", kind="UpstreamError")

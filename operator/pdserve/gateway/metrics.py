@@ -137,7 +137,7 @@ class GatewayMetrics:
         self.bidirectional = Counter(
             "pdserve_gateway_bidirectional_reuse",
             "Conversation turns whose prefill could reuse decode's KV of the last turn, by outcome "
-            "(reused, prefix_mismatch, expired)",
+            "(reused, prefix_mismatch, expired, decode_gone, incompatible)",
             ["outcome"],
             registry=r,
         )

@@ -116,14 +116,27 @@ class TokensRoute:
     def bidirectional_handoff(self, ex: Exchange, prompt_ids: list[int]) -> dict[str, Any]:
         """The prefill's kv_transfer_params: with bidirectional KV and a conversation whose last
         decode turn left its KV on decode, point prefill at it, if the token ids still match
-        for at least a block."""
+        for at least a block, the decode replica holding it is still discovered, and a prefill
+        replica of its KV-compatibility digest can take the request (then only those may: mid
+        engine upgrade another digest's prefill could not pull it)."""
         handoff = prefill_handoff_params()
         conversation = ex.conversation
         if not (self.config.kv_transfer.bidirectional and conversation):
             return handoff
+        turn = self.decode_kv.held.get(conversation)
         held, outcome, matched = self.decode_kv.reuse(
             conversation, prompt_ids, self.config.block_size
         )
+        pools = ex.selection.pools
+        if held is not None and turn is not None:
+            holder = [e for e in pools.get("decode", []) if e.url == turn.decode_url]
+            prefills = [p for p in pools.get("prefill", []) if p.kv_compat == turn.kv_compat]
+            if not holder:
+                held, outcome = None, "decode_gone"
+            elif not prefills:
+                held, outcome = None, "incompatible"
+            else:
+                pools["prefill"] = prefills
         if outcome != "none":
             self.metrics.bidirectional.labels(outcome).inc()
         if held is None:
@@ -141,9 +154,14 @@ class TokensRoute:
         conversation = ex.conversation
         if not (self.config.kv_transfer.bidirectional and conversation):
             return
-        if isinstance(params, dict) and params.get("remote_request_id") and len(choices) == 1:
+        decode = ex.decoded_on
+        if (
+            isinstance(params, dict) and params.get("remote_request_id") and len(choices) == 1
+            and decode is not None
+        ):  # fmt: skip
             output = list(choices[0].get("token_ids") or [])
-            self.decode_kv.keep(conversation, params, [*prompt_ids, *output])
+            self.decode_kv.keep(conversation, params, [*prompt_ids, *output],
+                                decode_url=decode.url, kv_compat=decode.kv_compat)  # fmt: skip
 
     async def generate_once(
         self,

@@ -162,3 +162,63 @@ async def test_status_shows_each_engines_digest() -> None:
     status = json.loads(cast(bytes, response.body))["kvCompat"]
     assert status["prefill"] == {"http://p": "new"}
     assert status["decode"] == {"http://d": "old"}
+
+
+def bidirectional_rig() -> tuple[Rig, list[int]]:
+    """Tokens route with bidirectional KV: decode answers with the KV it holds of the turn."""
+    r = rig("tokens", kv_transfer={"bidirectional": True})
+    prompt = list(range(1, 65))
+    held = {"remote_request_id": "held-1", "remote_num_tokens": 64, "remote_block_ids": [1, 2]}
+    r.upstream.script = {
+        "render": lambda _: {"token_ids": prompt, "sampling_params": {"max_tokens": 5}},
+        "prefill": lambda _: {"kv_transfer_params": KV},
+        "decode": lambda _: {**TOKENS_ANSWER, "kv_transfer_params": held},
+        "derender": lambda _: ANSWER,
+    }
+    return r, prompt
+
+
+async def turn(r: Rig, prefill: list[Endpoint], decode: list[Endpoint]) -> dict[str, Any]:
+    """One turn of conversation c-1 (the fake engines answer the first candidate); what the
+    prefill replica was sent, with its URL."""
+    r.planner.endpoints.replace("prefill", list(prefill))
+    r.planner.endpoints.replace("decode", list(decode))
+    r.upstream.calls.clear()
+    response = await r.route.serve(r.exchange({**CHAT, "conversation_id": "c-1"}))
+    assert response.status == 200
+    (call,) = [c for c in r.upstream.calls if c.stage == "prefill"]
+    return {"url": call.url, **call.body["kv_transfer_params"]}
+
+
+def reuse_outcomes(r: Rig, outcome: str) -> float:
+    return float(r.metrics.bidirectional.labels(outcome)._value.get())
+
+
+async def test_a_conversations_held_kv_goes_only_to_a_prefill_of_its_decodes_digest() -> None:
+    """Mid engine upgrade the next turn's prefill could land on a replica of the other digest,
+    which could not pull the KV the last turn left on an old decode: only prefill replicas of
+    the holder's digest take that turn."""
+    r, _ = bidirectional_rig()
+    p_old, p_new = endpoint("http://p-old", "old"), endpoint("http://p-new", "new")
+    d_old, d_new = endpoint("http://d-old", "old"), endpoint("http://d-new", "new")
+    first = await turn(r, [p_old, p_new], [d_old, d_new])
+    assert first["url"] == "http://p-old"  # decoded on d-old, which holds the turn
+    # The new prefill comes first now: without the digest it would be handed d-old's KV.
+    second = await turn(r, [p_new, p_old], [d_new, d_old])
+    assert (second["url"], second.get("remote_request_id")) == ("http://p-old", "held-1")
+    assert reuse_outcomes(r, "reused") == 1
+
+
+async def test_held_kv_no_prefill_can_pull_or_whose_decode_is_gone_is_not_reused() -> None:
+    r, _ = bidirectional_rig()
+    p_old, p_new = endpoint("http://p-old", "old"), endpoint("http://p-new", "new")
+    d_old, d_new = endpoint("http://d-old", "old"), endpoint("http://d-new", "new")
+    await turn(r, [p_old], [d_old, d_new])  # held on d-old
+    # Every old prefill replaced: the turn prefills from scratch on a new one.
+    second = await turn(r, [p_new], [d_new, d_old])
+    assert (second["url"], second.get("remote_request_id")) == ("http://p-new", None)
+    assert reuse_outcomes(r, "incompatible") == 1
+    # That turn was decoded on d-new; d-new then goes away (its pod replaced).
+    third = await turn(r, [p_new], [endpoint("http://d-newer", "new")])
+    assert third.get("remote_request_id") is None
+    assert reuse_outcomes(r, "decode_gone") == 1
