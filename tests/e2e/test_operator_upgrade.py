@@ -129,3 +129,58 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
     assert applies.failures == [], applies.failures[:3]
     assert children(cluster) == before_children, operator_logs(cluster)
     assert fixed_pods(cluster) == model_pods
+
+
+def generations(cluster: Cluster) -> dict[str, int]:
+    """Every child of the model by kind/name: its generation (each write to its spec adds 1)."""
+    listed = json.loads(cluster.kubectl(
+        "get", "statefulsets,deployments,poddisruptionbudgets,services", "-n", MODEL_NAMESPACE,
+        "-l", "app.kubernetes.io/instance=sim-qwen3", "-o", "json").stdout)  # fmt: skip
+    return {f"{o['kind']}/{o['metadata']['name']}": int(o["metadata"].get("generation", 0))
+            for o in listed["items"]}  # fmt: skip
+
+
+def test_leader_killed_mid_reconcile_loses_nothing_and_writes_nothing_twice(
+    cluster: Cluster, model: str
+) -> None:
+    """A spec change, and the leader force-deleted at once, most likely in the middle of the
+    pass that applies it: the other replica takes the Lease and finishes the pass; each child
+    is written at most once for the one change, and the model reaches it."""
+    before = generations(cluster)
+    gateways = json.loads(cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE,
+                                          "-o", "json").stdout)["spec"]["gateway"]  # fmt: skip
+    wanted = int(gateways.get("replicas", 2)) + 1
+    killed = holder(cluster)
+    load = Load(model)
+    workers = [(partial(load.run_one, i), load.stop) for i in range(load.clients)]
+    with running(*workers):
+        wait_until("steady load", lambda: len(load.sent) >= 10, timeout=60)
+        cluster.kubectl("patch", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--type=merge",
+                        "-p", json.dumps({"spec": {"gateway": {"replicas": wanted}}}))  # fmt: skip
+        cluster.kubectl("delete", "pod", killed, "-n", RELEASE_NAMESPACE, "--grace-period=0",
+                        "--force")  # fmt: skip
+        started = time.monotonic()
+
+        def reached() -> bool:
+            dm = json.loads(cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE,
+                                            "-o", "json").stdout)  # fmt: skip
+            status = dm.get("status", {})
+            return (
+                status.get("observedGeneration") == dm["metadata"]["generation"]
+                and status.get("pools", {}).get("gateway", {}).get("ready") == wanted
+                and holder(cluster) not in ("", killed)
+            )
+
+        wait_until("the change carried out by the next leader", reached, timeout=120, interval=1)
+        took = time.monotonic() - started
+    after = generations(cluster)
+    written = {name: after[name] - before.get(name, 0) for name in after}
+    print(
+        f"leader {killed} killed mid-reconcile; change done {took:.1f}s later; "
+        f"{len(load.sent)} requests, {len(load.failures)} failed; writes {written}"
+    )
+    assert load.failures == [], load.failures[:5]
+    assert written["Deployment/sim-qwen3-gateway"] == 1, written
+    assert all(count <= 1 for count in written.values()), written
+    cluster.kubectl("patch", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--type=merge",
+                    "-p", json.dumps({"spec": {"gateway": {"replicas": wanted - 1}}}))  # fmt: skip

@@ -77,9 +77,7 @@ async def test_real_render_and_engine_pass_the_check_as_the_simulator_does(
 
 
 def split(answers: dict[str, Any]) -> dict[str, Any]:
-    """How a render server split the canary: content, reasoning and tool calls, the whitespace
-    around the texts aside. (Known gap: real vLLM 0.32 keeps the newlines around reasoning and
-    content, '\\nThe user wants a lookup.\\n' and '\\n\\nLooking it up.\\n'; the simulator
-    strips them.)"""
-    return {f: v.strip() if isinstance(v, str) else v for f, v in answers.items()
-            if f in DERENDERED}  # fmt: skip
+    """How a render server split the canary: content, reasoning and tool calls, whitespace
+    included (vLLM 0.32 keeps the newlines around both texts: '\\nThe user wants a
+    lookup.\\n' and '\\n\\nLooking it up.\\n')."""
+    return {f: v for f, v in answers.items() if f in DERENDERED}

@@ -155,13 +155,13 @@ class ReasoningParser:
 
     def split(self, text: str, *, final: bool) -> tuple[str | None, str]:
         start, end = "<think>", "</think>"
+        # Nothing is stripped, as vLLM 0.32's qwen3 parser: the newlines around the reasoning and
+        # the answer stay (the sum of a stream's deltas equals the final text then, too).
         if end in text:
             before, after = text.split(end, 1)
-            # Only the leading newline goes: a stream has already sent the trailing one when
-            # </think> arrives, so the final answer must keep it to equal the sum of deltas.
-            return before.split(start, 1)[-1].lstrip("\n") or None, after.lstrip("\n")
+            return before.split(start, 1)[-1] or None, after
         if start in text:
-            return text.split(start, 1)[1].lstrip("\n") or None, ""
+            return text.split(start, 1)[1] or None, ""
         if self.name == "deepseek_r1" and not final:
             return text or None, ""  # still thinking: the template opened the block
         return None, text
@@ -192,10 +192,10 @@ class ToolParser:
                 "id": call_ids[len(calls)], "type": "function",
                 "function": {"name": name, "arguments": json.dumps(arguments)},
             })  # fmt: skip
-        content = TOOL_CALL.sub("", text)
-        pending = "<tool_call>" in content
-        content = content.split("<tool_call>", 1)[0]
-        return content, calls, pending
+        # Content is what comes before the first call, unstripped, as vLLM 0.32's hermes parser
+        # has it; text after the calls is dropped.
+        pending = "<tool_call>" in TOOL_CALL.sub("", text)
+        return text.split("<tool_call>", 1)[0], calls, pending
 
 
 @dataclass
@@ -219,7 +219,7 @@ class OutputParser:
         if self.tools is not None and tools_requested:
             content, calls, pending = self.tools.split(content, call_ids)
         if calls:
-            # vLLM's hermes parser leaves no content around a call, not even the stop token.
-            content = content.replace("<|im_end|>", "").replace("<|endoftext|>", "").strip()
+            # No stop token in the content before a call (vLLM skips special tokens).
+            content = content.replace("<|im_end|>", "").replace("<|endoftext|>", "")
         return Parsed(content=content or None, reasoning=reasoning, tool_calls=calls,
                       tools_pending=pending)  # fmt: skip
