@@ -64,6 +64,10 @@ class EnginePoolSpec(VllmPoolFields):
     """Scheduler knobs."""
     autoscaling: EngineAutoscalingSpec | None = None
     """Replicas from SLOs (Builtin) or from your own HPA/KEDA (External). Unset: replicas."""
+    drain_seconds: Annotated[int, Field(ge=0, le=300)] = 5
+    """On rollouts and scale-down an engine pod keeps serving this long after it is marked for
+    deletion, so gateways stop sending it requests before SIGTERM closes its listener (vLLM
+    then finishes in-flight requests within the 120 s grace period)."""
 
     @property
     def gpus(self) -> int:

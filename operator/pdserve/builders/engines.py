@@ -30,6 +30,8 @@ from pdserve.builders.vllm_args import engine_args
 from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
+# Grace after the drain: vLLM finishes in-flight generations on SIGTERM.
+ENGINE_SHUTDOWN_SECONDS = 120
 
 
 def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
@@ -88,6 +90,11 @@ def engine_pool(
         **http_probes("/health", slow_start=True),
         "volumeMounts": mounts,
     }
+    if pool.drain_seconds:
+        # As render's: gateways drop a terminating pod at once (pod watch); the sleep covers the
+        # watch's delay, so no request is sent to a closed listener (a prefill that fails so
+        # falls back to decode's local prefill).
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": pool.drain_seconds}}}
     security = engine_security_context(dm)
     if security is not None:
         container["securityContext"] = security
@@ -106,7 +113,7 @@ def engine_pool(
             node_selector=pool.node_selector,
             tolerations=[dict(t) for t in pool.tolerations],
             # Let in-flight generations finish before the engine goes away.
-            termination_grace_seconds=120,
+            termination_grace_seconds=pool.drain_seconds + ENGINE_SHUTDOWN_SECONDS,
             gpu_pool=True,
             affinity=engine_affinity(dm, slice_index),
             extra_spec=engine_pod_fields(dm),

@@ -105,6 +105,16 @@ def test_workers_follow_the_cpu_request_and_pods_drain_before_stopping() -> None
     assert pod["terminationGracePeriodSeconds"] == 38
 
 
+def test_engine_pods_drain_before_stopping_unless_told_not_to() -> None:
+    built = objects(model(prefill={"replicas": 1, "drainSeconds": 12}, decode={"drainSeconds": 0}))
+    prefill = built["StatefulSet/qwen-prefill"]["spec"]["template"]["spec"]
+    assert prefill["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 12}}}
+    assert prefill["terminationGracePeriodSeconds"] == 132
+    decode = built["StatefulSet/qwen-decode"]["spec"]["template"]["spec"]
+    assert "lifecycle" not in decode["containers"][0]
+    assert decode["terminationGracePeriodSeconds"] == 120
+
+
 def test_keda_without_a_prometheus_is_refused_naming_the_field() -> None:
     message = problems(render={"autoscaling": {"engine": "KEDA"}})
     assert "render.autoscaling.prometheusAddress" in message
