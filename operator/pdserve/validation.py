@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
+def field_path(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
         if isinstance(part, int):
@@ -29,7 +29,7 @@ def format_validation_error(
         message = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = unknown_field
-        path = _field_path(tuple(item["loc"]))
+        path = field_path(tuple(item["loc"]))
         path = f"{prefix}.{path}" if prefix and path else (path or prefix)
         # Whole-object validators already name their fields in full ("spec.prefill.extraArgs...").
         if not path or message.startswith(f"{path}.") or message.startswith("spec."):

@@ -11,6 +11,7 @@ from pdserve.api.resource import (
     SpecError,
     parse_resource,
     parse_spec,
+    parse_stored,
 )
 from pdserve.api.spec import PARITY_ENV, PARITY_FLAGS, PARITY_KNOBS, DisaggregatedModelSpec
 from pdserve.api.status import Condition, ConditionType, DisaggregatedModelStatus, Phase
@@ -49,4 +50,5 @@ __all__ = [
     "format_validation_error",
     "parse_resource",
     "parse_spec",
+    "parse_stored",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Annotated, Any
 
@@ -11,7 +12,7 @@ from pdserve.api.base import ApiModel
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.contract.resource import API_VERSION, KIND
-from pdserve.validation import format_validation_error
+from pdserve.validation import field_path, format_validation_error
 
 # Child names are "<name>-prefill", "<name>-decode", "<name>-render", "<name>-gateway" (and
 # "-s<n>" slices later). A StatefulSet's pods carry the label controller-revision-hash =
@@ -101,3 +102,43 @@ def parse_resource(body: Any) -> DisaggregatedModel:
     if problems:
         raise SpecError(problems)
     return resource
+
+
+NEWER_FIELD = (
+    "not known to this operator version, ignored: the CRD is newer than the operator "
+    "(mid upgrade, or after a rollback); upgrade the operator to use it"
+)
+
+
+def parse_stored(body: Any) -> tuple[DisaggregatedModel, list[str]]:
+    """An object as the API server stores it (the webhook's and the reconciler's input), and a
+    warning per field this operator does not know, left out instead of refused: the API server
+    has already refused or pruned what its CRD lacks, so such a field comes from a newer CRD
+    (often a default it filled in), and refusing it would refuse every apply and fail every
+    model until the operator catches up. Files parsed offline (`pdserve manifests`) go through
+    parse_resource, which refuses them (a typo there has no CRD to catch it)."""
+    if not isinstance(body, dict):
+        return parse_resource(body), []
+    known = copy.deepcopy(body)
+    unknown: list[str] = []
+    try:
+        DisaggregatedModel.model_validate(known)
+    except ValidationError as error:
+        for item in error.errors(include_url=False):
+            if item["type"] == "extra_forbidden" and _drop(known, tuple(item["loc"])):
+                unknown.append(field_path(tuple(item["loc"])))
+    return parse_resource(known), [f"{path}: {NEWER_FIELD}" for path in unknown]
+
+
+def _drop(body: Any, loc: tuple[int | str, ...]) -> bool:
+    """Remove the field at `loc` from `body`; False when the path does not lead to it."""
+    node = body
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False

@@ -14,7 +14,7 @@ import kopf
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_resource
+from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_stored
 from pdserve.contract.names import INSTANCE_LABEL
 from pdserve.controller.leader import LeaderElector
 from pdserve.controller.runner import Reconciler
@@ -157,13 +157,15 @@ def build_registry(
         # kopf refuses to start with admission handlers but no webhook server.
         @kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"],
                           registry=registry)  # fmt: skip
-        def validate(body: Mapping[str, Any], **_: Any) -> None:
+        def validate(body: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
             """Reject at apply time what the CRD schema cannot express (parity flags in extraArgs,
-            names too long for child objects, ...), naming every field."""
+            names too long for child objects, ...), naming every field; fields of a newer CRD
+            are admitted with a warning (kubectl prints it)."""
             try:
-                parse_resource(dict(body))
+                unknown = parse_stored(dict(body))[1]
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
+            warnings.extend(unknown)
 
     # Pods: scheduling outcomes (Placement) and the preflight probes' reports.
     watched = [("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("batch/v1", "jobs"),

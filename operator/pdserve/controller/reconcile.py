@@ -18,7 +18,7 @@ from pdserve.api import (
     KIND,
     DisaggregatedModel,
     SpecError,
-    parse_resource,
+    parse_stored,
 )
 from pdserve.api.autoscaling import RenderAutoscaler
 from pdserve.api.status import DisaggregatedModelStatus
@@ -273,7 +273,7 @@ async def _converge(
     generation = meta.get("generation")
     before = previous_status(body)
     try:
-        dm = parse_resource(dict(body))
+        dm, newer = parse_stored(dict(body))
     except SpecError as error:
         outcome.problems = error.problems
         status = compute_status(
@@ -286,6 +286,12 @@ async def _converge(
             outcome.event("Warning", "InvalidSpec", "; ".join(error.problems))
         return
 
+    for field_warning in newer:
+        # Once per field and operator process: it stays until the operator is upgraded.
+        if warned is None or f"{dm.namespace}/{dm.name} {field_warning}" not in warned:
+            log.warning("%s/%s: %s", dm.namespace, dm.name, field_warning)
+            if warned is not None:
+                warned.add(f"{dm.namespace}/{dm.name} {field_warning}")
     digest, warnings = await chat_template_digest(kube, dm)
     selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
     pods_before = await kube.list(POD, dm.namespace, label_selector=selector)

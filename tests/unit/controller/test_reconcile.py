@@ -15,7 +15,7 @@ from pdserve.controller.children import NETWORK_POLICY, list_children
 from pdserve.controller.reconcile import PassFailed
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
-from tests.support.fakekube import NAME, NS, FakeKube, model_in, one_pass, settled
+from tests.support.fakekube import NAME, NS, SPEC, FakeKube, model_in, one_pass, settled
 
 
 async def test_a_pass_returns_what_it_did() -> None:
@@ -136,3 +136,20 @@ async def test_the_runner_tells_what_a_cancelled_pass_found_and_stays_cancelled(
         await task
     assert task.cancelled()
     assert [e["reason"] for e in kube.created] == ["ParityDrift"]
+
+
+async def test_a_field_of_a_newer_crd_is_ignored_with_one_warning_not_a_failed_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kube = FakeKube()
+    model_in(kube, {**SPEC, "decode": {"replicas": 1, "futureDrain": 5}})
+    warned: set[str] = set()
+    with caplog.at_level(logging.WARNING, logger="pdserve.reconcile"):
+        for _ in range(2):
+            outcome = await one_pass(kube, warned=warned)
+            assert outcome.problems == []
+            assert outcome.status is not None
+            assert outcome.status.phase != "Failed"
+    assert ("StatefulSet", NS, "qwen-decode") in kube.objects
+    newer = [r for r in caplog.records if "spec.decode.futureDrain: not known" in r.getMessage()]
+    assert len(newer) == 1
