@@ -8,7 +8,7 @@ from typing import Any
 import openai
 
 from devtools.localplane import wait_until
-from tests.support.realcluster import MODEL_NAMESPACE, Cluster, pods, ready
+from tests.support.realcluster import MODEL_NAMESPACE, Cluster, pods, ready, sigkill
 
 DECODE = "app.kubernetes.io/component=decode"
 
@@ -27,8 +27,6 @@ def test_decode_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(
 ) -> None:
     client = openai.OpenAI(base_url=model, api_key="unused", timeout=60, max_retries=0)
     before = decode_pod(cluster)
-    [container] = before["status"]["containerStatuses"]
-    container_id = container["containerID"].removeprefix("containerd://")
 
     stream = client.chat.completions.create(
         model="sim-qwen3", messages=[{"role": "user", "content": "Write a long story"}],
@@ -48,8 +46,7 @@ def test_decode_killed_mid_stream_ends_the_stream_cleanly_and_comes_back(
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     wait_until("the stream to carry tokens", lambda: len(received) >= 5, timeout=60)
-    # The engine process dies, as on an OOM kill or a crash: SIGKILL, no drain.
-    cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", container_id)
+    sigkill(cluster, MODEL_NAMESPACE, before["metadata"]["name"])
     reader.join(timeout=90)
     assert not reader.is_alive(), f"the stream hung after the decode engine died ({received[-1:]})"
 

@@ -113,3 +113,12 @@ def settled(cluster: Cluster, parity: str | None = None) -> bool:
         and len(hashes) == 1
         and (parity is None or hashes == {parity})
     )
+
+
+def sigkill(cluster: Cluster, namespace: str, pod_name: str) -> None:
+    """The pod's (first) container process dies as on an OOM kill or a crash: SIGKILL through
+    the node's containerd, no SIGTERM, no drain; the kubelet restarts it in the same pod."""
+    pod = json.loads(cluster.kubectl("get", "pod", pod_name, "-n", namespace, "-o", "json").stdout)
+    container = pod["status"]["containerStatuses"][0]
+    cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL",
+                     container["containerID"].removeprefix("containerd://"))  # fmt: skip

@@ -157,6 +157,11 @@ class Load:
                 self.failures.append(f"{request_id}: {error!r}")
             self.sent.append(request_id)
 
+    def wait_for_more(self, count: int = 10) -> None:
+        """Until `count` more requests were sent (the load goes on after a change)."""
+        before = len(self.sent)
+        wait_until(f"{count} more requests", lambda: len(self.sent) >= before + count, timeout=60)
+
 
 @contextmanager
 def running(*targets: tuple[Any, threading.Event]) -> Iterator[None]:

@@ -49,10 +49,18 @@ class RoutePlanner:
 
     async def plan(self) -> Plan:
         """Wait for a usable set of endpoints, then P/D or not; NoEndpoints when the routing
-        mode demands P/D and no prefill replica can serve."""
-        selection = await self.endpoints.wait_select(
-            self.needed_pools(), ["prefill"], wait_seconds=self.endpoint_wait_seconds
-        )
+        mode demands P/D and no prefill replica can serve. Mode Disaggregated waits for a
+        prefill replica too, as for any pool's: mid-rollout the last old one may be gone
+        before the new one is checked (replica check), and holding beats failing."""
+        needed, wait = self.needed_pools(), self.endpoint_wait_seconds
+        if self.config.routing.mode != "Disaggregated" or not self.config.pools.prefill:
+            return self.settle(await self.endpoints.wait_select(needed, ["prefill"],
+                                                                wait_seconds=wait))  # fmt: skip
+        try:
+            selection = await self.endpoints.wait_select([*needed, "prefill"], wait_seconds=wait)
+        except NoEndpoints:
+            # Waited the whole bound: what is there now decides (no prefill: 503, as before).
+            selection = self.endpoints.select(needed, ["prefill"])
         return self.settle(selection)
 
     def settle(self, selection: Selection) -> Plan:

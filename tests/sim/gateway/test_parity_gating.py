@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.gateway.endpoints import Endpoint
-from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing
+from tests.support.sim_gateway import PLAIN, Stack, engine, ep, finished, routing
 
 
 async def test_parity_gating_never_mixes_templates(stack: Stack) -> None:
@@ -59,3 +59,32 @@ async def test_a_request_waits_for_a_replaced_pools_new_replica_then_is_served(
     stack.gateway_server.endpoints.replace("decode", [Endpoint(decode.rstrip("/"), "p1")])
     response = await asyncio.wait_for(waiting, timeout=10)
     assert response.status_code == 200, response.text
+
+
+async def test_disaggregated_mode_waits_for_a_prefill_replica_mid_rollout(stack: Stack) -> None:
+    """Mode Disaggregated with no routable prefill replica (the last old one gone, the new one
+    still being checked): the request is held, then served prefill -> decode; only after the
+    whole bound with none does it get 503, as before."""
+    render = await stack.render()
+    prefill = await stack.engine("prefill", engine("prefill"))
+    decode = await stack.engine("decode", engine("decode"))
+    endpoints = {"render": [ep(render)], "prefill": [], "decode": [ep(decode)]}
+    client = await stack.gateway(routing(endpoints=endpoints), endpoint_wait_seconds=30)
+    assert stack.gateway_server is not None
+    waiting = asyncio.create_task(client.post("/v1/chat/completions", json=PLAIN))
+
+    async def held() -> None:
+        while "pdserve_gateway_inflight_requests 1.0" not in (await client.get("/metrics")).text:  # noqa: ASYNC110 - polled with a deadline
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(held(), timeout=10)
+    assert not waiting.done()
+    stack.gateway_server.endpoints.replace("prefill", [Endpoint(prefill.rstrip("/"), "p1")])
+    response = await asyncio.wait_for(waiting, timeout=10)
+    assert response.status_code == 200, response.text
+    assert finished(stack.engines["prefill"]) == 1
+
+    impatient = await stack.gateway(routing(endpoints=endpoints), endpoint_wait_seconds=0.2)
+    refused = await impatient.post("/v1/chat/completions", json=PLAIN)
+    assert refused.status_code == 503
+    assert "no healthy prefill endpoint" in refused.json()["error"]["message"]
