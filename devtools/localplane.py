@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import ssl
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import yaml
 
 from devtools import credentials, planecommands
 from devtools.procs import raise_if_exited, spawn_component, terminate
+from pdserve.ports import free_port as free_port  # re-exported: the tests start processes with it
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "bin-src" / "build.sh"
@@ -71,13 +71,6 @@ def build_binaries(*, quiet: bool = False) -> Binaries:
             f"`bash {BUILD_SCRIPT}` to see the Go error"
         )
     return Binaries(Path(proc.stdout.strip().splitlines()[-1]))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until(

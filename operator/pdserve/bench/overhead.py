@@ -35,8 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.native import NativeTools, NativeUnavailable, native_tools
+from pdserve.bench.native import NativeTools, native_tools
 from pdserve.bench.overhead_report import Point, Settings, chart, combine, ratios, table
+from pdserve.gateway.dataplane import build_binary
+from pdserve.gobuild import GoUnavailable
 from pdserve.sim.procs import Processes, free_port
 
 MODEL = "qwen"
@@ -306,6 +308,21 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
                     gateway.process.pid,
                 )
             )
+        if "pdserve-dataplane" in wanted:
+            gateway = procs.gateway(
+                routing("openai", {"prefill": [prefill], "decode": [decode]}),
+                *GATEWAY_FLAGS,
+                "--data-plane",
+                str(args.data_plane or build_binary(args.go)),
+                preexec_fn=proxy,
+            )
+            found.append(
+                Target(
+                    "pdserve --data-plane, OpenAI P/D route",
+                    f"{gateway.url}/v1/chat/completions",
+                    gateway.process.pid,
+                )
+            )
         router = args.vllm_router or shutil.which("vllm-router")
         if "vllm-router" in wanted and router:
             port = free_port()
@@ -423,6 +440,9 @@ def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, objec
     }
 
 
+TARGETS = ["pdserve", "pdserve-dataplane", "vllm-router", "toy-proxy", "pdserve-render"]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve bench overhead",
@@ -432,8 +452,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--targets",
         nargs="+",
-        default=["pdserve", "vllm-router", "toy-proxy", "pdserve-render"],
-        choices=["pdserve", "vllm-router", "toy-proxy", "pdserve-render"],
+        default=TARGETS,
+        choices=TARGETS,
+    )
+    p.add_argument(
+        "--data-plane",
+        type=Path,
+        help="the data plane binary for pdserve-dataplane (default: built here with Go)",
     )
     p.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     p.add_argument("--vllm-router", help="the vllm-router command (default: on PATH)")
@@ -471,7 +496,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         tools = native_tools(args.go)
-    except NativeUnavailable as error:
+    except GoUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     settings = Settings(

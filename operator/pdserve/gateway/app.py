@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +29,7 @@ from pdserve.contract.names import GATEWAY_EVENT_REPORTER
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.admission import AdmissionHandlers
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
+from pdserve.gateway.dataplane import DataPlane
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints, NoEndpoints
 from pdserve.gateway.errors import (
@@ -135,6 +137,7 @@ class Gateway:
             else None
         )  # fmt: skip
         self._event_tasks: set[asyncio.Task[None]] = set()
+        self.data_plane: DataPlane | None = None
         prefill, decode = config.pools.prefill, config.pools.decode
         if prefill is not None and prefill.kv_compat != decode.kv_compat:
             # The spec's own pools can never pair: every request will prefill on decode.
@@ -186,6 +189,14 @@ class Gateway:
         instead of a static list."""
         self._discovery = PodDiscovery(kube, self.config, self.endpoints, self.peers, own_pod)
 
+    def use_data_plane(self, binary: Path, listen: str, python_url: str) -> None:
+        """Serve clients through the compiled data plane at `listen`, this gateway (at
+        `python_url`, loopback) deciding behind it (dataplane.py)."""
+        self.data_plane = DataPlane(
+            binary, listen, python_url, self.config, self.endpoints, self.settings, self.metrics
+        )
+        self.admission_handlers.dataplane_token = self.data_plane.token
+
     async def _start_background(self, _: web.Application) -> None:
         if self.request_log is not None:
             self.request_log.start()
@@ -203,8 +214,12 @@ class Gateway:
             self._discovery_task = asyncio.create_task(self._discovery.run(), name="discovery")
         if self._discovery is not None or self.peers.urls:
             self._peers_task = asyncio.create_task(self.peers.run(), name="peer-admission")
+        if self.data_plane is not None:
+            await self.data_plane.start(self.upstream.session)
 
     async def _close(self, _: web.Application) -> None:
+        if self.data_plane is not None:
+            await self.data_plane.stop()
         for task in (self._scrape_task, self._peers_task):
             if task is not None:
                 task.cancel()

@@ -14,10 +14,13 @@ from pdserve.contract.names import GATEWAY_DRAIN_SECONDS, GATEWAY_SHUTDOWN_SECON
 from pdserve.contract.routing import ConfigError, load_config
 from pdserve.gateway import server
 from pdserve.gateway.app import Gateway
+from pdserve.gateway.dataplane import build_binary
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.gobuild import GoUnavailable
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
 from pdserve.logsetup import configure_logging
+from pdserve.ports import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=getattr(GatewaySettings, field),
             help=f"{what} (default %(default)s)",
         )
+    parser.add_argument(
+        "--data-plane",
+        metavar="PATH|build",
+        help="serve clients through the compiled data plane (pdserve/dataplane, Go) on --host "
+        "and --port, this gateway behind it on loopback: PATH to its binary, or `build` to "
+        "build it here with Go (cached); docs/gateway.md#the-compiled-data-plane",
+    )
     parser.add_argument(
         "--api-key-file",
         type=Path,
@@ -192,11 +202,25 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
         gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
+    host, port = args.host, args.port
+    if args.data_plane is not None:
+        try:
+            binary = build_binary() if args.data_plane == "build" else Path(args.data_plane)
+        except GoUnavailable as error:
+            print(f"error: --data-plane build: {error}", file=sys.stderr)
+            return 2
+        if not binary.is_file():
+            print(f"error: --data-plane {binary}: no such file (or pass `build`)", file=sys.stderr)
+            return 2
+        # The data plane takes the clients' address; this gateway listens on loopback behind it.
+        host, port = "127.0.0.1", free_port()
+        gateway.use_data_plane(binary, f"{args.host}:{args.port}", f"http://{host}:{port}")
     server.run(
         gateway.app(),
-        args.host,
-        args.port,
+        host,
+        port,
         shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS,
         drain_seconds=args.drain_seconds,
+        front=gateway.data_plane,
     )
     return 0

@@ -24,6 +24,20 @@ class GatewayMetrics:
             ["route", "outcome"],
             registry=r,
         )
+        # `pdserve gateway --data-plane`: what the compiled data plane served itself, and what it
+        # handed to this gateway (these are then counted in pdserve_gateway_requests too).
+        self.dataplane_requests = Counter(
+            "pdserve_gateway_dataplane_requests",
+            "Requests the data plane served itself, by route (pd, decode)",
+            ["route"],
+            registry=r,
+        )
+        self.dataplane_fallbacks = Counter(
+            "pdserve_gateway_dataplane_fallbacks",
+            "Requests the data plane handed to the Python gateway, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in flight", registry=r)
         self.ttft = Histogram(
             "pdserve_gateway_ttft_seconds",

@@ -19,6 +19,7 @@ import logging
 import signal
 from collections.abc import Callable
 from http import HTTPStatus
+from typing import Protocol
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -90,6 +91,7 @@ async def serve(
     *,
     shutdown_timeout: float,
     drain_seconds: float = 0,
+    front: Front | None = None,
 ) -> None:
     """web.run_app's job on GatewayRunner: serve `app` until a signal, then stop accepting and
     give the requests in flight `shutdown_timeout` seconds to finish.
@@ -100,7 +102,10 @@ async def serve(
     connection so reconnects, to another replica, between two requests. Closing a connection a
     busy client is about to reuse would instead fail its next request ("server disconnected"),
     which no client can tell apart from a crash. SIGINT (or a second signal) skips or ends the
-    drain."""
+    drain.
+
+    `front`: a process in front that holds the clients' port (the data plane): it drains with
+    this server and stops before it, while this server still serves what it hands over."""
     draining = False
 
     async def close_after_answer(request: web.BaseRequest, response: web.StreamResponse) -> None:
@@ -124,6 +129,8 @@ async def serve(
         await web.TCPSite(runner, host, port).start()
         if await signals.get() is signal.SIGTERM and drain_seconds > 0:
             draining = True
+            if front is not None:
+                await front.drain()
             log.info(
                 "SIGTERM: draining for %g s (each answer closes its connection), then stopping",
                 drain_seconds,
@@ -131,7 +138,14 @@ async def serve(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(signals.get(), drain_seconds)
     finally:
+        if front is not None:
+            await front.stop()
         await runner.cleanup()
+
+
+class Front(Protocol):
+    async def drain(self) -> None: ...
+    async def stop(self) -> None: ...
 
 
 def run(
@@ -141,10 +155,18 @@ def run(
     *,
     shutdown_timeout: float = 60,
     drain_seconds: float = 0,
+    front: Front | None = None,
 ) -> None:
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(
-            serve(app, host, port, shutdown_timeout=shutdown_timeout, drain_seconds=drain_seconds)
+            serve(
+                app,
+                host,
+                port,
+                shutdown_timeout=shutdown_timeout,
+                drain_seconds=drain_seconds,
+                front=front,
+            )
         )
 
 

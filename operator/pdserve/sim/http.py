@@ -77,16 +77,19 @@ async def open_sse(request: web.Request, headers: Mapping[str, str]) -> web.Stre
 
 # ---- starting a server ---------------------------------------------------------------------------
 def run(app: web.Application, host: str, port: int) -> None:
-    """Serve until interrupted (a simulator process's main loop)."""
-    web.run_app(app, host=host, port=port, print=None)
+    """Serve until interrupted (a simulator process's main loop). A client that disconnects
+    cancels its handler, which aborts its work, as vLLM's API server does for every request
+    (streamed or not)."""
+    web.run_app(app, host=host, port=port, print=None, handler_cancellation=True)
 
 
 @asynccontextmanager
 async def serving(
     app: web.Application, host: str = "127.0.0.1", port: int = 0
 ) -> AsyncIterator[int]:
-    """Serve app in this event loop (port 0: a free one) until the block ends; yields the port."""
-    runner = web.AppRunner(app)
+    """Serve app in this event loop (port 0: a free one) until the block ends; yields the port.
+    Handlers are cancelled when their client disconnects, as in `run`."""
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

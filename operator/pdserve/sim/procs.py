@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,10 @@ from typing import Any
 
 import httpx
 
+from pdserve.ports import free_port as free_port  # re-exported: the tests start processes with it
+
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 PreExec = Callable[[], None] | None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,0 +1,532 @@
+// pdserve's compiled data plane: the hot path of the OpenAI P/D route (prefill with a
+// remote-decode handoff, then decode, its answer or stream passed through) in front of the
+// Python gateway, which keeps every decision: it pushes the routing table (which engines,
+// which route per model, the API keys' digests, the engines' load) and serves everything the
+// table does not cover, and every request whose fast path failed before its answer began.
+//
+//	pdserve-dataplane -listen 0.0.0.0:8000 -python http://127.0.0.1:8001 -control 127.0.0.1:8002
+//
+// Control API (loopback only): PUT /table replaces the routing table, GET /stats answers the
+// counters the Python gateway folds into its own metrics, POST /drain closes each client
+// connection after its answer from then on, GET /health.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/http/pprof"
+	"net/url"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+type plane struct {
+	current     atomic.Pointer[table]
+	engines     map[string]*endpoint // guarded by tableMu
+	tableMu     sync.Mutex
+	upstream    *upstreamPool
+	python      *httputil.ReverseProxy
+	maxBody     int64
+	inflight    atomic.Int64
+	maxInflight int64
+	stats       counters
+	buffers     sync.Pool // *bytes.Buffer: bodies and answers
+	chunks      sync.Pool // *[]byte: stream reads
+	timeouts    timeouts
+	pythonURL   string
+	token       string       // what the Python gateway knows its own data plane by
+	admission   *http.Client // its own connections: holds stay open while prefill runs
+}
+
+// Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
+// bound is the transport's ResponseHeaderTimeout.
+type timeouts struct {
+	idle, request time.Duration
+}
+
+type counters struct {
+	fast      [3]atomic.Int64 // by route: pd, decode, streamed share counted in streams
+	streams   atomic.Int64
+	fallbacks sync.Map // reason -> *atomic.Int64
+	prefillNs atomic.Int64
+	prefills  atomic.Int64
+}
+
+func (c *counters) fallback(reason string) {
+	value, _ := c.fallbacks.LoadOrStore(reason, new(atomic.Int64))
+	value.(*atomic.Int64).Add(1)
+}
+
+var handoff = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+// What prefill must not see of the client's request: it answers one token, unstreamed.
+var prefillDrops = map[string]bool{"stream": true, "max_tokens": true, "n": true,
+	"max_completion_tokens": true, "stream_options": true, "min_tokens": true,
+	"kv_transfer_params": true}
+var decodeDrops = map[string]bool{"kv_transfer_params": true}
+
+// fallback is why a request left the fast path; the Python gateway serves it.
+type fallback string
+
+func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
+	t := p.current.Load()
+	if t == nil {
+		p.toPython(w, r, nil, "no_table")
+		return
+	}
+	if r.Header.Get("Content-Encoding") != "" || r.ContentLength > p.maxBody {
+		p.toPython(w, r, nil, "body_shape")
+		return
+	}
+	buffer := p.buffers.Get().(*bytes.Buffer)
+	buffer.Reset()
+	defer p.buffers.Put(buffer)
+	if _, err := buffer.ReadFrom(io.LimitReader(r.Body, p.maxBody+1)); err != nil {
+		p.toPython(w, r, buffer.Bytes(), "body_read")
+		return
+	}
+	body := buffer.Bytes()
+	if int64(len(body)) > p.maxBody {
+		p.toPython(w, r, body, "body_shape")
+		return
+	}
+	reason := p.fast(w, r, t, body)
+	if reason != "" {
+		p.toPython(w, r, body, reason)
+	}
+}
+
+// fast serves the request on the table's route, or says why it could not before answering.
+func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []byte) fallback {
+	if !t.authorized(r.Header.Get("Authorization")) {
+		return "unauthorized" // the Python gateway answers 401 in its words
+	}
+	long := t.longBody > 0 && int64(len(body)) > t.longBody
+	switch r.Header.Get("X-PDServe-Class") {
+	case "":
+	case "document", "long":
+		long = true
+	case "chat", "short":
+		long = false
+	default:
+		return "request_class" // the Python gateway says what it takes
+	}
+	members, err := topLevel(body)
+	if err != nil || duplicated(members) {
+		return "body_shape" // the Python gateway reads it as the engines would, or says why not
+	}
+	name := lookup(members, "model")
+	if len(name) < 2 || name[0] != '"' || bytes.IndexByte(name, '\\') >= 0 {
+		return "body_shape"
+	}
+	m := t.models[string(name[1:len(name)-1])]
+	if m == nil {
+		return "unknown_model" // the Python gateway answers 404
+	}
+	if m.route == routePython {
+		return "python_route"
+	}
+	if t.maxTokensCap > 0 && !withinCap(members, t.maxTokensCap) {
+		return "max_tokens_cap"
+	}
+	stream := string(lookup(members, "stream")) == "true"
+	if n := p.inflight.Add(1); n > p.maxInflight {
+		p.inflight.Add(-1)
+		return "busy"
+	}
+	defer p.inflight.Add(-1)
+	ctx, cancel := context.WithTimeout(r.Context(), p.timeouts.request)
+	defer cancel()
+	prefill, decode := m.pick()
+	if long && prefill != nil {
+		// Fair prefill admission, which the Python gateway runs (with its peers): a long
+		// prompt holds a slot on one prefill replica while it prefills there.
+		granted, release, reason := p.admit(ctx, m, prefill)
+		if reason != "" {
+			return reason
+		}
+		defer release()
+		prefill, decode = granted, m.decodeFor(granted)
+	}
+	id := "pdserve-" + requestID()
+	auth := ""
+	if t.passAuth {
+		auth = r.Header.Get("Authorization")
+	}
+	decodeBody := p.buffers.Get().(*bytes.Buffer)
+	decodeBody.Reset()
+	defer p.buffers.Put(decodeBody)
+	if prefill != nil {
+		kv, reason := p.prefill(ctx, prefill, r.URL.Path, body, members, id, auth)
+		if reason != "" {
+			return reason
+		}
+		extra := []field{}
+		if len(kv) > 0 && string(kv) != "null" {
+			extra = append(extra, field{"kv_transfer_params", kv})
+		}
+		splice(decodeBody, body, members, decodeDrops, extra)
+		p.stats.fast[0].Add(1)
+	} else {
+		decodeBody.Write(body)
+		p.stats.fast[1].Add(1)
+	}
+	return p.decode(ctx, w, decode, r.URL.Path, decodeBody.Bytes(), id, auth, stream)
+}
+
+func withinCap(members []member, limit int64) bool {
+	capped := false
+	for _, key := range []string{"max_tokens", "max_completion_tokens"} {
+		raw := lookup(members, key)
+		if raw == nil || string(raw) == "null" {
+			continue
+		}
+		value, err := strconv.ParseInt(string(raw), 10, 64)
+		if err != nil || value > limit {
+			return false
+		}
+		capped = true
+	}
+	return capped // without either the Python gateway fills in the cap
+}
+
+func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []byte,
+	members []member, id, auth string) ([]byte, fallback) {
+	buffer := p.buffers.Get().(*bytes.Buffer)
+	buffer.Reset()
+	defer p.buffers.Put(buffer)
+	extra := []field{{"stream", []byte("false")}, {"max_tokens", []byte("1")}, {"n", []byte("1")}}
+	if lookup(members, "max_completion_tokens") != nil {
+		extra = append(extra, field{"max_completion_tokens", []byte("1")})
+	}
+	extra = append(extra, field{"kv_transfer_params", handoff})
+	splice(buffer, body, members, prefillDrops, extra)
+	begun := time.Now()
+	e.inflight.Add(1)
+	defer e.inflight.Add(-1)
+	response, err := p.post(ctx, e, path, buffer.Bytes(), id, auth)
+	if err != nil {
+		return nil, "prefill_failed"
+	}
+	defer response.Body.Close()
+	answer := p.buffers.Get().(*bytes.Buffer)
+	answer.Reset()
+	defer p.buffers.Put(answer)
+	if _, err := answer.ReadFrom(response.Body); err != nil || response.StatusCode != http.StatusOK {
+		return nil, "prefill_failed"
+	}
+	e.served.Add(1)
+	p.stats.prefills.Add(1)
+	p.stats.prefillNs.Add(int64(time.Since(begun)))
+	fields, err := topLevel(answer.Bytes())
+	if err != nil {
+		return nil, "prefill_failed"
+	}
+	return append([]byte(nil), lookup(fields, "kv_transfer_params")...), ""
+}
+
+// post sends one upstream request (the request id the engine names its work by, and the
+// client's credentials when the table passes them on).
+func (p *plane) post(ctx context.Context, e *endpoint, path string, body []byte,
+	id, auth string) (*http.Response, error) {
+	return p.upstream.post(ctx, e.at, path, body, id, auth)
+}
+
+var jsonType = []string{"application/json"}
+
+// decode sends the decode request and passes its answer through. Until the first byte goes
+// to the client a failure is handed to the Python gateway; after it, the stream ends with an
+// error event as the Python gateway's would.
+func (p *plane) decode(ctx context.Context, w http.ResponseWriter, e *endpoint, path string,
+	body []byte, id, auth string, stream bool) fallback {
+	e.inflight.Add(1)
+	defer e.inflight.Add(-1)
+	response, err := p.post(ctx, e, path, body, id, auth)
+	if err != nil {
+		return "decode_failed"
+	}
+	defer response.Body.Close()
+	if response.StatusCode != http.StatusOK {
+		return "decode_failed"
+	}
+	e.served.Add(1)
+	if !stream {
+		read := p.buffers.Get().(*bytes.Buffer)
+		read.Reset()
+		defer p.buffers.Put(read)
+		if _, err := read.ReadFrom(response.Body); err != nil {
+			return "decode_failed"
+		}
+		answer := read.Bytes()
+		if fields, err := topLevel(answer); err == nil && lookup(fields, "kv_transfer_params") != nil {
+			trimmed := p.buffers.Get().(*bytes.Buffer)
+			trimmed.Reset()
+			defer p.buffers.Put(trimmed)
+			splice(trimmed, answer, fields, decodeDrops, nil)
+			answer = trimmed.Bytes()
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
+		_, _ = w.Write(answer)
+		return ""
+	}
+	p.stats.streams.Add(1)
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	flusher, _ := w.(http.Flusher)
+	chunk := p.chunks.Get().(*[]byte)
+	defer p.chunks.Put(chunk)
+	idle := time.AfterFunc(p.timeouts.idle, func() { response.Body.Close() })
+	defer idle.Stop()
+	for {
+		n, err := response.Body.Read(*chunk)
+		idle.Reset(p.timeouts.idle)
+		if n > 0 {
+			if _, werr := w.Write((*chunk)[:n]); werr != nil {
+				return "" // the client left: closing decode's connection aborts its work
+			}
+			if flusher != nil {
+				flusher.Flush()
+			}
+		}
+		if err == io.EOF {
+			return ""
+		}
+		if err != nil {
+			message := fmt.Sprintf(`{"error":{"message":"decode stream ended before the answer was complete: decode stream broke (%s)","type":"UpstreamError","code":502}}`, errorKind(ctx, err))
+			_, _ = fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", message)
+			return ""
+		}
+	}
+}
+
+func errorKind(ctx context.Context, err error) string {
+	if ctx.Err() != nil {
+		return "the request timed out"
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() {
+		return "idle timeout"
+	}
+	return "connection closed"
+}
+
+// admit asks the Python gateway for a long-prefill slot on one of the model's prefill
+// replicas (the least loaded first) and holds it until release.
+func (p *plane) admit(ctx context.Context, m *model, best *endpoint) (*endpoint, func(), fallback) {
+	ranked := m.rankedPrefill(best)
+	urls := make([]string, len(ranked))
+	for i, e := range ranked {
+		urls[i] = e.url
+	}
+	body, _ := json.Marshal(map[string][]string{"replicas": urls})
+	request, err := http.NewRequestWithContext(ctx, http.MethodPost, p.pythonURL+"/dataplane/admission", bytes.NewReader(body))
+	if err != nil {
+		return nil, nil, "admission_failed"
+	}
+	request.Header = http.Header{"Content-Type": jsonType, "X-Pdserve-Dataplane-Token": {p.token}}
+	// No first-byte bound: the answer comes when a slot is free (the Python gateway's own
+	// hold deadline and aging bound the wait), or the request's deadline passes.
+	response, err := p.admission.Do(request)
+	if err != nil {
+		return nil, nil, "admission_failed"
+	}
+	line, err := bufio.NewReader(response.Body).ReadString('\n')
+	word, url, _ := strings.Cut(strings.TrimSpace(line), " ")
+	if err != nil || response.StatusCode != http.StatusOK || word != "granted" {
+		response.Body.Close()
+		return nil, nil, "admission_failed"
+	}
+	for _, e := range ranked {
+		if e.url == url {
+			return e, func() { response.Body.Close() }, ""
+		}
+	}
+	response.Body.Close()
+	return nil, nil, "admission_failed"
+}
+
+// toPython hands the request, its body already read, to the Python gateway.
+func (p *plane) toPython(w http.ResponseWriter, r *http.Request, body []byte, reason fallback) {
+	p.stats.fallback(string(reason))
+	if body != nil {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		r.ContentLength = int64(len(body))
+	}
+	p.python.ServeHTTP(w, r)
+}
+
+var idCounter atomic.Uint64
+var idPrefix = fmt.Sprintf("%x", time.Now().UnixNano())
+
+func requestID() string {
+	return idPrefix + "-" + strconv.FormatUint(idCounter.Add(1), 36)
+}
+
+// ---- control ----------------------------------------------------------------------------------
+
+func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
+	raw, err := io.ReadAll(io.LimitReader(r.Body, 16<<20))
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	p.tableMu.Lock()
+	defer p.tableMu.Unlock()
+	t, engines, err := build(raw, p.engines)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusUnprocessableEntity)
+		return
+	}
+	if old := p.current.Load(); old != nil && t.version < old.version {
+		http.Error(w, fmt.Sprintf("routing table version %d is older than %d", t.version, old.version), http.StatusConflict)
+		return
+	}
+	p.engines = engines
+	p.current.Store(t)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
+	fallbacks := map[string]int64{}
+	p.stats.fallbacks.Range(func(key, value any) bool {
+		fallbacks[key.(string)] = value.(*atomic.Int64).Load()
+		return true
+	})
+	out := map[string]any{
+		"pd":             p.stats.fast[0].Load(),
+		"decode":         p.stats.fast[1].Load(),
+		"streams":        p.stats.streams.Load(),
+		"fallbacks":      fallbacks,
+		"inflight":       p.inflight.Load(),
+		"prefillSeconds": float64(p.stats.prefillNs.Load()) / 1e9,
+		"prefills":       p.stats.prefills.Load(),
+	}
+	if t := p.current.Load(); t != nil {
+		out["version"] = t.version
+	}
+	p.tableMu.Lock()
+	served := map[string]int64{}
+	for url, e := range p.engines {
+		served[url] = e.served.Load()
+	}
+	p.tableMu.Unlock()
+	out["served"] = served
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(out)
+}
+
+func seconds(value float64) time.Duration {
+	if value <= 0 {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane: timeouts must be positive numbers of seconds")
+		os.Exit(2)
+	}
+	return time.Duration(value * float64(time.Second))
+}
+
+func main() {
+	listen := flag.String("listen", "0.0.0.0:8000", "where clients connect")
+	pythonURL := flag.String("python", "", "the Python gateway's URL (loopback)")
+	control := flag.String("control", "127.0.0.1:0", "the control API's address (loopback)")
+	maxBody := flag.Int64("max-body-bytes", 32<<20, "larger bodies go to the Python gateway (its 413)")
+	maxInflight := flag.Int64("max-inflight", 4096, "fast-path requests in flight; more go to the Python gateway")
+	connect := flag.Float64("connect-timeout-seconds", 5, "opening a connection to an engine")
+	firstByte := flag.Float64("first-byte-timeout-seconds", 120, "an engine's answer's first byte (its headers)")
+	idle := flag.Float64("idle-timeout-seconds", 60, "between two reads of a decode stream")
+	whole := flag.Float64("request-timeout-seconds", 600, "a whole request")
+	gcPercent := flag.Int("gc-percent", 400, "the garbage collector's GOGC: the live heap is small, so collecting less often saves CPU per request (-1: only at -memory-limit-mib)")
+	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: none)")
+	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
+	flag.Parse()
+	target, err := url.Parse(*pythonURL)
+	if err != nil || target.Host == "" {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane: -python must be the Python gateway's URL, e.g. http://127.0.0.1:8001")
+		os.Exit(2)
+	}
+	// To the Python gateway on loopback: its answers take as long as the requests it serves.
+	transport := &http.Transport{MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024,
+		IdleConnTimeout: 30 * time.Second, DisableCompression: true}
+	python := httputil.NewSingleHostReverseProxy(target)
+	python.Transport = transport
+	python.FlushInterval = -1 // streams pass through event by event
+	p := &plane{python: python, maxBody: *maxBody,
+		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 4*time.Second),
+		maxInflight: *maxInflight, engines: map[string]*endpoint{},
+		pythonURL: strings.TrimRight(*pythonURL, "/"), token: os.Getenv("PDSERVE_DATAPLANE_TOKEN"),
+		admission: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64, DisableCompression: true}}}
+	p.buffers.New = func() any { return new(bytes.Buffer) }
+	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
+	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole)}
+	debug.SetGCPercent(*gcPercent)
+	if *memoryLimit > 0 {
+		debug.SetMemoryLimit(*memoryLimit << 20)
+	}
+
+	controlMux := http.NewServeMux()
+	controlMux.HandleFunc("PUT /table", p.putTable)
+	controlMux.HandleFunc("GET /stats", p.getStats)
+	controlMux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	controlMux.HandleFunc("GET /debug/pprof/profile", pprof.Profile) // loopback only, like the rest
+	var server *http.Server
+	controlMux.HandleFunc("POST /drain", func(w http.ResponseWriter, _ *http.Request) {
+		server.SetKeepAlivesEnabled(false) // each answer closes its connection: clients move on
+		w.WriteHeader(http.StatusNoContent)
+	})
+	controlListener, err := net.Listen("tcp", *control)
+	if err != nil {
+		log.Fatalf("pdserve-dataplane: -control %s: %v", *control, err)
+	}
+	clientListener, err := net.Listen("tcp", *listen)
+	if err != nil {
+		log.Fatalf("pdserve-dataplane: -listen %s: %v", *listen, err)
+	}
+	// The Python gateway reads where the control API and the client port landed.
+	fmt.Printf(`{"control":%q,"listen":%q}`+"\n", controlListener.Addr().String(), clientListener.Addr().String())
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", p.serveCompletion)
+	mux.HandleFunc("POST /v1/completions", p.serveCompletion)
+	mux.Handle("/", python)
+	server = &http.Server{Handler: mux, ReadHeaderTimeout: 30 * time.Second}
+	go func() { log.Fatal(http.Serve(controlListener, controlMux)) }()
+	stop := make(chan os.Signal, 2)
+	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
+	if *withParent {
+		go func() {
+			_, _ = io.Copy(io.Discard, os.Stdin)
+			stop <- syscall.SIGTERM
+		}()
+	}
+	stopped := make(chan struct{})
+	go func() {
+		<-stop
+		// Stop accepting and finish what it holds (the Python gateway drains before it stops
+		// the data plane, so clients have moved on by then).
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		_ = server.Shutdown(ctx)
+		close(stopped)
+	}()
+	if err := server.Serve(clientListener); !errors.Is(err, http.ErrServerClosed) {
+		log.Fatal(err)
+	}
+	<-stopped
+}

@@ -1,0 +1,223 @@
+package main
+
+// The routing table: what the Python gateway (the policy) decided, pushed here whenever it
+// changes. The data plane never decides a route on its own: a model it has no route for, a
+// request it cannot serve as the table says, or any upstream failure goes to the Python
+// gateway, which is the authority on errors, retries and fallbacks.
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"math"
+	"sort"
+	"strings"
+	"sync/atomic"
+)
+
+// Route names what the fast path does with a model's requests.
+const (
+	routePD     = "pd"     // prefill with a remote-decode handoff, then decode
+	routeDecode = "decode" // straight to decode (Aggregated, or no prefill may serve)
+	routePython = "python" // everything to the Python gateway (Auto mode, a render pool, ...)
+)
+
+type tableJSON struct {
+	Version       int64                `json:"version"`
+	Models        map[string]modelJSON `json:"models"`
+	APIKeyDigests []string             `json:"apiKeySha256"`
+	PassAuth      bool                 `json:"passAuthorization"`
+	MaxTokensCap  int64                `json:"maxTokensCap"`
+	LongBodyBytes int64                `json:"longBodyBytes"`
+	Load          map[string]float64   `json:"load"`
+}
+
+type modelJSON struct {
+	Route  string      `json:"route"`
+	Groups []groupJSON `json:"groups"`
+}
+
+// groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
+type groupJSON struct {
+	Prefill []string `json:"prefill"`
+	Decode  []string `json:"decode"`
+}
+
+// endpoint is one engine; its in-flight count survives table updates (same URL, same state).
+type endpoint struct {
+	url      string
+	at       endpointURL
+	base     atomic.Uint64 // float64 bits: the Python gateway's view of its load (scraped)
+	inflight atomic.Int64
+	served   atomic.Int64
+}
+
+type group struct {
+	prefill, decode []*endpoint
+}
+
+type model struct {
+	route  string
+	groups []group
+}
+
+type table struct {
+	version      int64
+	models       map[string]*model
+	keys         [][]byte // sha256 digests of the API keys
+	passAuth     bool
+	maxTokensCap int64
+	longBody     int64 // larger bodies are long prompts: fair admission, in the Python gateway
+}
+
+// build validates a pushed table; engines are shared with the previous table by URL.
+func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint, error) {
+	var in tableJSON
+	if err := json.Unmarshal(raw, &in); err != nil {
+		return nil, nil, fmt.Errorf("routing table: %w", err)
+	}
+	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
+		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes}
+	for _, digest := range in.APIKeyDigests {
+		key, err := hex.DecodeString(digest)
+		if err != nil || len(key) != sha256.Size {
+			return nil, nil, fmt.Errorf("routing table: apiKeySha256: %q is not a hex SHA-256", digest)
+		}
+		t.keys = append(t.keys, key)
+	}
+	next := map[string]*endpoint{}
+	engine := func(url string) (*endpoint, error) {
+		e := known[url]
+		if e == nil {
+			at, err := parseEndpoint(url)
+			if err != nil {
+				return nil, err
+			}
+			e = &endpoint{url: url, at: at}
+		}
+		next[url] = e
+		e.base.Store(math.Float64bits(in.Load[url]))
+		return e, nil
+	}
+	for name, m := range in.Models {
+		switch m.Route {
+		case routePD, routeDecode, routePython:
+		default:
+			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode or python", name, m.Route)
+		}
+		out := &model{route: m.Route}
+		for i, g := range m.Groups {
+			var built group
+			for _, url := range g.Prefill {
+				e, err := engine(url)
+				if err != nil {
+					return nil, nil, err
+				}
+				built.prefill = append(built.prefill, e)
+			}
+			for _, url := range g.Decode {
+				e, err := engine(url)
+				if err != nil {
+					return nil, nil, err
+				}
+				built.decode = append(built.decode, e)
+			}
+			if len(built.decode) == 0 || (m.Route == routePD && len(built.prefill) == 0) {
+				return nil, nil, fmt.Errorf("routing table: models.%s.groups[%d] lacks the engines route %s needs", name, i, m.Route)
+			}
+			out.groups = append(out.groups, built)
+		}
+		if m.Route != routePython && len(out.groups) == 0 {
+			return nil, nil, fmt.Errorf("routing table: models.%s has route %s but no groups", name, m.Route)
+		}
+		t.models[name] = out
+	}
+	return t, next, nil
+}
+
+// authorized: no keys configured, or the Bearer token is one of them (compared as digests,
+// against every key, so the time taken says nothing about which one is close).
+func (t *table) authorized(header string) bool {
+	if len(t.keys) == 0 {
+		return true
+	}
+	scheme, token, _ := strings.Cut(header, " ")
+	token = strings.TrimSpace(token)
+	if !strings.EqualFold(scheme, "bearer") || token == "" {
+		return false
+	}
+	digest := sha256.Sum256([]byte(token))
+	matched := 0
+	for _, key := range t.keys {
+		matched |= subtle.ConstantTimeCompare(digest[:], key)
+	}
+	return matched == 1
+}
+
+// load ranks engines as the Python gateway does: its scraped view plus this data plane's own
+// requests in flight (which move at once, between scrapes).
+func (e *endpoint) load() float64 {
+	return math.Float64frombits(e.base.Load()) + float64(e.inflight.Load())
+}
+
+// least is the least loaded engine.
+func least(engines []*endpoint) *endpoint {
+	var best *endpoint
+	for _, e := range engines {
+		if best == nil || e.load() < best.load() {
+			best = e
+		}
+	}
+	return best
+}
+
+// pick: for P/D the least busy prefill of all groups, then the least busy decode of its group;
+// straight to decode the least busy decode of all.
+func (m *model) pick() (prefill, decode *endpoint) {
+	if m.route == routePD {
+		var chosen *group
+		for i := range m.groups {
+			candidate := least(m.groups[i].prefill)
+			if prefill == nil || candidate.load() < prefill.load() {
+				prefill, chosen = candidate, &m.groups[i]
+			}
+		}
+		return prefill, least(chosen.decode)
+	}
+	for i := range m.groups {
+		candidate := least(m.groups[i].decode)
+		if decode == nil || candidate.load() < decode.load() {
+			decode = candidate
+		}
+	}
+	return nil, decode
+}
+
+// rankedPrefill: every prefill replica of the model, `best` first, then by load.
+func (m *model) rankedPrefill(best *endpoint) []*endpoint {
+	ranked := []*endpoint{best}
+	for i := range m.groups {
+		for _, e := range m.groups[i].prefill {
+			if e != best {
+				ranked = append(ranked, e)
+			}
+		}
+	}
+	rest := ranked[1:]
+	sort.SliceStable(rest, func(a, b int) bool { return rest[a].load() < rest[b].load() })
+	return ranked
+}
+
+// decodeFor: the least loaded decode replica that can pull `prefill`'s KV.
+func (m *model) decodeFor(prefill *endpoint) *endpoint {
+	for i := range m.groups {
+		for _, e := range m.groups[i].prefill {
+			if e == prefill {
+				return least(m.groups[i].decode)
+			}
+		}
+	}
+	return nil
+}

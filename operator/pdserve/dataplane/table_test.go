@@ -1,0 +1,96 @@
+package main
+
+import (
+	"crypto/sha256"
+	"fmt"
+	"strings"
+	"testing"
+)
+
+func mustBuild(t *testing.T, raw string, known map[string]*endpoint) (*table, map[string]*endpoint) {
+	t.Helper()
+	built, engines, err := build([]byte(raw), known)
+	if err != nil {
+		t.Fatalf("build: %v", err)
+	}
+	return built, engines
+}
+
+const twoGroups = `{"version":1,"models":{"qwen":{"route":"pd","groups":[
+	{"prefill":["http://p0:8000"],"decode":["http://d0:8000"]},
+	{"prefill":["http://p1:8000"],"decode":["http://d1:8000","http://d2:8000"]}]}},
+	"load":{"http://p0:8000":3}}`
+
+func TestPickPairsAPrefillOnlyWithADecodeOfItsGroup(t *testing.T) {
+	built, engines := mustBuild(t, twoGroups, nil)
+	m := built.models["qwen"]
+	prefill, decode := m.pick()
+	// p0 carries the Python gateway's scraped load of 3: p1 is less loaded.
+	if prefill.url != "http://p1:8000" || !strings.HasPrefix(decode.url, "http://d1") {
+		t.Fatalf("picked %s -> %s, want p1 -> d1", prefill.url, decode.url)
+	}
+	engines["http://d1:8000"].inflight.Add(1)
+	if _, decode = m.pick(); decode.url != "http://d2:8000" {
+		t.Fatalf("picked decode %s with d1 busy, want d2", decode.url)
+	}
+	engines["http://p1:8000"].inflight.Add(5)
+	if prefill, decode = m.pick(); prefill.url != "http://p0:8000" || decode.url != "http://d0:8000" {
+		t.Fatalf("picked %s -> %s with p1 busier, want p0 -> d0", prefill.url, decode.url)
+	}
+}
+
+func TestAnEngineKeepsItsInFlightCountAcrossTables(t *testing.T) {
+	_, engines := mustBuild(t, twoGroups, nil)
+	engines["http://d0:8000"].inflight.Add(2)
+	_, next := mustBuild(t, strings.Replace(twoGroups, `"version":1`, `"version":2`, 1), engines)
+	if got := next["http://d0:8000"].inflight.Load(); got != 2 {
+		t.Fatalf("in flight after the update: %d, want 2", got)
+	}
+}
+
+func TestBuildNamesTheFieldItRefuses(t *testing.T) {
+	for raw, field := range map[string]string{
+		`{"models":{"qwen":{"route":"fast"}}}`:                                     "models.qwen.route",
+		`{"models":{"qwen":{"route":"pd","groups":[{"decode":["http://d"]}]}}}`:    "models.qwen.groups[0]",
+		`{"models":{"qwen":{"route":"decode"}}}`:                                   "models.qwen",
+		`{"models":{"qwen":{"route":"decode","groups":[{"decode":["ftp://d"]}]}}}`: "ftp://d",
+		`{"apiKeySha256":["zz"]}`:                                                  "apiKeySha256",
+		`{"models":[]}`:                                                            "routing table",
+	} {
+		if _, _, err := build([]byte(raw), nil); err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("%s: error %v, want one naming %s", raw, err, field)
+		}
+	}
+}
+
+func TestAuthorizedComparesBearerTokensWithTheKeysDigests(t *testing.T) {
+	digest := sha256.Sum256([]byte("secret"))
+	built, _ := mustBuild(t, fmt.Sprintf(`{"apiKeySha256":["%x"]}`, digest), nil)
+	for header, want := range map[string]bool{
+		"Bearer secret": true, "bearer  secret ": true, "Bearer other": false, "secret": false,
+		"": false, "Basic secret": false,
+	} {
+		if got := built.authorized(header); got != want {
+			t.Errorf("Authorization %q: %v, want %v", header, got, want)
+		}
+	}
+	open, _ := mustBuild(t, `{}`, nil)
+	if !open.authorized("") {
+		t.Error("without keys every request is authorized")
+	}
+}
+
+func TestWithinCapRefusesWhatThePythonGatewayWouldRefuseOrFillIn(t *testing.T) {
+	for body, want := range map[string]bool{
+		`{"max_tokens":8}`: true, `{"max_tokens":9}`: false, `{"max_completion_tokens":9}`: false,
+		`{}`: false, `{"max_tokens":null}`: false, `{"max_tokens":"8"}`: false,
+	} {
+		members, err := topLevel([]byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := withinCap(members, 8); got != want {
+			t.Errorf("%s: %v, want %v", body, got, want)
+		}
+	}
+}

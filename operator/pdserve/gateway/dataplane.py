@@ -1,0 +1,190 @@
+"""`pdserve gateway --data-plane`: the compiled data plane (pdserve/dataplane, Go) in front of
+this gateway. It takes the clients' port; this gateway listens on loopback behind it, decides
+(fastpath.routing_table, pushed whenever it changes), and serves whatever the data plane hands
+it. What the data plane served is folded into this gateway's /metrics.
+
+The data plane is this process's child: it stops when its standard input closes (this gateway
+died), and this gateway stops it after its own drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.endpoints import Endpoints
+from pdserve.gateway.fastpath import route_of, routing_table, same_table
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.settings import GatewaySettings
+from pdserve.gobuild import built
+
+log = logging.getLogger("pdserve.gateway")
+SOURCE = Path(__file__).resolve().parents[1] / "dataplane"
+BINARY = "dataplane"
+STARTUP_SECONDS = 10.0
+
+
+class DataPlaneError(RuntimeError):
+    """The data plane could not start: the message says why and what to pass instead."""
+
+
+def build_binary(go: str | None = None) -> Path:
+    """The data plane built from this package's Go source (cached by source digest)."""
+    return built(SOURCE, ["."], "dataplane", go) / BINARY
+
+
+class DataPlane:
+    def __init__(
+        self,
+        binary: Path,
+        listen: str,
+        python_url: str,
+        config: GatewayConfig,
+        endpoints: Endpoints,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+        *,
+        push_seconds: float = 0.25,
+        stats_seconds: float = 1.0,
+    ) -> None:
+        self.binary, self.listen, self.python_url = binary, listen, python_url
+        self.config, self.endpoints, self.settings = config, endpoints, settings
+        self.metrics = metrics
+        self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
+        self.process: asyncio.subprocess.Process | None = None
+        self.control: str | None = None
+        self.pushed: dict[str, Any] | None = None
+        self.version = 0
+        self.seen: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        # What the data plane presents when it asks this gateway for a long prompt's slot.
+        self.token = secrets.token_hex(16)
+        self.stopping = False
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        argv = [
+            str(self.binary), "-listen", self.listen, "-python", self.python_url,
+            "-control", "127.0.0.1:0", "-exit-with-stdin",
+            "-max-body-bytes", str(self.settings.max_body_bytes),
+            "-max-inflight", str(self.settings.max_inflight),
+            "-connect-timeout-seconds", str(self.settings.connect_timeout),
+            "-first-byte-timeout-seconds", str(self.settings.first_byte_timeout),
+            "-idle-timeout-seconds", str(self.settings.idle_timeout),
+            "-request-timeout-seconds", str(self.settings.request_timeout),
+        ]  # fmt: skip
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env={**os.environ, "PDSERVE_DATAPLANE_TOKEN": self.token},
+            )
+        except OSError as error:
+            raise DataPlaneError(f"--data-plane {self.binary}: {error.strerror or error}") from None
+        assert self.process.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.process.stdout.readline(), STARTUP_SECONDS)
+            self.control = "http://" + json.loads(line)["control"]
+        except (TimeoutError, ValueError, KeyError):
+            code = self.process.returncode
+            raise DataPlaneError(
+                f"--data-plane {self.binary} did not start within {STARTUP_SECONDS:g} s "
+                f"(exit status {code}; its error is above): is the address {self.listen} free?"
+            ) from None
+        route, why = route_of(self.config, self.settings)
+        if why:
+            log.info("data plane at %s hands every request to this gateway: %s", self.listen, why)
+        else:
+            log.info("data plane at %s serves route %s itself", self.listen, route)
+        await self.push(session)
+        self._tasks = [
+            asyncio.create_task(self.run(session), name="data-plane"),
+            asyncio.create_task(self.watch(), name="data-plane-exit"),
+        ]
+
+    async def watch(self) -> None:
+        """The data plane holds the clients' port: without it this gateway serves no one, so it
+        stops too (the kubelet restarts the container)."""
+        assert self.process is not None
+        code = await self.process.wait()
+        if not self.stopping:
+            log.error("the data plane exited (status %s): stopping the gateway", code)
+            os.kill(os.getpid(), signal.SIGINT)  # SIGINT: no drain, nobody can reach us
+
+    async def push(self, session: aiohttp.ClientSession) -> None:
+        """The routing table, when it changed since the last push."""
+        table = routing_table(self.config, self.endpoints, self.settings, self.version + 1)
+        if same_table(self.pushed, table):
+            return
+        async with session.put(f"{self.control}/table", json=table) as answer:
+            if answer.status != 204:
+                # A table the data plane refuses is a bug here: keep the last one, say why.
+                log.error("data plane refused the routing table: %s", await answer.text())
+                return
+        self.version += 1
+        self.pushed = table
+
+    async def fold_stats(self, session: aiohttp.ClientSession) -> None:
+        """The data plane's counters since the last poll, into this gateway's metrics."""
+        async with session.get(f"{self.control}/stats") as answer:
+            stats = await answer.json()
+        totals = {f"route:{route}": float(stats.get(route, 0)) for route in ("pd", "decode")}
+        totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
+        for key, total in totals.items():
+            delta = total - self.seen.get(key, 0.0)
+            if delta <= 0:
+                continue
+            kind, _, name = key.partition(":")
+            counter = self.metrics.dataplane_requests if kind == "route" else (
+                self.metrics.dataplane_fallbacks
+            )  # fmt: skip
+            counter.labels(name).inc(delta)
+            self.seen[key] = total
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        since_stats = 0.0
+        while True:
+            await asyncio.sleep(self.push_seconds)
+            try:
+                await self.push(session)
+                since_stats += self.push_seconds
+                if since_stats >= self.stats_seconds:
+                    since_stats = 0.0
+                    await self.fold_stats(session)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                log.warning("data plane control call failed: %s", error)
+
+    async def drain(self) -> None:
+        """This gateway drains: the data plane closes each connection after its answer too."""
+        if self.control is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with aiohttp.ClientSession() as session, session.post(f"{self.control}/drain"):
+                pass
+
+    async def stop(self) -> None:
+        """Stop accepting and let the data plane finish what it holds (this gateway still
+        serves what it hands over); idempotent."""
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 65)
+        except TimeoutError:
+            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                await process.wait()

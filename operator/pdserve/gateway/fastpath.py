@@ -1,0 +1,109 @@
+"""The routing table the compiled data plane (gateway/dataplane, Go) serves from: which requests
+it may serve itself and on which engines, derived from the same state the Python gateway routes
+by. A pure function of that state, so what the data plane does is decided here, in one place.
+
+The data plane serves a model's OpenAI-level requests itself only where the Python gateway would
+do nothing per request that the table cannot say: routing mode Disaggregated (P/D on every
+request) or Aggregated (straight to decode) with engines that speak OpenAI. Everything else goes
+to the Python gateway, request by request: routing mode Auto (a decision per request), a render
+pool (token ids), a request log (every request must be in it), prompts long enough for fair
+prefill admission (or declared documents), and every request whose fast path failed before its
+answer began (the Python gateway retries and falls back as always)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints
+from pdserve.gateway.settings import GatewaySettings
+
+PYTHON, PD, DECODE = "python", "pd", "decode"
+BYTES_PER_PROMPT_TOKEN = 4
+"""How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
+the body-size threshold for fair admission is the long-prompt threshold in these units."""
+
+
+def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
+    """The route the data plane may take for this model, and why not when it may take none."""
+    if config.engine_api != "openai":
+        return PYTHON, "render pool (token ids)"
+    if settings.request_log is not None:
+        return PYTHON, "--request-log (every request is logged by the Python gateway)"
+    mode = config.routing.mode
+    if mode == "Aggregated" or config.pools.prefill is None:
+        return DECODE, None
+    if mode == "Disaggregated":
+        return PD, None
+    return PYTHON, f"routing mode {mode} (decided per request)"
+
+
+def groups(config: GatewayConfig, endpoints: Endpoints, route: str) -> list[dict[str, list[str]]]:
+    """The engines the data plane may pair: per KV-compatibility digest and slice, the prefill
+    replicas and the decode replicas that can pull their KV, as the Python gateway would choose
+    them (parity-consistent, healthy, replica-checked, transport-verified when Required); none
+    when no complete set is routable (the Python gateway then waits, or answers 503)."""
+    try:
+        selection = endpoints.select(["decode"], ["prefill"])
+    except NoEndpoints:
+        return []
+    decode = selection.pools["decode"]
+    if route == DECODE:
+        return [{"prefill": [], "decode": urls(decode)}]
+    prefill = selection.pools.get("prefill", [])
+    if config.kv_transfer.verify == "Required":
+        prefill = [e for e in prefill if e.kv_transport == "Verified"]
+    keyed: dict[tuple[str | None, str | None], list[Endpoint]] = {}
+    for each in prefill:
+        keyed.setdefault((each.kv_compat, each.slice), []).append(each)
+    found = []
+    for _, members in sorted(keyed.items(), key=lambda item: (str(item[0][0]), str(item[0][1]))):
+        pullers = Endpoints.same_slice(Endpoints.kv_compatible(decode, members[0]), members[0])
+        if pullers:
+            found.append({"prefill": urls(members), "decode": urls(pullers)})
+    return found
+
+
+def urls(endpoints: Iterable[Endpoint]) -> list[str]:
+    return sorted(e.url for e in endpoints)
+
+
+def routing_table(
+    config: GatewayConfig, endpoints: Endpoints, settings: GatewaySettings, version: int
+) -> dict[str, Any]:
+    """The table the data plane is sent (`version` orders the pushes)."""
+    route, _ = route_of(config, settings)
+    engine_groups = groups(config, endpoints, route) if route != PYTHON else []
+    if route != PYTHON and not engine_groups:
+        route = PYTHON  # the Python gateway holds, falls back or answers 503
+    if any(
+        not url.startswith("http://") for g in engine_groups for urls in g.values() for url in urls
+    ):
+        route, engine_groups = PYTHON, []  # the data plane speaks plain HTTP to engines only
+    return {
+        "version": version,
+        "models": {config.model: {"route": route, "groups": engine_groups}},
+        "apiKeySha256": [hashlib.sha256(k.encode()).hexdigest() for k in settings.api_keys],
+        # Without gateway keys the client's own credentials go on to the engines (intake.py).
+        "passAuthorization": not settings.api_keys,
+        "maxTokensCap": settings.max_tokens_cap or 0,
+        "longBodyBytes": settings.fair_queue.long_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
+        "load": {e.url: base_load(e) for pool in endpoints.pools.values() for e in pool},
+    }
+
+
+def base_load(endpoint: Endpoint) -> float:
+    """An engine's load as the Python gateway ranks it (Endpoint.load), less the Python
+    gateway's own in-flight count: the data plane adds its own."""
+    return round(endpoint.load() - endpoint.inflight, 3)
+
+
+def same_table(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
+    """Equal but for the version: nothing to push."""
+    if a is None:
+        return False
+    return {k: v for k, v in a.items() if k != "version"} == {
+        k: v for k, v in b.items() if k != "version"
+    }

@@ -1,0 +1,230 @@
+"""`pdserve gateway --data-plane`: the compiled data plane in front of the Python gateway, as
+processes, over simulated engines that speak OpenAI. What a client sees must not change: the
+same answers, the same errors in the same words, fair admission for long prompts, upstream work
+stopped when the client leaves, and the gateway and its data plane living and dying together."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.gateway.dataplane import build_binary
+from pdserve.sim.procs import Proc, Processes
+
+MODEL = "qwen"
+SIM_MODEL = "Qwen/Qwen3-8B"
+FAST = ["--sim-time-scale", "0.01", "--sim-kv-overhead-ms", "0", "--sim-kv-bandwidth-gb-s", "1000"]
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    return build_binary()
+
+
+@contextmanager
+def stack(
+    *flags: str, mode: str = "Disaggregated", engine_flags: list[str] | None = None
+) -> Iterator[tuple[Proc, dict[str, Proc]]]:
+    """A prefill and a decode engine and a gateway over them (with `flags`): the gateway and
+    the engines by role."""
+    with Processes(startup_timeout=60) as procs:
+        engines = {
+            role: procs.engine(SIM_MODEL, role=role, served_model_name=MODEL,
+                               extra=engine_flags or FAST)
+            for role in ("prefill", "decode")
+        }  # fmt: skip
+        pool = {"service": "x", "port": 8000}
+        config = {
+            "model": MODEL, "engineApi": "openai", "routing": {"mode": mode},
+            "pools": {"render": None, "prefill": pool, "decode": pool},
+            "endpoints": {role: [{"url": e.url}] for role, e in engines.items()},
+        }  # fmt: skip
+        yield procs.gateway(config, *flags), engines
+
+
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a metric's samples on a /metrics page."""
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+def eventually(what: str, probe: Callable[[], bool], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.1)
+
+
+def served_by_data_plane(gateway: Proc, route: str = "pd") -> float:
+    name = "pdserve_gateway_dataplane_requests_total"
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    found = re.search(rf'^{name}{{route="{route}"}} ([0-9.]+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def answers(url: str) -> list[Any]:
+    """A non-streamed chat, a streamed one, and a completion: what a client keeps of each."""
+    chat = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).json()
+    with httpx.stream("POST", f"{url}/v1/chat/completions",
+                      json={**CHAT, "stream": True}, timeout=30) as streamed:  # fmt: skip
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    completion = httpx.post(
+        f"{url}/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4},
+        timeout=30,
+    ).json()  # fmt: skip
+    deltas = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-1] if
+              json.loads(e)["choices"]]  # fmt: skip
+    return [
+        chat["choices"][0]["message"]["content"], chat["usage"],
+        "".join(d or "" for d in deltas), events[-1],
+        completion["choices"][0]["text"], completion["usage"],
+    ]  # fmt: skip
+
+
+def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
+    tmp_path: Path, binary: Path
+) -> None:
+    with stack() as (gateway, engines):
+        expected = answers(gateway.url)
+    with stack("--data-plane", str(binary)) as (gateway, engines):
+        prefilled = metric(engines["prefill"].url, "vllm:prompt_tokens_total")
+        assert answers(gateway.url) == expected
+        # Every request went prefill -> decode, and the data plane served all three.
+        assert metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
+        eventually("3 requests counted as served by the data plane",
+                   lambda: served_by_data_plane(gateway) == 3)  # fmt: skip
+
+
+def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
+    tmp_path: Path, binary: Path
+) -> None:
+    key = {"Authorization": "Bearer k1"}
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    flags = ("--data-plane", str(binary), "--max-tokens-cap", "32", "--api-key-file", str(keys))
+    with stack(*flags) as (gateway, _):
+        url = f"{gateway.url}/v1/chat/completions"
+        refused = httpx.post(url, json=CHAT, timeout=30)
+        assert refused.status_code == 401
+        assert "missing or invalid API key" in refused.json()["error"]["message"]
+        assert httpx.post(url, json=CHAT, headers=key, timeout=30).status_code == 200
+        unknown = httpx.post(url, json={**CHAT, "model": "other"}, headers=key, timeout=30)
+        assert (unknown.status_code, unknown.json()["error"]["param"]) == (404, "model")
+        broken = httpx.post(url, content=b'{"model": "qwen",', headers=key, timeout=30)
+        assert broken.status_code == 400
+        assert "not valid JSON" in broken.json()["error"]["message"]
+        capped = httpx.post(url, json={**CHAT, "max_tokens": 33}, headers=key, timeout=30)
+        assert (capped.status_code, capped.json()["error"]["param"]) == (400, "max_tokens")
+        twice = b'{"model": "qwen", "messages": [], "model": "other"}'
+        assert httpx.post(url, content=twice, headers=key, timeout=30).status_code == 404
+        # Only the one well-formed, authorized request within the cap was served in Go.
+        eventually("one request served by the data plane, five handed over", lambda: (
+            metric(gateway.url, "pdserve_gateway_dataplane_requests_total", key) == 1
+            and metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 5
+        ))  # fmt: skip
+
+
+def test_a_failed_prefill_is_served_by_the_python_gateways_fallback(
+    tmp_path: Path, binary: Path
+) -> None:
+    with stack("--data-plane", str(binary)) as (gateway, engines):
+        engines["prefill"].process.kill()
+        engines["prefill"].process.wait()
+        answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+        eventually("the hand-over counted as prefill_failed", lambda: re.search(
+            r'pdserve_gateway_dataplane_fallbacks_total{reason="prefill_failed"} 1.0',
+            httpx.get(f"{gateway.url}/metrics").text) is not None)  # fmt: skip
+
+
+def test_a_long_prompt_on_the_data_plane_holds_a_fair_admission_slot(
+    tmp_path: Path, binary: Path
+) -> None:
+    slow_prefill = ["--sim-time-scale", "1", "--sim-step-base-ms", "1500",
+                    "--sim-kv-overhead-ms", "0"]  # fmt: skip
+    with stack("--data-plane", str(binary), engine_flags=slow_prefill) as (gateway, _):
+        document = {**CHAT, "max_tokens": 1}
+        headers = {"X-PDServe-Class": "document"}
+        with ThreadPoolExecutor(1) as client:
+            answer = client.submit(
+                httpx.post, f"{gateway.url}/v1/chat/completions", json=document,
+                headers=headers, timeout=60,
+            )  # fmt: skip
+            eventually("the document holds a long-prefill slot", lambda: httpx.get(
+                f"{gateway.url}/admission").json()["longInFlight"] == 1)  # fmt: skip
+            assert answer.result(timeout=60).status_code == 200
+        assert httpx.get(f"{gateway.url}/admission").json()["longInFlight"] == 0
+        eventually("served by the data plane", lambda: served_by_data_plane(gateway) == 1)
+
+
+def test_a_client_that_leaves_stops_the_decode_engine(tmp_path: Path, binary: Path) -> None:
+    slow_decode = ["--sim-time-scale", "1", "--sim-kv-overhead-ms", "0"]
+    with stack("--data-plane", str(binary), engine_flags=slow_decode) as (
+        gateway, engines,
+    ):  # fmt: skip
+        decode = engines["decode"].url
+        long_stream = {**CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=long_stream,
+                          timeout=30) as streamed:  # fmt: skip
+            lines = streamed.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            assert metric(decode, "vllm:num_requests_running") == 1
+        eventually("decode stopped the stream's request",
+                   lambda: metric(decode, "vllm:num_requests_running") == 0)  # fmt: skip
+        # Not streamed: the client gives up waiting for the whole answer.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway.url}/v1/chat/completions",
+                       json={**long_stream, "stream": False}, timeout=2)  # fmt: skip
+        eventually("decode stopped the abandoned request",
+                   lambda: metric(decode, "vllm:num_requests_running") == 0)  # fmt: skip
+
+
+def test_the_gateway_and_its_data_plane_stop_together(tmp_path: Path, binary: Path) -> None:
+    with stack("--data-plane", str(binary), "--drain-seconds", "0") as (gateway, _):
+        children = Path(f"/proc/{gateway.process.pid}/task/{gateway.process.pid}/children")
+        (data_plane,) = (int(pid) for pid in children.read_text().split())
+        os.kill(data_plane, signal.SIGKILL)
+        # Without its data plane nobody can reach the gateway: it stops (and is restarted).
+        assert gateway.process.wait(timeout=30) is not None
+    with stack("--data-plane", str(binary), "--drain-seconds", "0") as (gateway, _):
+        children = Path(f"/proc/{gateway.process.pid}/task/{gateway.process.pid}/children")
+        (data_plane,) = (int(pid) for pid in children.read_text().split())
+        gateway.process.send_signal(signal.SIGTERM)
+        assert gateway.process.wait(timeout=30) == 0
+        eventually("the data plane exited", lambda: not Path(f"/proc/{data_plane}").exists()
+                   or "Z" in Path(f"/proc/{data_plane}/stat").read_text().split()[2])  # fmt: skip
+
+
+def test_a_data_plane_binary_that_is_not_there_is_named_with_the_fix(tmp_path: Path) -> None:
+    config = tmp_path / "routing.json"
+    pool = {"service": "x", "port": 8000}
+    config.write_text(json.dumps({
+        "model": MODEL, "engineApi": "openai",
+        "pools": {"render": None, "prefill": None, "decode": pool},
+        "endpoints": {"decode": [{"url": "http://127.0.0.1:9"}]},
+    }))  # fmt: skip
+    missing = tmp_path / "nowhere" / "dataplane"
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "gateway", "--config", str(config),
+         "--data-plane", str(missing)],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"--data-plane {missing}: no such file (or pass `build`)" in done.stderr

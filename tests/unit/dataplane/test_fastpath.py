@@ -1,0 +1,118 @@
+"""What the data plane is told to do: the routing table the Python gateway derives from its
+own state. It serves a request itself only where the Python gateway would route it the same
+way with nothing decided per request, and never pairs engines the Python gateway would not."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.fastpath import routing_table, same_table
+from pdserve.gateway.settings import GatewaySettings
+from tests.support.gateway_fakes import MODEL, config
+
+
+def table_for(
+    mode: str = "Disaggregated",
+    prefill: list[Endpoint] | None = None,
+    decode: list[Endpoint] | None = None,
+    *,
+    engine_api: str = "openai",
+    settings: GatewaySettings | None = None,
+    kv_transfer: dict[str, str] | None = None,
+) -> dict[str, object]:
+    cfg = config(engine_api, mode, kv_transfer)
+    endpoints = Endpoints(cfg)
+    endpoints.replace("prefill", prefill if prefill is not None else [Endpoint("http://p", "p1")])
+    endpoints.replace("decode", decode if decode is not None else [Endpoint("http://d", "p1")])
+    return routing_table(cfg, endpoints, settings or GatewaySettings(), 1)
+
+
+def model(table: dict[str, object]) -> dict[str, object]:
+    models = table["models"]
+    assert isinstance(models, dict)
+    entry = models[MODEL]
+    assert isinstance(entry, dict)
+    return entry
+
+
+def test_disaggregated_and_aggregated_are_served_by_the_data_plane() -> None:
+    pd = model(table_for("Disaggregated"))
+    assert pd == {"route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}]}
+    aggregated = model(table_for("Aggregated"))
+    assert aggregated == {"route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}]}
+
+
+def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over() -> None:
+    assert model(table_for("Auto"))["route"] == "python"  # Auto decides per request
+    assert model(table_for(engine_api="tokens"))["route"] == "python"  # token ids, derender
+    logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
+    assert model(table_for(settings=logged))["route"] == "python"  # every request logged
+    # No routable decode: the Python gateway waits for one or answers 503.
+    assert model(table_for(decode=[]))["route"] == "python"
+    # Engines behind TLS: the data plane's client speaks plain HTTP only.
+    assert model(table_for(decode=[Endpoint("https://d", "p1")]))["route"] == "python"
+
+
+def test_engines_pair_only_within_one_kv_compatibility_digest() -> None:
+    prefill = [Endpoint("http://p-old", "p1", kv_compat="a"),
+               Endpoint("http://p-new", "p1", kv_compat="b")]  # fmt: skip
+    decode = [Endpoint("http://d-old", "p1", kv_compat="a"),
+              Endpoint("http://d-new", "p1", kv_compat="b")]  # fmt: skip
+    assert model(table_for(prefill=prefill, decode=decode))["groups"] == [
+        {"prefill": ["http://p-old"], "decode": ["http://d-old"]},
+        {"prefill": ["http://p-new"], "decode": ["http://d-new"]},
+    ]
+    # Mid-upgrade, a new prefill with no new decode yet is left out.
+    assert model(table_for(prefill=prefill, decode=decode[:1]))["groups"] == [
+        {"prefill": ["http://p-old"], "decode": ["http://d-old"]}
+    ]
+
+
+def test_a_prefill_pairs_with_its_slice_first() -> None:
+    prefill = [Endpoint("http://p-a", "p1", slice="a"), Endpoint("http://p-b", "p1", slice="b")]
+    decode = [Endpoint("http://d-a", "p1", slice="a"), Endpoint("http://d-c", "p1", slice="c")]
+    assert model(table_for(prefill=prefill, decode=decode))["groups"] == [
+        {"prefill": ["http://p-a"], "decode": ["http://d-a"]},
+        # No decode in slice b: any (as the Python gateway's same_slice falls back to).
+        {"prefill": ["http://p-b"], "decode": ["http://d-a", "http://d-c"]},
+    ]
+
+
+def test_replicas_the_python_gateway_would_not_route_to_are_left_out() -> None:
+    held = Endpoint("http://p-held", "p1")
+    held.routable = False  # its replica check is pending or failed
+    other_parity = Endpoint("http://p-old", "p0")
+    unverified = Endpoint("http://p-unverified", "p1", kv_transport="Failed")
+    verified = Endpoint("http://p-ok", "p1", kv_transport="Verified")
+    groups = model(
+        table_for(prefill=[held, other_parity, unverified, verified],
+                  kv_transfer={"verify": "Required"})
+    )["groups"]  # fmt: skip
+    assert groups == [{"prefill": ["http://p-ok"], "decode": ["http://d"]}]
+    # Mode Disaggregated with no prefill to pair: the Python gateway decides (local or 503).
+    assert model(table_for(prefill=[unverified], kv_transfer={"verify": "Required"})) == {
+        "route": "python", "groups": [],
+    }  # fmt: skip
+
+
+def test_keys_are_sent_as_digests_and_the_limits_as_the_python_gateway_applies_them() -> None:
+    settings = GatewaySettings(api_keys=("k1",), max_tokens_cap=64)
+    table = table_for(settings=settings)
+    assert table["apiKeySha256"] == [hashlib.sha256(b"k1").hexdigest()]
+    assert table["passAuthorization"] is False  # the gateway's own key is not the engines'
+    assert table["maxTokensCap"] == 64
+    assert table["longBodyBytes"] == settings.fair_queue.long_prompt_tokens * 4
+    assert table_for()["passAuthorization"] is True
+
+
+def test_the_engines_scraped_load_goes_along_and_only_changes_are_pushed() -> None:
+    busy = Endpoint("http://p", "p1", waiting=2, running=1)
+    busy.inflight = 1  # the Python gateway's own requests: the data plane counts its own
+    table = table_for(prefill=[busy])
+    assert table["load"] == {"http://p": 9.0, "http://d": 0.0}
+    again = {**table, "version": 2}
+    assert same_table(table, again)
+    assert not same_table(table, {**again, "load": {"http://p": 1.0, "http://d": 0.0}})
+    assert not same_table(None, table)
