@@ -11,17 +11,19 @@ from pathlib import Path
 from pdserve.bench.native import native_tools
 
 
-def test_overhead_measures_the_gateway_and_the_engine_direct(tmp_path: Path) -> None:
+def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "bench", "overhead", "--targets", "pdserve",
+         "pdserve-dataplane",
          "--prompts", "2KB", "200KB", "--seconds", "1", "--repeats", "1", "--concurrency", "4",
          "--stream-concurrency", "2", "--stream-tokens", "8", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     points = json.loads((tmp_path / "points.json").read_text())
-    gateway = {p["prompt"]: p for p in points if p["target"].startswith("pdserve")}
-    assert set(gateway) == {"2KB", "200KB"}
+    gateway = {(p["target"], p["prompt"]): p for p in points if p["target"].startswith("pdserve")}
+    assert {prompt for _, prompt in gateway} == {"2KB", "200KB"}
+    assert len(gateway) == 4
     for point in gateway.values():
         assert point["errors"] == 0
         assert point["per_core"]["4"] > 0
@@ -34,7 +36,9 @@ def test_overhead_measures_the_gateway_and_the_engine_direct(tmp_path: Path) -> 
     assert all(p["half_rate"] is None for p in direct)
     report = (tmp_path / "overhead.md").read_text()
     assert "| pdserve, OpenAI P/D route | 200KB |" in report
-    assert "pdserve CPU per request, 200 KB / 2 KB prompt = " in report
+    assert "| pdserve --data-plane, OpenAI P/D route | 2KB |" in report
+    assert "- pdserve CPU per request, 200 KB / 2 KB prompt = " in report
+    assert "- pdserve --data-plane CPU per request, 200 KB / 2 KB prompt = " in report
 
 
 def test_the_stub_engine_answers_the_pd_handoff_as_vllm_does() -> None:

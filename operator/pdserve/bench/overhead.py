@@ -36,7 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.native import NativeTools, native_tools
-from pdserve.bench.overhead_report import Point, Settings, chart, combine, ratios, table
+from pdserve.bench.overhead_report import (
+    PDSERVE_TARGETS,
+    RENDER_ROUTE,
+    ROUTER,
+    Point,
+    Settings,
+    chart,
+    combine,
+    ratios,
+    table,
+)
 from pdserve.gateway.dataplane import build_binary
 from pdserve.gobuild import GoUnavailable
 from pdserve.sim.procs import Processes, free_port
@@ -303,7 +313,7 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             )
             found.append(
                 Target(
-                    "pdserve, OpenAI P/D route",
+                    PDSERVE_TARGETS["pdserve"],
                     f"{gateway.url}/v1/chat/completions",
                     gateway.process.pid,
                 )
@@ -318,7 +328,7 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             )
             found.append(
                 Target(
-                    "pdserve --data-plane, OpenAI P/D route",
+                    PDSERVE_TARGETS["pdserve --data-plane"],
                     f"{gateway.url}/v1/chat/completions",
                     gateway.process.pid,
                 )
@@ -351,9 +361,7 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
                 str(free_port()),
             ]
             proc = procs.start(argv, port, preexec_fn=proxy)
-            found.append(
-                Target("vllm-router, P/D", f"{proc.url}/v1/chat/completions", proc.process.pid)
-            )
+            found.append(Target(ROUTER, f"{proc.url}/v1/chat/completions", proc.process.pid))
         elif "vllm-router" in wanted:
             print(
                 "vllm-router: not installed (pip install vllm-router, or --vllm-router PATH); "
@@ -399,7 +407,7 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             gateway = procs.gateway(routing("tokens", engines), *GATEWAY_FLAGS, preexec_fn=proxy)
             found.append(
                 Target(
-                    "pdserve, render route (render, P/D, derender)",
+                    RENDER_ROUTE,
                     f"{gateway.url}/v1/chat/completions",
                     gateway.process.pid,
                 )

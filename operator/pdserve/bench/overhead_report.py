@@ -103,42 +103,50 @@ def table(points: Sequence[Point], settings: Settings) -> str:
     return "\n".join(lines)
 
 
+PDSERVE_TARGETS = {
+    "pdserve": "pdserve, OpenAI P/D route",
+    "pdserve --data-plane": "pdserve --data-plane, OpenAI P/D route",
+}
+ROUTER = "vllm-router, P/D"
+RENDER_ROUTE = "pdserve, render route (render, P/D, derender)"
+
+
 def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
-    """The issue's goals as measured: pdserve against vllm-router, large against small prompts,
-    the render route against vllm-router's two hops."""
+    """The issue's goals as measured: pdserve (without and with its data plane) against
+    vllm-router, large against small prompts, the render route against vllm-router's two hops."""
     by = {(p.target, p.prompt): p for p in points}
-    ours, router = "pdserve, OpenAI P/D route", "vllm-router, P/D"
-    render = "pdserve, render route (render, P/D, derender)"
     out: list[str] = []
 
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if not a or not b else f"{a / b:.2f}x"
 
-    for prompt in dict.fromkeys(p.prompt for p in points):
-        mine, theirs = by.get((ours, prompt)), by.get((router, prompt))
-        if mine is None or theirs is None:
-            continue
-        for c in settings.concurrency:
+    prompts = list(dict.fromkeys(p.prompt for p in points))
+    for name, ours in PDSERVE_TARGETS.items():
+        for prompt in prompts:
+            mine, theirs = by.get((ours, prompt)), by.get((ROUTER, prompt))
+            if mine is None or theirs is None:
+                continue
+            for c in settings.concurrency:
+                out.append(
+                    f"- {prompt}, c={c}: {name} / vllm-router requests per core = "
+                    f"{ratio(mine.per_core.get(c), theirs.per_core.get(c))}"
+                )
             out.append(
-                f"- {prompt}, c={c}: pdserve / vllm-router requests per core = "
-                f"{ratio(mine.per_core.get(c), theirs.per_core.get(c))}"
+                f"- {prompt}, streamed: {name} / vllm-router tokens per core = "
+                f"{ratio(mine.stream_tokens_per_core, theirs.stream_tokens_per_core)}"
             )
-        out.append(
-            f"- {prompt}, streamed: pdserve / vllm-router tokens per core = "
-            f"{ratio(mine.stream_tokens_per_core, theirs.stream_tokens_per_core)}"
-        )
-        out.append(
-            f"- {prompt}, p99 at half load: pdserve {number(mine.half_p99_ms, 2)} ms, "
-            f"vllm-router {number(theirs.half_p99_ms, 2)} ms"
-        )
-    small, large = by.get((ours, "2KB")), by.get((ours, "200KB"))
-    if small and large:
-        out.append(
-            f"- pdserve CPU per request, 200 KB / 2 KB prompt = "
-            f"{ratio(large.cpu_ms_per_request, small.cpu_ms_per_request)}"
-        )
-    for prompt in dict.fromkeys(p.prompt for p in points):
-        mine, theirs = by.get((render, prompt)), by.get((router, prompt))
+            out.append(
+                f"- {prompt}, p99 at half load: {name} {number(mine.half_p99_ms, 2)} ms, "
+                f"vllm-router {number(theirs.half_p99_ms, 2)} ms"
+            )
+        small, large = by.get((ours, "2KB")), by.get((ours, "200KB"))
+        if small and large:
+            out.append(
+                f"- {name} CPU per request, 200 KB / 2 KB prompt = "
+                f"{ratio(large.cpu_ms_per_request, small.cpu_ms_per_request)}"
+            )
+    for prompt in prompts:
+        mine, theirs = by.get((RENDER_ROUTE, prompt)), by.get((ROUTER, prompt))
         if mine and theirs:
             out.append(
                 f"- {prompt}: pdserve render route / vllm-router CPU per request = "

@@ -12,7 +12,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -30,7 +29,6 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -50,23 +48,20 @@ type plane struct {
 	buffers     sync.Pool // *bytes.Buffer: bodies and answers
 	chunks      sync.Pool // *[]byte: stream reads
 	timeouts    timeouts
-	pythonURL   string
-	token       string       // what the Python gateway knows its own data plane by
-	admission   *http.Client // its own connections: holds stay open while prefill runs
+	admission   *admissionChannel
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
-// bound is the transport's ResponseHeaderTimeout.
+// bound is the upstream pool's.
 type timeouts struct {
 	idle, request time.Duration
 }
 
 type counters struct {
-	fast      [3]atomic.Int64 // by route: pd, decode, streamed share counted in streams
-	streams   atomic.Int64
-	fallbacks sync.Map // reason -> *atomic.Int64
-	prefillNs atomic.Int64
-	prefills  atomic.Int64
+	pd, decode atomic.Int64 // requests served by route (streams among them)
+	streams    atomic.Int64
+	fallbacks  sync.Map // reason -> *atomic.Int64
+	unreadable atomic.Int64
 }
 
 func (c *counters) fallback(reason string) {
@@ -99,7 +94,12 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	buffer.Reset()
 	defer p.buffers.Put(buffer)
 	if _, err := buffer.ReadFrom(io.LimitReader(r.Body, p.maxBody+1)); err != nil {
-		p.toPython(w, r, buffer.Bytes(), "body_read")
+		// Nothing whole to hand over: the client's connection broke mid-body, or its chunked
+		// framing did. Answered here, in the Python gateway's words.
+		p.stats.unreadable.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		fmt.Fprint(w, `{"error":{"message":"request body could not be read as sent: the connection or its chunked framing (Transfer-Encoding: chunked) broke","type":"BadRequestError","param":null,"code":400}}`)
 		return
 	}
 	body := buffer.Bytes()
@@ -183,10 +183,10 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 			extra = append(extra, field{"kv_transfer_params", kv})
 		}
 		splice(decodeBody, body, members, decodeDrops, extra)
-		p.stats.fast[0].Add(1)
+		p.stats.pd.Add(1)
 	} else {
 		decodeBody.Write(body)
-		p.stats.fast[1].Add(1)
+		p.stats.decode.Add(1)
 	}
 	return p.decode(ctx, w, decode, r.URL.Path, decodeBody.Bytes(), id, auth, stream)
 }
@@ -218,7 +218,6 @@ func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []by
 	}
 	extra = append(extra, field{"kv_transfer_params", handoff})
 	splice(buffer, body, members, prefillDrops, extra)
-	begun := time.Now()
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
 	response, err := p.post(ctx, e, path, buffer.Bytes(), id, auth)
@@ -233,8 +232,6 @@ func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []by
 		return nil, "prefill_failed"
 	}
 	e.served.Add(1)
-	p.stats.prefills.Add(1)
-	p.stats.prefillNs.Add(int64(time.Since(begun)))
 	fields, err := topLevel(answer.Bytes())
 	if err != nil {
 		return nil, "prefill_failed"
@@ -337,30 +334,16 @@ func (p *plane) admit(ctx context.Context, m *model, best *endpoint) (*endpoint,
 	for i, e := range ranked {
 		urls[i] = e.url
 	}
-	body, _ := json.Marshal(map[string][]string{"replicas": urls})
-	request, err := http.NewRequestWithContext(ctx, http.MethodPost, p.pythonURL+"/dataplane/admission", bytes.NewReader(body))
+	url, release, err := p.admission.acquire(ctx, urls)
 	if err != nil {
-		return nil, nil, "admission_failed"
-	}
-	request.Header = http.Header{"Content-Type": jsonType, "X-Pdserve-Dataplane-Token": {p.token}}
-	// No first-byte bound: the answer comes when a slot is free (the Python gateway's own
-	// hold deadline and aging bound the wait), or the request's deadline passes.
-	response, err := p.admission.Do(request)
-	if err != nil {
-		return nil, nil, "admission_failed"
-	}
-	line, err := bufio.NewReader(response.Body).ReadString('\n')
-	word, url, _ := strings.Cut(strings.TrimSpace(line), " ")
-	if err != nil || response.StatusCode != http.StatusOK || word != "granted" {
-		response.Body.Close()
 		return nil, nil, "admission_failed"
 	}
 	for _, e := range ranked {
 		if e.url == url {
-			return e, func() { response.Body.Close() }, ""
+			return e, release, ""
 		}
 	}
-	response.Body.Close()
+	release()
 	return nil, nil, "admission_failed"
 }
 
@@ -412,13 +395,12 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		return true
 	})
 	out := map[string]any{
-		"pd":             p.stats.fast[0].Load(),
-		"decode":         p.stats.fast[1].Load(),
-		"streams":        p.stats.streams.Load(),
-		"fallbacks":      fallbacks,
-		"inflight":       p.inflight.Load(),
-		"prefillSeconds": float64(p.stats.prefillNs.Load()) / 1e9,
-		"prefills":       p.stats.prefills.Load(),
+		"pd":         p.stats.pd.Load(),
+		"decode":     p.stats.decode.Load(),
+		"streams":    p.stats.streams.Load(),
+		"fallbacks":  fallbacks,
+		"unreadable": p.stats.unreadable.Load(),
+		"inflight":   p.inflight.Load(),
 	}
 	if t := p.current.Load(); t != nil {
 		out["version"] = t.version
@@ -454,6 +436,7 @@ func main() {
 	whole := flag.Float64("request-timeout-seconds", 600, "a whole request")
 	gcPercent := flag.Int("gc-percent", 400, "the garbage collector's GOGC: the live heap is small, so collecting less often saves CPU per request (-1: only at -memory-limit-mib)")
 	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: none)")
+	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
 	flag.Parse()
 	target, err := url.Parse(*pythonURL)
@@ -470,8 +453,8 @@ func main() {
 	p := &plane{python: python, maxBody: *maxBody,
 		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 4*time.Second),
 		maxInflight: *maxInflight, engines: map[string]*endpoint{},
-		pythonURL: strings.TrimRight(*pythonURL, "/"), token: os.Getenv("PDSERVE_DATAPLANE_TOKEN"),
-		admission: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64, DisableCompression: true}}}
+		// The token tells the Python gateway its own data plane from anyone else on loopback.
+		admission: newAdmissionChannel(*admission, os.Getenv("PDSERVE_DATAPLANE_TOKEN"))}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole)}

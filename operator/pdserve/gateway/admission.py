@@ -7,7 +7,6 @@ at most `max_holds_per_peer` holds open (a peer cannot have more requests in fli
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections import Counter
 from contextlib import suppress
 
@@ -16,9 +15,6 @@ from aiohttp import web
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.fairqueue import LONG, PrefillAdmission
 from pdserve.gateway.peers import GRANTED, PeerAdmission
-
-DATAPLANE_ADMISSION_PATH = "/dataplane/admission"
-DATAPLANE_TOKEN_HEADER = "X-PDServe-Dataplane-Token"
 
 
 class AdmissionHandlers:
@@ -36,13 +32,21 @@ class AdmissionHandlers:
         self.max_holds_per_peer = max_holds_per_peer
         self.holds: Counter[str] = Counter()
         """Holds open (queued or granted) per peer address."""
-        self.dataplane_token: str | None = None
-        """Set when this gateway starts a data plane: what it presents (DATAPLANE_TOKEN_HEADER)."""
+        self.behind_data_plane = False
+        """Set when this gateway serves behind its data plane (dataplane.py)."""
+
+    def peer_address(self, request: web.Request) -> str:
+        """Who is asking: the connection's address, or behind this gateway's own data plane
+        (every connection then comes from loopback) the address it forwarded: the last entry of
+        X-Forwarded-For, the one the data plane added."""
+        forwarded = request.headers.get("X-Forwarded-For") if self.behind_data_plane else None
+        if forwarded:
+            return forwarded.rsplit(",", 1)[-1].strip()
+        return request.remote or "unknown"
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admission", self.admission_state)
         app.router.add_post("/admission/hold", self.admission_hold)
-        app.router.add_post(DATAPLANE_ADMISSION_PATH, self.dataplane_hold)
 
     async def admission_state(self, _: web.Request) -> web.Response:
         """What peers count against the shared long-prefill limit."""
@@ -66,11 +70,17 @@ class AdmissionHandlers:
             # admits on its own (counting this one's holdings) until their views agree.
             message = f"this replica is not the admission leader: {leader} is"
             return error_response(GatewayError(409, message, kind="ConflictError"))
-        replicas = await self._replicas(request)
-        if replicas is None:
+        try:
+            body = await request.json()
+            replicas = body.get("replicas") if isinstance(body, dict) else None
+            if not isinstance(replicas, list) or not replicas:
+                raise ValueError
+            if not all(isinstance(r, str) and r for r in replicas):
+                raise ValueError
+        except (ValueError, TypeError):
             message = "replicas: expected the prefill replica URLs the request may use, best first"
             return error_response(GatewayError(400, message, param="replicas"))
-        peer = request.remote or "unknown"
+        peer = self.peer_address(request)
         if self.holds[peer] >= self.max_holds_per_peer:
             # Queued holds are admitted anyway once they age: unbounded ones would overrun the
             # limit for every replica's documents.
@@ -84,54 +94,19 @@ class AdmissionHandlers:
             if self.holds[peer] <= 0:
                 del self.holds[peer]
 
-    async def dataplane_hold(self, request: web.Request) -> web.StreamResponse:
-        """The data plane's long prompt (dataplane.py) takes a slot as this replica's own long
-        requests do: from the leader when there is one, else from this replica's queue. Only
-        the data plane this gateway started may ask (its token: it is not a peer, and holds
-        count against no peer's limit)."""
-        if self.dataplane_token is None or not hmac.compare_digest(
-            request.headers.get(DATAPLANE_TOKEN_HEADER, ""), self.dataplane_token
-        ):
-            return error_response(GatewayError(403, "only this gateway's data plane may ask"))
-        replicas = await self._replicas(request)
-        if replicas is None:
-            message = "replicas: expected the prefill replica URLs the request may use, best first"
-            return error_response(GatewayError(400, message, param="replicas"))
-        async with self.peers.slot(LONG, replicas) as granted:
-            return await self._granted(request, granted or replicas[0])
-
-    @staticmethod
-    async def _replicas(request: web.Request) -> list[str] | None:
-        """The body's `replicas` (prefill replica URLs, best first); None when malformed."""
-        try:
-            body = await request.json()
-        except ValueError:
-            return None
-        replicas = body.get("replicas") if isinstance(body, dict) else None
-        if not isinstance(replicas, list) or not replicas:
-            return None
-        if not all(isinstance(r, str) and r for r in replicas):
-            return None
-        return replicas
-
     async def _hold(self, request: web.Request, replicas: list[str]) -> web.StreamResponse:
-        async with self.admission.admit(LONG, replicas) as replica:
-            return await self._granted(request, replica or replicas[0])
-
-    async def _granted(self, request: web.Request, replica: str) -> web.StreamResponse:
-        """Say which replica was granted, then hold the slot until the holder closes the
-        connection (aiohttp then cancels the handler) or the hold's deadline passes."""
-        # The deadline, for the holder: the slot goes back then, whatever its prefill does.
+        # The deadline, for the peer: the slot goes back then, whatever its prefill does.
         deadline = {"X-PDServe-Hold-Seconds": f"{self.hold_seconds:g}"}
         response = web.StreamResponse(headers={"Content-Type": "text/plain", **deadline})
-        try:
-            await response.prepare(request)
-            await response.write(f"{GRANTED} {replica}\n".encode())
-        except ConnectionResetError:
-            return response  # the holder left as it was granted: the slot goes back
-        # Bounded like the holder's prefill call: a holder that vanished without closing its
-        # connection cannot keep the slot for longer.
-        with suppress(TimeoutError):
-            async with asyncio.timeout(self.hold_seconds):
-                await asyncio.Event().wait()
+        async with self.admission.admit(LONG, replicas) as replica:
+            try:
+                await response.prepare(request)
+                await response.write(f"{GRANTED} {replica}\n".encode())
+            except ConnectionResetError:
+                return response  # the peer left as it was granted: the slot goes back
+            # Bounded like the peer's prefill call: a holder that vanished without closing its
+            # connection cannot keep the slot for longer.
+            with suppress(TimeoutError):
+                async with asyncio.timeout(self.hold_seconds):
+                    await asyncio.Event().wait()
         return response

@@ -193,9 +193,10 @@ class Gateway:
         """Serve clients through the compiled data plane at `listen`, this gateway (at
         `python_url`, loopback) deciding behind it (dataplane.py)."""
         self.data_plane = DataPlane(
-            binary, listen, python_url, self.config, self.endpoints, self.settings, self.metrics
-        )
-        self.admission_handlers.dataplane_token = self.data_plane.token
+            binary, listen, python_url, self.config, self.endpoints, self.settings, self.metrics,
+            self.peers,
+        )  # fmt: skip
+        self.admission_handlers.behind_data_plane = True
 
     async def _start_background(self, _: web.Application) -> None:
         if self.request_log is not None:

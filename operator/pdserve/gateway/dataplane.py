@@ -21,9 +21,11 @@ from typing import Any
 import aiohttp
 
 from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fastpath import route_of, routing_table, same_table
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gobuild import built
 
@@ -52,6 +54,7 @@ class DataPlane:
         endpoints: Endpoints,
         settings: GatewaySettings,
         metrics: GatewayMetrics,
+        peers: PeerAdmission,
         *,
         push_seconds: float = 0.25,
         stats_seconds: float = 1.0,
@@ -66,14 +69,18 @@ class DataPlane:
         self.version = 0
         self.seen: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        # What the data plane presents when it asks this gateway for a long prompt's slot.
+        # What the data plane presents when it asks this gateway for long prompts' slots.
         self.token = secrets.token_hex(16)
+        self.admission = AdmissionChannel(
+            peers, self.token, hold_seconds=settings.first_byte_timeout
+        )
         self.stopping = False
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         argv = [
             str(self.binary), "-listen", self.listen, "-python", self.python_url,
             "-control", "127.0.0.1:0", "-exit-with-stdin",
+            "-admission", await self.admission.start(),
             "-max-body-bytes", str(self.settings.max_body_bytes),
             "-max-inflight", str(self.settings.max_inflight),
             "-connect-timeout-seconds", str(self.settings.connect_timeout),
@@ -138,6 +145,7 @@ class DataPlane:
         async with session.get(f"{self.control}/stats") as answer:
             stats = await answer.json()
         totals = {f"route:{route}": float(stats.get(route, 0)) for route in ("pd", "decode")}
+        totals["route:unreadable_body"] = float(stats.get("unreadable", 0))
         totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
         for key, total in totals.items():
             delta = total - self.seen.get(key, 0.0)
@@ -178,6 +186,12 @@ class DataPlane:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self._stop_process()
+        finally:
+            await self.admission.stop()  # after: the data plane's prefills held their slots
+
+    async def _stop_process(self) -> None:
         process = self.process
         if process is None or process.returncode is not None:
             return

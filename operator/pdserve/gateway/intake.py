@@ -18,7 +18,6 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.admission import DATAPLANE_ADMISSION_PATH
 from pdserve.gateway.content_encoding import decoded
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.exchange import gateway_request_id
@@ -31,9 +30,6 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 operator's transport monitor), and say nothing a key protects."""
 PEER_PATHS = frozenset({"/status", "/admission", "/admission/hold"})
 """Operational and peer endpoints: an API key or the peer key."""
-OWN_TOKEN_PATHS = frozenset({DATAPLANE_ADMISSION_PATH})
-"""Called only by the data plane this gateway started, with the token it was given (checked by
-the handler): no API key."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -86,7 +82,7 @@ class Intake:
         unauthorized request learns nothing, not even whether the gateway is full)."""
         gateway_request_id(request)  # named from the start: logs, errors, the response header
         path = request.path
-        if path not in OPEN_PATHS and path not in OWN_TOKEN_PATHS:
+        if path not in OPEN_PATHS:
             try:
                 self.authorize(request, peer=path in PEER_PATHS)
             except GatewayError as error:
