@@ -347,6 +347,16 @@ func (p *plane) admit(ctx context.Context, m *model, best *endpoint) (*endpoint,
 	return nil, nil, "admission_failed"
 }
 
+// pythonUnavailable answers for the Python gateway while it is not listening (starting, or
+// stopping: the data plane outlives it by its drain), in its words.
+func pythonUnavailable(w http.ResponseWriter, _ *http.Request, err error) {
+	log.Printf("pdserve-dataplane: the Python gateway did not answer: %v", err)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Retry-After", "1")
+	w.WriteHeader(http.StatusServiceUnavailable)
+	fmt.Fprint(w, `{"error":{"message":"the gateway is starting or stopping: retry shortly","type":"ServiceUnavailableError","param":null,"code":503}}`)
+}
+
 // toPython hands the request, its body already read, to the Python gateway.
 func (p *plane) toPython(w http.ResponseWriter, r *http.Request, body []byte, reason fallback) {
 	p.stats.fallback(string(reason))
@@ -450,6 +460,7 @@ func main() {
 	python := httputil.NewSingleHostReverseProxy(target)
 	python.Transport = transport
 	python.FlushInterval = -1 // streams pass through event by event
+	python.ErrorHandler = pythonUnavailable
 	p := &plane{python: python, maxBody: *maxBody,
 		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 4*time.Second),
 		maxInflight: *maxInflight, engines: map[string]*endpoint{},
