@@ -291,6 +291,7 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
             ("patch", "disaggregatedmodels.pdserve.io", "no"),  # the spec belongs to the user
             ("delete", "nodes", "no"),
             ("get", "secrets", "no"),  # never a user's Secret: see the peer master below
+            ("watch", "events", "yes"),  # the gateways' replica-check Events, cached
             ("create", "networkpolicies.networking.k8s.io", "yes"),  # networkPolicy.enabled
         ):
             assert can_i(kubectl, account, verb, resource) == expected, (verb, resource)
@@ -378,7 +379,7 @@ def test_network_policy_option_switches_the_operator_and_protects_its_pod(tmp_pa
     [rule] = [
         r for r in by_kind(docs, "ClusterRole")[0]["rules"] if "networkpolicies" in r["resources"]
     ]
-    assert rule["verbs"] == ["list", "delete"]  # prune only: it creates none
+    assert rule["verbs"] == ["list", "watch", "delete"]  # prune only: it creates none
 
     docs = render(tmp_path, *OPTIONS_ON, json_sets=(f"networkPolicy.gatewayFrom={GATEWAY_FROM}",))
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]

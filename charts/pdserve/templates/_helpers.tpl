@@ -87,14 +87,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   verbs: [get, list, watch, create, patch, delete]
 {{- else }}
 # networkPolicy.enabled=false: none are made, but those made while it was true are pruned,
-# which needs list and delete. (Without this rule they stay until their model is deleted.)
+# which needs list (and watch: the operator's cache) and delete. (Without this rule they stay
+# until their model is deleted.)
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [list, delete]
+  verbs: [list, watch, delete]
 {{- end }}
-# Events on DisaggregatedModels (transitions, parity drift, invalid specs); list: the gateways'
-# replica-check Events on pods, read into ContractVerified. (The gateway Role grants create.)
+# Events on DisaggregatedModels (transitions, parity drift, invalid specs); list and watch: the
+# gateways' replica-check Events on pods, read into ContractVerified as they come. (The gateway
+# Role grants create.)
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch, list]
+  verbs: [create, patch, list, watch]
 {{- end -}}

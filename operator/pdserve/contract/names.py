@@ -21,9 +21,22 @@ SLICE_LABEL = "pdserve.io/slice"
 KV_TRANSPORT_ANNOTATION = "pdserve.io/kv-transport"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "pdserve"
+# Everything pdserve made (its children and their pods), as a label selector.
+MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def children_selector(model: str) -> str:
+    """What pdserve made for one model, as a label selector."""
+    return f"{INSTANCE_LABEL}={model},{MANAGED_SELECTOR}"
+
+
 ENGINE_PORT = 8000
 RENDER_PORT = 8000
 GATEWAY_CONTAINER_PORT = 8000
+# Where the pdserve image carries the gateway's compiled data plane (images/Dockerfile).
+DATA_PLANE_BINARY = "/usr/local/bin/pdserve-dataplane"
 # A gateway keeps serving this long after SIGTERM (`--drain-seconds`), while kube-proxy and load
 # balancers stop sending it new connections, each answer closing its connection; then it finishes
 # in-flight requests (the gateway's own shutdown timeout) within the rest of the grace period.

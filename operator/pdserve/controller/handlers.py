@@ -1,6 +1,7 @@
-"""kopf wiring, kept thin: every event only schedules a level-based reconcile. With leader
-election every replica serves the webhook and hears every event; only the Lease holder's
-Reconciler acts on them."""
+"""kopf wiring, kept thin: start-up, shutdown, the webhook. The Reconciler's own watches (its
+cache of the models and their children) schedule the level-based passes; kopf watches nothing,
+since its per-event processing cost more than the passes. With leader election every replica
+serves the webhook and keeps the cache; only the Lease holder's Reconciler acts on it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_stored
-from pdserve.contract.names import INSTANCE_LABEL
 from pdserve.controller.leader import LeaderElector
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
@@ -23,7 +23,6 @@ from pdserve.kube.client import Kube
 from pdserve.kube.credentials import Credentials
 
 log = logging.getLogger("pdserve.operator")
-MANAGED = {"app.kubernetes.io/managed-by": "pdserve"}
 WEBHOOK_CONFIGURATION = "validate.pdserve.io"
 
 
@@ -113,8 +112,9 @@ def build_registry(
         election = operator_settings.leader_election
         kube = Kube(credentials)
         reconciler = running.reconciler = Reconciler(
-            kube, operator_settings, leading=election is None
+            kube, operator_settings, leading=election is None, watch=True
         )
+        reconciler.start_watching()
         metrics = (
             reconciler.autoscaler.metrics.registry
             if reconciler.autoscaler is not None
@@ -138,21 +138,6 @@ def build_registry(
     async def cleanup(**_: Any) -> None:
         await shut_down(running)
 
-    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def on_model(type: str, namespace: str | None, name: str, **_: Any) -> None:
-        reconciler = running.started()
-        if namespace is None:
-            return
-        if type == "DELETED":
-            reconciler.forget(namespace, name)  # owner references let the GC remove children
-        else:
-            reconciler.trigger(namespace, name)
-
-    async def on_child(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-        owner = labels.get(INSTANCE_LABEL)
-        if owner and namespace:
-            running.started().trigger(namespace, owner)
-
     if operator_settings.webhook is not None:
         # kopf refuses to start with admission handlers but no webhook server.
         @kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"],
@@ -166,14 +151,5 @@ def build_registry(
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
             warnings.extend(unknown)
-
-    # Pods: scheduling outcomes (Placement) and the preflight probes' reports.
-    watched = [("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("batch/v1", "jobs"),
-               ("v1", "pods")]  # fmt: skip
-    if operator_settings.network_policies is not None:
-        # A policy deleted or edited by hand is restored at once, not at the next resync.
-        watched.append(("networking.k8s.io/v1", "networkpolicies"))
-    for group_version, plural in watched:
-        kopf.on.event(group_version, plural, labels=MANAGED, registry=registry)(on_child)
 
     return registry, running

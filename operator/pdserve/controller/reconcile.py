@@ -38,12 +38,13 @@ from pdserve.contract.names import (
     FIELD_MANAGER,
     GATEWAY_CONTAINER_PORT,
     GATEWAY_EVENT_REPORTER,
-    INSTANCE_LABEL,
     KV_TRANSPORT_ANNOTATION,
+    children_selector,
     peer_key_secret_name,
 )
 from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.plans import live_plan
+from pdserve.controller.cache import ClusterCache
 from pdserve.controller.children import (
     NETWORK_POLICY,
     WRITE_ONLY_KINDS,
@@ -140,8 +141,9 @@ def previous_status(body: Mapping[str, Any]) -> DisaggregatedModelStatus | None:
 
 
 async def write_status(
-    kube: Kube, body: Mapping[str, Any], status: DisaggregatedModelStatus
-) -> bool:
+    kube: Kube, body: Mapping[str, Any], status: DisaggregatedModelStatus,
+    cache: ClusterCache | None = None,
+) -> bool:  # fmt: skip
     old = body.get("status") or {}
     new = status.to_json()
     if old == new:
@@ -150,7 +152,9 @@ async def write_status(
     patch = merge_patch(old, new)
     # What changed, for whoever wonders why a settled model's status was written.
     log.debug("%s/%s: status patch %s", meta["namespace"], meta["name"], json.dumps(patch))
-    await kube.patch_status(DM_KIND, meta["namespace"], meta["name"], patch)
+    written = await kube.patch_status(DM_KIND, meta["namespace"], meta["name"], patch)
+    if cache is not None:
+        cache.observe(DM_KIND, written)
     return True
 
 
@@ -199,12 +203,13 @@ def watch_transport(
 
 
 async def annotate_pod(
-    kube: Kube, namespace: str, name: str, annotations: Mapping[str, str]
-) -> bool:
+    kube: Kube, namespace: str, name: str, annotations: Mapping[str, str],
+    cache: ClusterCache | None = None,
+) -> bool:  # fmt: skip
     """False when the pod is gone: a rolling update deletes pods between our list and this
     patch, and its replacement brings a pod event, hence a pass that annotates it."""
     try:
-        await kube.patch_merge(
+        patched = await kube.patch_merge(
             POD, namespace, name, {"metadata": {"annotations": dict(annotations)}}
         )
     except KubeError as error:
@@ -212,7 +217,19 @@ async def annotate_pod(
             raise
         log.debug("%s/%s: pod gone before its annotation (%s)", namespace, name, error)
         return False
+    if cache is not None:
+        cache.observe(POD, patched)
     return True
+
+
+async def model_pods(
+    kube: Kube, cache: ClusterCache | None, namespace: str, name: str
+) -> list[dict[str, Any]]:
+    """The model's pods, as the pod watch holds them or (not watched now) listed."""
+    held = cache.children_of(POD, namespace, name) if cache is not None else None
+    if held is not None:
+        return held
+    return await kube.list(POD, namespace, label_selector=children_selector(name))
 
 
 class PassFailed(Exception):
@@ -236,6 +253,7 @@ async def reconcile(
     autoscaler: Autoscaler | None = None,
     warned: set[str] | None = None,
     peer_master: PeerMaster | None = None,
+    cache: ClusterCache | None = None,
 ) -> Outcome:
     """Converge the children of `body` and return what the pass did, events to post included.
     `network`: the operator's NetworkPolicy settings (None: the model gets none, and loses those
@@ -243,13 +261,15 @@ async def reconcile(
     measured). `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live
     replicas). `warned`: kinds the operator may not list that it already warned about (see
     list_children). `peer_master`: the operator's cached master key, from which a model with API
-    keys gets its gateways' peer key (None: such a model's pass fails). A pass that fails
-    part-way raises PassFailed with what it did until then."""
+    keys gets its gateways' peer key (None: such a model's pass fails). `cache`: what the
+    operator's watches hold, read instead of the API server where it can be and told of every
+    write (None: every read is a request). A pass that fails part-way raises PassFailed with
+    what it did until then."""
     outcome = Outcome()
     try:
         await _converge(
             kube, body, outcome, now=now, network=network, health=health,
-            autoscaler=autoscaler, warned=warned, peer_master=peer_master,
+            autoscaler=autoscaler, warned=warned, peer_master=peer_master, cache=cache,
         )  # fmt: skip
     except (Exception, asyncio.CancelledError) as error:  # cancelled too: still told
         raise PassFailed(outcome, error) from error
@@ -267,6 +287,7 @@ async def _converge(
     autoscaler: Autoscaler | None,
     warned: set[str] | None,
     peer_master: PeerMaster | None,
+    cache: ClusterCache | None,
 ) -> None:
     """The pass itself; `outcome` (the pass's own, not a caller's) is filled as it goes."""
     meta = body["metadata"]
@@ -281,7 +302,7 @@ async def _converge(
             generation=generation, parity=None, now=now(),
         )  # fmt: skip
         outcome.status = status
-        outcome.status_written = await write_status(kube, body, status)
+        outcome.status_written = await write_status(kube, body, status, cache)
         if outcome.status_written:
             outcome.event("Warning", "InvalidSpec", "; ".join(error.problems))
         return
@@ -293,15 +314,15 @@ async def _converge(
             if warned is not None:
                 warned.add(f"{dm.namespace}/{dm.name} {field_warning}")
     digest, warnings = await chat_template_digest(kube, dm)
-    selector = f"{INSTANCE_LABEL}={dm.name},app.kubernetes.io/managed-by=pdserve"
-    pods_before = await kube.list(POD, dm.namespace, label_selector=selector)
+    pods_before = await model_pods(kube, cache, dm.namespace, dm.name)
     optional = set() if network is not None else {NETWORK_POLICY}
     scaling = dm.spec.render.autoscaling
     if not (dm.spec.render.enabled and scaling.enabled and scaling.engine is RenderAutoscaler.keda):
         optional.add(SCALED_OBJECT)  # none wanted: a cluster without KEDA RBAC is fine
     live = await list_children(
-        kube, dm.namespace, dm.name, optional=frozenset(optional), warned=warned
-    )
+        kube, dm.namespace, dm.name, optional=frozenset(optional), warned=warned,
+        cached=cache.children_of if cache is not None else None,
+    )  # fmt: skip
     # Builtin-scaled pools: the live replicas, or a newer decision of the autoscaling loop.
     plan = live_plan(dm, [o for k, o in live.items() if k[1] in ("StatefulSet", "Deployment")])
     if autoscaler is not None:
@@ -344,7 +365,10 @@ async def _converge(
             return None
         if is_current(live.get(key_of(obj)), obj):
             return None
-        return await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        applied = await kube.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        if cache is not None:
+            cache.observe(kind_of(obj), applied)
+        return applied
 
     for wave in apply_waves(desired):
         # One round trip per wave, not per object: what a wave needs exists before it starts.
@@ -360,6 +384,8 @@ async def _converge(
         owners = obj["metadata"].get("ownerReferences", [])
         if key not in wanted and any(o.get("uid") == meta["uid"] for o in owners):
             await kube.delete(kind_of(obj), dm.namespace, obj["metadata"]["name"])
+            if cache is not None:
+                cache.discard(kind_of(obj), dm.namespace, obj["metadata"]["name"])
             outcome.pruned.append(describe(obj))
             results.pop(key, None)
     if outcome.applied or outcome.pruned:
@@ -374,17 +400,20 @@ async def _converge(
         component = result["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if key[1] in ("StatefulSet", "Deployment") and component in components:
             workloads.setdefault(Component(component), []).append(result)
-    pods = await kube.list(POD, dm.namespace, label_selector=selector)
+    pods = await model_pods(kube, cache, dm.namespace, dm.name)
     engines = engine_pods(pods)
     verdicts = slice_verdicts(dm, engines, component_pods(pods, Component.preflight))
     for pod_name, value in pod_annotation_patches(verdicts, engines):
-        if await annotate_pod(kube, dm.namespace, pod_name, {KV_TRANSPORT_ANNOTATION: value}):
+        annotation = {KV_TRANSPORT_ANNOTATION: value}
+        if await annotate_pod(kube, dm.namespace, pod_name, annotation, cache):
             outcome.applied.append(f"Pod/{pod_name} {KV_TRANSPORT_ANNOTATION}={value}")
     mismatches = None
     if dm.spec.gateway.replica_check == "Enforce":
-        gateway_events = await kube.list(
-            EVENT, dm.namespace, field_selector=f"source={GATEWAY_EVENT_REPORTER}"
-        )
+        gateway_events = cache.gateway_events(dm.namespace) if cache is not None else None
+        if gateway_events is None:
+            gateway_events = await kube.list(
+                EVENT, dm.namespace, field_selector=f"source={GATEWAY_EVENT_REPORTER}"
+            )
         mismatches = replica_mismatches(pods, gateway_events)
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
@@ -395,6 +424,6 @@ async def _converge(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()
     )
     outcome.status = status
-    outcome.status_written = await write_status(kube, body, status)
+    outcome.status_written = await write_status(kube, body, status, cache)
     if outcome.status_written:
         transition_events(before, status, outcome)

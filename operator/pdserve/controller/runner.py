@@ -17,6 +17,7 @@ import httpx
 
 from pdserve.controller.autoscale.loop import Autoscaler
 from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
+from pdserve.controller.cache import ClusterCache
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.peer_key import PeerMaster
@@ -27,16 +28,19 @@ from pdserve.kube.client import Kube, KubeError
 log = logging.getLogger("pdserve.runner")
 
 Key = tuple[str, str]  # namespace, name
+CACHE_LIST_WAIT_SECONDS = 30.0
 
 
 class Reconciler:
     def __init__(
         self, kube: Kube, settings: OperatorSettings, *, resolve: TargetResolver = pod_metrics_url,
-        leading: bool = True,
+        leading: bool = True, watch: bool = False,
     ) -> None:  # fmt: skip
         """`resolve`: a pod -> its /metrics URL, for the autoscaling loop (tests point it at
         simulators on loopback). `leading`: False for a replica that waits for the leader
-        Lease (`lead` starts it)."""
+        Lease (`lead` starts it). `watch`: keep a watch-fed cache of the models and their
+        children (`start_watching`), which passes read and whose changes trigger them; without
+        it passes read from the API server and the caller triggers them."""
         self.kube = kube
         self.settings = settings
         self.leading = leading
@@ -46,6 +50,9 @@ class Reconciler:
         self._workers: dict[Key, asyncio.Task[None]] = {}
         self._failures: dict[Key, int] = {}
         self._loops: list[asyncio.Task[None]] = []
+        self.cache: ClusterCache | None = None
+        if watch:
+            self.cache = ClusterCache(kube, settings.namespaces, on_model=self._heard)
         # Kinds the operator may not list that it warned about: once per kind while it runs.
         self.warned_forbidden: set[str] = set()
         # Read once, at the first model with API keys, and kept: no pass reads a Secret.
@@ -72,6 +79,18 @@ class Reconciler:
         # A worker cancelled by `step_down` but not yet unwound would never pick the key up.
         if worker is None or worker.done() or worker.cancelling():
             self._workers[key] = asyncio.create_task(self._work(key), name=f"reconcile {key}")
+
+    def _heard(self, namespace: str, name: str, deleted: bool) -> None:
+        """A watch saw the model or one of its children change."""
+        if deleted:
+            self.forget(namespace, name)  # owner references let the GC remove children
+        else:
+            self.trigger(namespace, name)
+
+    def start_watching(self) -> None:
+        """Start the cache's watches (every replica, leading or not: a new leader needs them)."""
+        if self.cache is not None:
+            self.cache.start()
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
@@ -116,6 +135,9 @@ class Reconciler:
         self._failures.clear()
 
     async def _work(self, key: Key) -> None:
+        if self.cache is not None:
+            # Until every watch has listed once a pass would list what it cannot read yet.
+            await self.cache.wait_listed(CACHE_LIST_WAIT_SECONDS)
         while key in self._dirty and self.leading:
             self._dirty.discard(key)
             try:
@@ -132,7 +154,9 @@ class Reconciler:
                 log.exception("%s/%s: reconcile crashed; the next event or resync retries", *key)
 
     async def _reconcile_once(self, key: Key) -> None:
-        body = await self.kube.get(DM_KIND, *key)
+        known, body = self.cache.model(*key) if self.cache is not None else (False, None)
+        if not known:
+            body = await self.kube.get(DM_KIND, *key)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(*key)
             return
@@ -141,7 +165,7 @@ class Reconciler:
             outcome = await reconcile(
                 self.kube, body, network=self.settings.network_policies, health=self.health,
                 autoscaler=self.autoscaler, warned=self.warned_forbidden,
-                peer_master=self.peer_master,
+                peer_master=self.peer_master, cache=self.cache,
             )  # fmt: skip
         except PassFailed as failed:
             outcome, error = failed.outcome, failed.error
@@ -177,6 +201,8 @@ class Reconciler:
     async def close(self) -> None:
         """Shutdown, after `stop_loops`: in-flight reconciles end, then the clients close."""
         await self.drain()
+        if self.cache is not None:
+            await self.cache.stop()
         await self.kube.close()
         if self.health is not None:
             await self.health.close()

@@ -5,12 +5,8 @@ engines, its KV-compatibility digest)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 from collections.abc import Mapping
 from typing import Any
-
-import httpx
 
 from pdserve.contract.names import (
     KV_COMPAT_ANNOTATION,
@@ -21,9 +17,9 @@ from pdserve.contract.names import (
 from pdserve.contract.routing import GatewayConfig, PoolRef
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.peers import PeerAdmission
-from pdserve.kube.client import KINDS, Kube, KubeError
+from pdserve.kube.client import KINDS, Kube
+from pdserve.kube.informer import Informer
 
-log = logging.getLogger("pdserve.gateway.discovery")
 POD = KINDS[("v1", "Pod")]
 
 
@@ -62,6 +58,10 @@ class PodDiscovery:
         self.selector = ",".join(f"{k}={v}" for k, v in sorted(common.items()))
         self.pods: dict[str, dict[str, Any]] = {}
         self.synced = asyncio.Event()
+        self.informer = Informer(
+            kube, POD, config.namespace, label_selector=self.selector, on_change=self._changed,
+            on_listed=self._listed,
+        )  # fmt: skip
 
     def publish(self) -> None:
         for pool, ref in self.pools.items():
@@ -96,59 +96,19 @@ class PodDiscovery:
                 self_url=None if own is None else url(own),
             )
 
-    async def list_pods(self) -> str:
-        result = await self.kube._send(
-            "GET", POD.collection(self.config.namespace), params={"labelSelector": self.selector}
-        )
-        assert result is not None
-        self.pods = {p["metadata"]["name"]: p for p in result["items"]}
+    def _changed(self, event: str, pod: Mapping[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        if event == "DELETED":
+            self.pods.pop(name, None)
+        else:
+            self.pods[name] = dict(pod)
+        self.publish()
+
+    def _listed(self) -> None:
+        self.pods = {p["metadata"]["name"]: p for p in self.informer.objects.values()}
         self.publish()
         self.synced.set()
-        return str(result["metadata"]["resourceVersion"])
-
-    async def watch(self, resource_version: str) -> str:
-        params = {
-            "labelSelector": self.selector,
-            "watch": "1",
-            "allowWatchBookmarks": "true",
-            "resourceVersion": resource_version,
-            "timeoutSeconds": "300",
-        }
-        async with self.kube.client.stream(
-            "GET", POD.collection(self.config.namespace), params=params, timeout=None
-        ) as response:
-            if response.status_code != 200:
-                raise KubeError(response)
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                event = json.loads(line)
-                kind, pod = event.get("type"), event.get("object", {})
-                if kind == "ERROR":
-                    return ""  # e.g. 410 Gone: re-list
-                resource_version = pod.get("metadata", {}).get("resourceVersion", resource_version)
-                if kind == "BOOKMARK":
-                    continue
-                name = pod["metadata"]["name"]
-                if kind == "DELETED":
-                    self.pods.pop(name, None)
-                else:
-                    self.pods[name] = pod
-                self.publish()
-        return resource_version
 
     async def run(self) -> None:
         """List, then watch from that version; re-list after errors, with capped backoff."""
-        delay = 0.5
-        version = ""
-        while True:
-            try:
-                if not version:
-                    version = await self.list_pods()
-                version = await self.watch(version)
-                delay = 0.5
-            except (KubeError, httpx.HTTPError, json.JSONDecodeError) as error:
-                log.warning("pod discovery: %s; retrying in %.1fs", error, delay)
-                version = ""
-                await asyncio.sleep(delay)  # backoff before re-listing, not synchronization
-                delay = min(delay * 2, 30.0)
+        await self.informer.run()

@@ -5,8 +5,8 @@ httpx with a timeout on every call."""
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Mapping
+import builtins
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import httpx
 
 from pdserve.contract.resource import GROUP, PLURAL, VERSION
 from pdserve.kube.credentials import Credentials, bearer_auth
-from pdserve.wirejson import loads_trusted
+from pdserve.wirejson import dumps, loads_trusted
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,14 @@ def kind_of(obj: Mapping[str, Any]) -> Kind:
     return KINDS[key]
 
 
+def selectors(label_selector: str | None, field_selector: str | None) -> dict[str, str]:
+    """A list's or watch's selector parameters (none when neither is given)."""
+    params = {"labelSelector": label_selector} if label_selector else {}
+    if field_selector:
+        params["fieldSelector"] = field_selector
+    return params
+
+
 class KubeError(RuntimeError):
     def __init__(self, response: httpx.Response) -> None:
         self.status = response.status_code
@@ -98,9 +106,19 @@ class Kube:
             ),
         )
         self._in_flight = asyncio.Semaphore(max_in_flight)
+        # Watches hold their connection for minutes: on a client of their own, so that they
+        # never take the request pool's few connections.
+        self.watches = httpx.AsyncClient(
+            base_url=credentials.server,
+            auth=bearer_auth(credentials),
+            verify=credentials.ssl_context(),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=8),
+        )
 
     async def close(self) -> None:
         await self.client.aclose()
+        await self.watches.aclose()
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any] | None:
         async with self._in_flight:
@@ -126,7 +144,7 @@ class Kube:
             "PATCH", kind.item(meta.get("namespace"), meta["name"]), params=params,
             # JSON, not YAML: the server's YAML 1.2 parser reads an unquoted "123e4567" (which
             # PyYAML leaves unquoted) as a number.
-            content=json.dumps(obj),
+            content=dumps(obj),
             headers={"Content-Type": "application/apply-patch+yaml"},
         )  # fmt: skip
         assert result is not None
@@ -143,11 +161,48 @@ class Kube:
         label_selector: str | None = None,
         field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else {}
-        if field_selector:
-            params["fieldSelector"] = field_selector
+        params = selectors(label_selector, field_selector)
         result = await self._send("GET", kind.collection(namespace), params=params)
         return list(result["items"]) if result else []
+
+    async def list_versioned(
+        self, kind: Kind, namespace: str | None, *, label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> tuple[builtins.list[dict[str, Any]], str]:  # fmt: skip
+        """The items and the list's resourceVersion (to watch from)."""
+        params = selectors(label_selector, field_selector)
+        async with self._in_flight:
+            response = await self.client.get(kind.collection(namespace), params=params)
+        if not response.is_success:  # 404 too: the kind is not served (a CRD not installed)
+            raise KubeError(response)
+        result = loads_trusted(response.content)
+        return list(result["items"]), str(result["metadata"]["resourceVersion"])
+
+    async def watch(
+        self, kind: Kind, namespace: str | None, *, resource_version: str,
+        label_selector: str | None = None, field_selector: str | None = None,
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+        """(event type, object) as the watch from `resource_version` delivers them, bookmarks
+        included, until the server ends it (after about `timeout_seconds`)."""
+        params = {
+            "watch": "1", "allowWatchBookmarks": "true", "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_seconds),
+            **selectors(label_selector, field_selector),
+        }  # fmt: skip
+        # The server ends the watch after timeoutSeconds: a read that waits longer than that is
+        # a connection that died without a word (a restarted API server, a dropped NAT entry).
+        wait = httpx.Timeout(self.watches.timeout.connect, read=timeout_seconds + 30.0)
+        async with self.watches.stream(
+            "GET", kind.collection(namespace), params=params, timeout=wait
+        ) as answer:
+            if answer.status_code != 200:
+                await answer.aread()
+                raise KubeError(answer)
+            async for line in answer.aiter_lines():
+                if line:
+                    event = loads_trusted(line)
+                    yield str(event.get("type")), dict(event.get("object") or {})
 
     async def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
         await self._send("DELETE", kind.item(namespace, name),
