@@ -16,6 +16,7 @@ from kubernetes import config as k8s_config
 from devtools.clitools import Kubectl, ensure_cli_tools
 from devtools.localplane import ControlPlane, running_control_plane, wait_until
 from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
+from devtools.operator_proc import RunningOperator, running_operator
 from pdserve.api.crd import build_crd
 
 
@@ -56,6 +57,21 @@ def namespace(control_plane: ControlPlane, http_api: httpx.Client) -> Iterator[s
     )
     yield name
     http_api.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="module")
+def operator(
+    request: pytest.FixtureRequest,
+    control_plane: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningOperator]:
+    """`pdserve operator` as its own process for the tests of one module, resyncing every
+    `RESYNC_SECONDS` of that module (60 where it names none)."""
+    resync = getattr(request.module, "RESYNC_SECONDS", 60)
+    with running_operator(
+        control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=resync
+    ) as running:
+        yield running
 
 
 @pytest.fixture

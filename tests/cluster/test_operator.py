@@ -4,7 +4,6 @@ drift repair, autoscaler-owned replicas, zero-write resyncs, invalid specs, dele
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 
 from devtools.clitools import Kubectl
 from devtools.localplane import OPERATOR_USER, ControlPlane, ControlPlaneError, wait_until
-from devtools.operator_proc import RunningOperator, running_operator
+from devtools.operator_proc import RunningOperator
 from devtools.resources import (
     SMALL_PD_SPEC,
     apply_dm,
@@ -27,16 +26,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
 RESYNC_SECONDS = 2
 GPU_NODES = {"gpu-r0-0", "gpu-r0-1", "gpu-r1-0", "gpu-r1-1"}
-
-
-@pytest.fixture(scope="module")
-def operator(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningOperator]:
-    with running_operator(
-        control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=RESYNC_SECONDS
-    ) as running:
-        yield running
 
 
 # Engines pinned to H200 nodes by placement; one replica per pool keeps the tests quick.

@@ -4,30 +4,19 @@ alone; the operator's reads come from what the watches hold."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from devtools.localplane import OPERATOR_USER, ControlPlane, ControlPlaneError, wait_until
-from devtools.operator_proc import RunningOperator, running_operator
+from devtools.operator_proc import RunningOperator
 from devtools.resources import SMALL_PD_SPEC, apply_dm, get, wait_ready
 from pdserve.contract.names import MANAGED_SELECTOR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
-NO_RESYNC_SECONDS = 3600  # longer than any test here: nothing waits for a resync
-
-
-@pytest.fixture(scope="module")
-def operator(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningOperator]:
-    with running_operator(
-        control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=NO_RESYNC_SECONDS
-    ) as running:
-        yield running
+RESYNC_SECONDS = 3600  # longer than any test here: nothing waits for a resync (conftest)
 
 
 def children(http: httpx.Client, namespace: str) -> dict[str, dict[str, Any]]:
