@@ -7,6 +7,10 @@ No registry can be reached, so everything starts from Debian's packages:
   3.11 in /usr/bin (published: a CPython 3.11 built into /usr/local), pip is Debian's, packages
   install into the system site-packages (PIP_BREAK_SYSTEM_PACKAGES=1 is set), and the locale is
   C.UTF-8;
+- the Go build stage's `golang:1.26.8-bookworm` is that base with this machine's Go toolchain
+  (its GOROOT, which must be that Go, 1.26.8) copied to /usr/local/go and on PATH: the published
+  image is Debian bookworm with the same toolchain there, and build tools the data plane's
+  static, cgo-free build does not use;
 - images/Dockerfile (targets `pdserve` and `sim`) is built by buildah; its RUN steps reach PyPI
   with this machine's CA bundle mounted for the build only (never stored in an image);
 - the pod sandbox image is images/pause, a static C program.
@@ -37,6 +41,8 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("PDSERVE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates")
 BASE_ENV = ("PIP_BREAK_SYSTEM_PACKAGES=1", "LANG=C.UTF-8")
+GO_IMAGE = "docker.io/library/golang:1.26.8-bookworm"
+GO_PATH_ENV = "PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What the Dockerfile's build context COPYs: a change to any of these rebuilds the images.
 CONTEXT = ("pyproject.toml", "README.md", "operator", "devtools/extra_requirements.py")
 BUILD_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -139,6 +145,36 @@ class Builder:
                 raise
         marker.write_text(BASE_IMAGE + "\n")
 
+    def golang(self) -> None:
+        """golang:1.26.8-bookworm: the base with this machine's Go (see the module docstring)."""
+        wanted = GO_IMAGE.rsplit(":", 1)[1].split("-")[0]  # "1.26.8"
+        go = shutil.which("go")
+        if go is None:
+            raise ImageBuildError(f"the data plane's build stage needs Go {wanted} on this machine")
+        goroot, goversion = _run([go, "env", "GOROOT", "GOVERSION"], step="go env").split()
+        if goversion != f"go{wanted}":
+            raise ImageBuildError(
+                f"this machine's Go is {goversion}, but the build stage is {GO_IMAGE}: "
+                "install Go " + wanted + ", or rename the stage in images/Dockerfile and "
+                "devtools/images.py"
+            )
+        key = _digest([GO_IMAGE, BASE_IMAGE, goversion, GO_PATH_ENV])
+        marker = self.cache / f"golang-{key}.done"
+        if marker.exists() and self.has_image(GO_IMAGE):
+            return
+        self.base()
+        _log(f"{GO_IMAGE} from {BASE_IMAGE} and this machine's {goversion}")
+        container = self.buildah("from", "--pull-never", BASE_IMAGE, step="golang: new").strip()
+        try:
+            self.buildah("copy", container, goroot, "/usr/local/go", step="golang: copy GOROOT")
+            self.buildah("config", "--env", GO_PATH_ENV, "--env", "GOTOOLCHAIN=local",
+                         "--cmd", "bash", container, step="golang")  # fmt: skip
+            self.buildah("commit", "--rm", container, GO_IMAGE, step="golang: commit")
+        except BaseException:
+            self.buildah("rm", container, step="golang: remove container")
+            raise
+        marker.write_text(GO_IMAGE + "\n")
+
     def pause(self) -> Path:
         key = _digest_files([PAUSE_DIR / "pause.c", PAUSE_DIR / "Dockerfile"])
         archive = self.cache / f"pause-{key}.tar"
@@ -159,6 +195,7 @@ class Builder:
         if archive.exists():
             return archive
         self.base()
+        self.golang()
         _log(f"{name} (images/Dockerfile, target {target})")
         mounts = (
             ["--volume", f"{BUILD_CA_BUNDLE}:{BUILD_CA_BUNDLE}:ro"]

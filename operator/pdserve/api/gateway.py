@@ -67,6 +67,12 @@ class GatewaySpec(ApiModel):
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token
     counts. Off by default: a line per request costs CPU at high rates."""
+    data_plane: bool = False
+    """Serve clients through the gateway's compiled data plane (Go, in the pdserve image):
+    the routes it can serve as the Python gateway's routing table says (routing mode
+    Disaggregated or Aggregated, no render pool, no request log) at a fraction of the CPU per
+    request; everything else, and every request whose engine failed, goes on to the Python
+    gateway in the same pod. Off by default."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)

@@ -13,6 +13,7 @@ from pdserve.builders.peer_key import PEER_KEY_DIR, PEER_KEY_FILE, peer_key_dige
 from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
 from pdserve.contract.names import (
     CONFIG_HASH_ANNOTATION,
+    DATA_PLANE_BINARY,
     ENGINE_PORT,
     GATEWAY_CONTAINER_PORT,
     GATEWAY_DRAIN_SECONDS,
@@ -136,6 +137,7 @@ def gateway(
             str(GATEWAY_DRAIN_SECONDS),
             # The container's stdout: `kubectl logs` shows the lines.
             *(["--request-log", "/dev/stdout"] if spec.request_log else []),
+            *(["--data-plane", DATA_PLANE_BINARY] if spec.data_plane else []),
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": resources(spec.resources),

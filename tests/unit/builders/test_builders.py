@@ -368,16 +368,27 @@ def test_the_parity_hash_covers_the_effective_block_size_not_the_field() -> None
     assert parity_hash(cpu) != parity_hash(gpu)
 
 
-def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None:
-    def gateway_args(dm: DisaggregatedModel) -> list[str]:
-        [deployment] = [o for o in build_all(dm) if o["kind"] == "Deployment"
-                        and o["metadata"]["name"].endswith("-gateway")]  # fmt: skip
-        args: list[str] = container(deployment)["args"]
-        return args
+def gateway_args(dm: DisaggregatedModel) -> list[str]:
+    [deployment] = [o for o in build_all(dm) if o["kind"] == "Deployment"
+                    and o["metadata"]["name"].endswith("-gateway")]  # fmt: skip
+    args: list[str] = container(deployment)["args"]
+    return args
 
+
+def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None:
     assert "--request-log" not in gateway_args(with_spec())
     args = gateway_args(with_spec(gateway__requestLog=True))
     assert args[args.index("--request-log") + 1] == "/dev/stdout"
+
+
+def test_gateway_data_plane_runs_the_images_binary_only_when_asked() -> None:
+    assert "--data-plane" not in gateway_args(with_spec())
+    args = gateway_args(with_spec(gateway__dataPlane=True))
+    binary = args[args.index("--data-plane") + 1]
+    assert binary == "/usr/local/bin/pdserve-dataplane"
+    # The image puts it there: the Dockerfile's pdserve target copies the Go stage's binary.
+    dockerfile = (Path(__file__).parents[3] / "images" / "Dockerfile").read_text()
+    assert f"COPY --from=dataplane /out/pdserve-dataplane {binary}" in dockerfile
 
 
 def test_kv_transfer_config_renders_the_buffer_device_and_the_decode_ttl() -> None:

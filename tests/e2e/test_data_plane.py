@@ -1,0 +1,95 @@
+"""`spec.gateway.dataPlane: true` as a user turns it on, on the real node: the gateway pod runs
+the compiled data plane from the pdserve image in front of the Python gateway, the OpenAI SDK
+gets its answers (streamed and not) through the Service, and the gateway's own metrics show
+that the data plane, not the Python gateway, served them."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from devtools.localplane import wait_until
+from pdserve.contract.names import DATA_PLANE_BINARY
+from tests.support.realcluster import EXAMPLE, Cluster, describe, pods
+
+NAMESPACE = "llm-dataplane"
+NAME = "sim-fast"
+SERVED = re.compile(r'^pdserve_gateway_dataplane_requests_total\{route="pd"\} (\S+)$', re.M)
+
+
+def fast_model() -> dict[str, Any]:
+    """The simulator example, the way the data plane's route applies: prefill then decode for
+    every request (no render pool, no Auto decisions), one gateway replica."""
+    model: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    model["metadata"] = {"name": NAME, "namespace": NAMESPACE}
+    spec = model["spec"]
+    spec["render"] = {"enabled": False}
+    spec["gateway"].update(replicas=1, dataPlane=True, routing={"mode": "Disaggregated"})
+    return model
+
+
+@pytest.fixture
+def fast(cluster: Cluster, operator: None) -> Iterator[str]:
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    manifest = json.dumps(fast_model())
+    cluster.kubectl("apply", "-f", "-", stdin=manifest)
+    try:
+        waited = cluster.kubectl(
+            "wait", "--for=condition=Ready", f"dm/{NAME}", "-n", NAMESPACE, "--timeout=4m",
+            check=False, timeout=300,
+        )  # fmt: skip
+        assert waited.returncode == 0, waited.stderr + describe(cluster, NAMESPACE)
+        service = json.loads(cluster.kubectl(
+            "get", "svc", f"{NAME}-gateway", "-n", NAMESPACE, "-o", "json"
+        ).stdout)  # fmt: skip
+        yield f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    finally:
+        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait", check=False, timeout=300)
+
+
+def served_by_data_plane(base: str) -> float:
+    metrics = httpx.get(f"{base}/metrics", timeout=10)
+    assert metrics.status_code == 200, metrics.text
+    found = SERVED.search(metrics.text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
+    cluster: Cluster, fast: str
+) -> None:
+    [gateway] = pods(cluster, NAMESPACE, "app.kubernetes.io/component=gateway")
+    args = gateway["spec"]["containers"][0]["args"]
+    assert args[args.index("--data-plane") + 1] == DATA_PLANE_BINARY
+    before = served_by_data_plane(fast)
+
+    client = openai.OpenAI(base_url=f"{fast}/v1", api_key="unused", timeout=60, max_retries=0)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Say hello"}], max_tokens=24
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Count to five"}],
+        max_tokens=16, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+    # An error the Python gateway words (the data plane hands unknown models to it).
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert "no-such-model" in str(unknown.value)
+
+    # The data plane folds its counts into the Python gateway's /metrics every second.
+    wait_until("the data plane's count of P/D requests served", lambda: served_by_data_plane(
+        fast) >= before + 2, timeout=20)  # fmt: skip
