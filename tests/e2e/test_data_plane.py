@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from devtools.localplane import wait_until
+from devtools.localplane import ControlPlaneError, wait_until
 from pdserve.contract.names import DATA_PLANE_BINARY
 from tests.support.realcluster import EXAMPLE, Cluster, describe, pods
 
@@ -54,11 +54,21 @@ def fast(cluster: Cluster, operator: None) -> Iterator[str]:
         cluster.kubectl("delete", "namespace", NAMESPACE, "--wait", check=False, timeout=300)
 
 
-def served_by_data_plane(base: str) -> float:
+def metrics_of(base: str) -> str:
     metrics = httpx.get(f"{base}/metrics", timeout=10)
     assert metrics.status_code == 200, metrics.text
-    found = SERVED.search(metrics.text)
+    return metrics.text
+
+
+def served_by_data_plane(base: str) -> float:
+    found = SERVED.search(metrics_of(base))
     return float(found.group(1)) if found else 0.0
+
+
+def fallbacks(base: str) -> list[str]:
+    """The data plane's hand-overs to the Python gateway, by reason (what a failure shows)."""
+    return [line for line in metrics_of(base).splitlines()
+            if line.startswith("pdserve_gateway_dataplane_fallbacks_total")]  # fmt: skip
 
 
 def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
@@ -67,29 +77,47 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
     [gateway] = pods(cluster, NAMESPACE, "app.kubernetes.io/component=gateway")
     args = gateway["spec"]["containers"][0]["args"]
     assert args[args.index("--data-plane") + 1] == DATA_PLANE_BINARY
-    before = served_by_data_plane(fast)
-
     client = openai.OpenAI(base_url=f"{fast}/v1", api_key="unused", timeout=60, max_retries=0)
-    chat = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "Say hello"}], max_tokens=24
-    )
-    assert chat.choices[0].finish_reason in ("stop", "length")
-    assert chat.usage is not None
-    assert chat.usage.completion_tokens > 0
-    stream = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": "Count to five"}],
-        max_tokens=16, stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
-    chunks = list(stream)
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens > 0
-    # An error the Python gateway words (the data plane hands unknown models to it).
-    with pytest.raises(openai.NotFoundError) as unknown:
+
+    def chat() -> None:
+        answer = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Say hello"}], max_tokens=24
+        )
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert answer.usage is not None
+        assert answer.usage.completion_tokens > 0
+
+    def stream() -> None:
+        chunks = list(client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Count to five"}],
+            max_tokens=16, stream=True, stream_options={"include_usage": True},
+        ))  # fmt: skip
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens > 0
+
+    # Answered from the first moment: until the gateway has checked its engines (replica
+    # check) the routing table it pushes sends every request on to the Python gateway.
+    chat()
+    stream()
+    with pytest.raises(openai.NotFoundError) as unknown:  # in the Python gateway's words
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
     assert "no-such-model" in str(unknown.value)
 
-    # The data plane folds its counts into the Python gateway's /metrics every second.
-    wait_until("the data plane's count of P/D requests served", lambda: served_by_data_plane(
-        fast) >= before + 2, timeout=20)  # fmt: skip
+    def fast_path_serves() -> bool:
+        before = served_by_data_plane(fast)
+        chat()
+        return served_by_data_plane(fast) > before  # its counts reach /metrics every second
+
+    try:
+        wait_until("the data plane to serve P/D requests itself", fast_path_serves, timeout=90,
+                   interval=1)  # fmt: skip
+    except ControlPlaneError as error:
+        raise AssertionError(f"{error}; hand-overs: {fallbacks(fast)}") from None
+    # Then streamed and not, each served by it.
+    before = served_by_data_plane(fast)
+    chat()
+    stream()
+    wait_until("the data plane's count of both", lambda: served_by_data_plane(fast) >= before + 2,
+               timeout=20)  # fmt: skip
