@@ -9,8 +9,7 @@ failed and is re-listing) answers None: the pass lists that kind itself, as it a
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdserve.api import API_VERSION, KIND
@@ -18,8 +17,6 @@ from pdserve.contract.names import GATEWAY_EVENT_REPORTER, INSTANCE_LABEL, MANAG
 from pdserve.controller.children import MANAGED_KINDS
 from pdserve.kube.client import KINDS, Kind, Kube
 from pdserve.kube.informer import Informer
-
-log = logging.getLogger("pdserve.cache")
 
 DM_KIND = KINDS[(API_VERSION, KIND)]
 POD = KINDS[("v1", "Pod")]
@@ -30,7 +27,7 @@ CACHED_CHILD_KINDS: tuple[Kind, ...] = (*MANAGED_KINDS, POD)
 ModelHandler = Callable[[str, str, bool], None]
 
 
-def instance_of(obj: Mapping[str, Any]) -> Hashable | None:
+def instance_of(obj: Mapping[str, Any]) -> tuple[str, str] | None:
     """The (namespace, model) a child belongs to, by the instance label pdserve stamps."""
     meta = obj["metadata"]
     owner = meta.get("labels", {}).get(INSTANCE_LABEL)
@@ -83,10 +80,8 @@ class ClusterCache:
         self.on_model(meta.get("namespace", ""), meta["name"], event == "DELETED")
 
     def _child_changed(self, _event: str, obj: Mapping[str, Any]) -> None:
-        meta = obj["metadata"]
-        owner = meta.get("labels", {}).get(INSTANCE_LABEL)
-        if owner:
-            self.on_model(meta.get("namespace", ""), owner, False)
+        if (owner := instance_of(obj)) is not None:
+            self.on_model(*owner, False)
 
     def _gateway_event(self, _event: str, obj: Mapping[str, Any]) -> None:
         """An Event about a pod: the pass of the model the pod belongs to."""
