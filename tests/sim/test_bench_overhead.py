@@ -12,9 +12,11 @@ from pdserve.bench.native import native_tools
 
 
 def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path: Path) -> None:
+    """Both routes (OpenAI engines, and engines behind render servers), each with and without
+    the data plane."""
     done = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "bench", "overhead", "--targets", "pdserve",
-         "pdserve-dataplane",
+         "pdserve-dataplane", "pdserve-render", "pdserve-dataplane-render",
          "--prompts", "2KB", "200KB", "--seconds", "1", "--repeats", "1", "--concurrency", "4",
          "--stream-concurrency", "2", "--stream-tokens", "8", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False,
@@ -23,7 +25,7 @@ def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path:
     points = json.loads((tmp_path / "points.json").read_text())
     gateway = {(p["target"], p["prompt"]): p for p in points if p["target"].startswith("pdserve")}
     assert {prompt for _, prompt in gateway} == {"2KB", "200KB"}
-    assert len(gateway) == 4
+    assert len(gateway) == 8
     for point in gateway.values():
         assert point["errors"] == 0
         assert point["per_core"]["4"] > 0
@@ -39,6 +41,7 @@ def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path:
     assert "| pdserve --data-plane, OpenAI P/D route | 2KB |" in report
     assert "- pdserve CPU per request, 200 KB / 2 KB prompt = " in report
     assert "- pdserve --data-plane CPU per request, 200 KB / 2 KB prompt = " in report
+    assert "| pdserve --data-plane, render route (render, P/D, derender) | 200KB |" in report
 
 
 def test_the_stub_engine_answers_the_pd_handoff_as_vllm_does() -> None:

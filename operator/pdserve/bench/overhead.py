@@ -12,9 +12,9 @@ others, so engines never starve the proxy. The engines are stubs that answer in 
 - p50 / p99 at half of the target's own maximum rate, open loop (Poisson arrivals);
 - CPU ms per request and the proxy's RSS after the run.
 
-pdserve's render route (render -> P/D -> derender) runs on its simulated render server and
-zero-latency simulated tokens engines (no stub speaks those APIs); its per-core figures count
-the gateway only. vllm-router is installed from PyPI (`pip install vllm-router`) and found on
+pdserve's render route (render -> P/D -> derender) runs on the same stubs, which also answer
+render, derender and the tokens engines' generate; its per-core figures count the gateway (and
+its data plane) only. vllm-router is installed from PyPI (`pip install vllm-router`) and found on
 PATH or given by --vllm-router; the toy proxy is given by path (--toy-proxy, with --toy-python:
 an interpreter with fastapi, uvicorn and httpx). Neither is ever part of pdserve. Repeats run
 the targets interleaved; the tables show medians.
@@ -38,7 +38,7 @@ from typing import Any
 from pdserve.bench.native import NativeTools, native_tools
 from pdserve.bench.overhead_report import (
     PDSERVE_TARGETS,
-    RENDER_ROUTE,
+    RENDER_ROUTES,
     ROUTER,
     Point,
     Settings,
@@ -394,43 +394,19 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             )
         elif "toy-proxy" in wanted:
             print("toy proxy: no --toy-proxy PATH given; skipped", file=sys.stderr)
-        if "pdserve-render" in wanted:
-            engines = {
-                "render": [
-                    procs.render(
-                        SIM_MODEL, served_model_name=MODEL, extra=SIM_CONTEXT, preexec_fn=rest
-                    ).url
-                ],
-                "prefill": [sim_tokens_engine(procs, "prefill", rest)],
-                "decode": [sim_tokens_engine(procs, "decode", rest)],
-            }
-            gateway = procs.gateway(routing("tokens", engines), *GATEWAY_FLAGS, preexec_fn=proxy)
-            found.append(
-                Target(
-                    RENDER_ROUTE,
-                    f"{gateway.url}/v1/chat/completions",
-                    gateway.process.pid,
-                )
-            )
+        for name, label in RENDER_ROUTES.items():
+            if name not in wanted:
+                continue
+            engines = {"render": [stub("render")], "prefill": [prefill], "decode": [decode]}
+            flags = [*GATEWAY_FLAGS]
+            if name == "pdserve-dataplane-render":
+                flags += ["--data-plane", str(args.data_plane or build_binary(args.go))]
+            gateway = procs.gateway(routing("tokens", engines), *flags, preexec_fn=proxy)
+            found.append(Target(label, f"{gateway.url}/v1/chat/completions", gateway.process.pid))
         yield found
 
 
 GATEWAY_FLAGS = ("--max-inflight", "4096")
-
-
-# Room for the 200 KB prompt (the simulator's tokenizer makes a token of each character).
-SIM_CONTEXT = ["--max-model-len", "262144"]
-
-
-def sim_tokens_engine(procs: Processes, role: str, preexec: Callable[[], None] | None) -> str:
-    return procs.engine(
-        SIM_MODEL,
-        role=role,
-        tokens_only=True,
-        served_model_name=MODEL,
-        extra=[*ZERO_LATENCY, *SIM_CONTEXT],
-        preexec_fn=preexec,
-    ).url
 
 
 def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, object]:
@@ -448,7 +424,7 @@ def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, objec
     }
 
 
-TARGETS = ["pdserve", "pdserve-dataplane", "vllm-router", "toy-proxy", "pdserve-render"]
+TARGETS = ["pdserve", "pdserve-dataplane", "vllm-router", "toy-proxy", *RENDER_ROUTES]
 
 
 def parser() -> argparse.ArgumentParser:

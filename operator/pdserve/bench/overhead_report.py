@@ -108,7 +108,10 @@ PDSERVE_TARGETS = {
     "pdserve --data-plane": "pdserve --data-plane, OpenAI P/D route",
 }
 ROUTER = "vllm-router, P/D"
-RENDER_ROUTE = "pdserve, render route (render, P/D, derender)"
+RENDER_ROUTES = {
+    "pdserve-render": "pdserve, render route (render, P/D, derender)",
+    "pdserve-dataplane-render": "pdserve --data-plane, render route (render, P/D, derender)",
+}
 
 
 def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
@@ -145,13 +148,15 @@ def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
                 f"- {name} CPU per request, 200 KB / 2 KB prompt = "
                 f"{ratio(large.cpu_ms_per_request, small.cpu_ms_per_request)}"
             )
-    for prompt in prompts:
-        mine, theirs = by.get((RENDER_ROUTE, prompt)), by.get((ROUTER, prompt))
-        if mine and theirs:
-            out.append(
-                f"- {prompt}: pdserve render route / vllm-router CPU per request = "
-                f"{ratio(mine.cpu_ms_per_request, theirs.cpu_ms_per_request)}"
-            )
+    for label in RENDER_ROUTES.values():
+        for prompt in prompts:
+            mine, theirs = by.get((label, prompt)), by.get((ROUTER, prompt))
+            if mine and theirs:
+                name = label.split(",")[0]
+                out.append(
+                    f"- {prompt}: {name} render route / vllm-router CPU per request = "
+                    f"{ratio(mine.cpu_ms_per_request, theirs.cpu_ms_per_request)}"
+                )
     return out
 
 

@@ -1,5 +1,6 @@
-// pdserve's compiled data plane: the hot path of the OpenAI P/D route (prefill with a
-// remote-decode handoff, then decode, its answer or stream passed through) in front of the
+// pdserve's compiled data plane: the hot path of the P/D route (prefill with a remote-decode
+// handoff, then decode, its answer or stream passed through; behind render servers, render
+// first and derender last: render.go) in front of the
 // Python gateway, which keeps every decision: it pushes the routing table (which engines,
 // which route per model, the API keys' digests, the engines' load) and serves everything the
 // table does not cover, and every request whose fast path failed before its answer began.
@@ -59,9 +60,11 @@ type timeouts struct {
 
 type counters struct {
 	pd, decode atomic.Int64 // requests served by route (streams among them)
-	streams    atomic.Int64
-	fallbacks  sync.Map // reason -> *atomic.Int64
-	unreadable atomic.Int64
+	// served through render servers: render -> P/D -> derender, or render -> decode -> derender
+	renderPD, renderDecode atomic.Int64
+	streams                atomic.Int64
+	fallbacks              sync.Map // reason -> *atomic.Int64
+	unreadable             atomic.Int64
 }
 
 func (c *counters) fallback(reason string) {
@@ -118,13 +121,13 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	if !t.authorized(r.Header.Get("Authorization")) {
 		return "unauthorized" // the Python gateway answers 401 in its words
 	}
-	long := t.longBody > 0 && int64(len(body)) > t.longBody
+	class := classAuto
 	switch r.Header.Get("X-PDServe-Class") {
 	case "":
 	case "document", "long":
-		long = true
+		class = classLong
 	case "chat", "short":
-		long = false
+		class = classShort
 	default:
 		return "request_class" // the Python gateway says what it takes
 	}
@@ -146,7 +149,13 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	if t.maxTokensCap > 0 && !withinCap(members, t.maxTokensCap) {
 		return "max_tokens_cap"
 	}
+	if t.handsOver(members) {
+		return "needs_tokenizer" // the engines have none: the Python gateway says what to send
+	}
 	stream := string(lookup(members, "stream")) == "true"
+	if stream && len(m.render) > 0 {
+		return "render_stream" // the Python gateway's derender pipeline streams it
+	}
 	if n := p.inflight.Add(1); n > p.maxInflight {
 		p.inflight.Add(-1)
 		return "busy"
@@ -154,8 +163,16 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	defer p.inflight.Add(-1)
 	ctx, cancel := context.WithTimeout(r.Context(), p.timeouts.request)
 	defer cancel()
+	id := "pdserve-" + requestID()
+	auth := ""
+	if t.passAuth {
+		auth = r.Header.Get("Authorization")
+	}
+	if len(m.render) > 0 {
+		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth)
+	}
 	prefill, decode := m.pick()
-	if long && prefill != nil {
+	if class.long(t.longBody > 0 && int64(len(body)) > t.longBody) && prefill != nil {
 		// Fair prefill admission, which the Python gateway runs (with its peers): a long
 		// prompt holds a slot on one prefill replica while it prefills there.
 		granted, release, reason := p.admit(ctx, m, prefill)
@@ -164,11 +181,6 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		}
 		defer release()
 		prefill, decode = granted, m.decodeFor(granted)
-	}
-	id := "pdserve-" + requestID()
-	auth := ""
-	if t.passAuth {
-		auth = r.Header.Get("Authorization")
 	}
 	decodeBody := p.buffers.Get().(*bytes.Buffer)
 	decodeBody.Reset()
@@ -188,7 +200,7 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		decodeBody.Write(body)
 		p.stats.decode.Add(1)
 	}
-	return p.decode(ctx, w, decode, r.URL.Path, decodeBody.Bytes(), id, auth, stream)
+	return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, stream)
 }
 
 func withinCap(members []member, limit int64) bool {
@@ -251,11 +263,11 @@ var jsonType = []string{"application/json"}
 // decode sends the decode request and passes its answer through. Until the first byte goes
 // to the client a failure is handed to the Python gateway; after it, the stream ends with an
 // error event as the Python gateway's would.
-func (p *plane) decode(ctx context.Context, w http.ResponseWriter, e *endpoint, path string,
+func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Request, e *endpoint,
 	body []byte, id, auth string, stream bool) fallback {
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
-	response, err := p.post(ctx, e, path, body, id, auth)
+	response, err := p.post(ctx, e, r.URL.Path, body, id, auth)
 	if err != nil {
 		return "decode_failed"
 	}
@@ -279,12 +291,14 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, e *endpoint, 
 			splice(trimmed, answer, fields, decodeDrops, nil)
 			answer = trimmed.Bytes()
 		}
+		nameResponse(w.Header(), r, id)
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
 		_, _ = w.Write(answer)
 		return ""
 	}
 	p.stats.streams.Add(1)
+	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(http.StatusOK)
@@ -405,12 +419,14 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		return true
 	})
 	out := map[string]any{
-		"pd":         p.stats.pd.Load(),
-		"decode":     p.stats.decode.Load(),
-		"streams":    p.stats.streams.Load(),
-		"fallbacks":  fallbacks,
-		"unreadable": p.stats.unreadable.Load(),
-		"inflight":   p.inflight.Load(),
+		"pd":            p.stats.pd.Load(),
+		"decode":        p.stats.decode.Load(),
+		"render_pd":     p.stats.renderPD.Load(),
+		"render_decode": p.stats.renderDecode.Load(),
+		"streams":       p.stats.streams.Load(),
+		"fallbacks":     fallbacks,
+		"unreadable":    p.stats.unreadable.Load(),
+		"inflight":      p.inflight.Load(),
 	}
 	if t := p.current.Load(); t != nil {
 		out["version"] = t.version

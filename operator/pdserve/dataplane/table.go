@@ -21,7 +21,7 @@ import (
 const (
 	routePD     = "pd"     // prefill with a remote-decode handoff, then decode
 	routeDecode = "decode" // straight to decode (Aggregated, or no prefill may serve)
-	routePython = "python" // everything to the Python gateway (Auto mode, a render pool, ...)
+	routePython = "python" // everything to the Python gateway (Auto mode, bidirectional KV, ...)
 )
 
 type tableJSON struct {
@@ -31,12 +31,16 @@ type tableJSON struct {
 	PassAuth      bool                 `json:"passAuthorization"`
 	MaxTokensCap  int64                `json:"maxTokensCap"`
 	LongBodyBytes int64                `json:"longBodyBytes"`
+	LongTokens    int64                `json:"longPromptTokens"`
+	HandOver      []string             `json:"handOverParams"`
 	Load          map[string]float64   `json:"load"`
 }
 
 type modelJSON struct {
 	Route  string      `json:"route"`
 	Groups []groupJSON `json:"groups"`
+	// Render servers: the engines take token ids, the route renders and derenders around them.
+	Render []string `json:"render"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -61,6 +65,7 @@ type group struct {
 type model struct {
 	route  string
 	groups []group
+	render []*endpoint
 }
 
 type table struct {
@@ -69,7 +74,9 @@ type table struct {
 	keys         [][]byte // sha256 digests of the API keys
 	passAuth     bool
 	maxTokensCap int64
-	longBody     int64 // larger bodies are long prompts: fair admission, in the Python gateway
+	longBody     int64           // larger bodies are long prompts: fair admission, in the Python gateway
+	longTokens   int64           // behind render servers: prompts of this many tokens or more are long
+	handOver     map[string]bool // a request setting one of these goes to the Python gateway
 }
 
 // build validates a pushed table; engines are shared with the previous table by URL.
@@ -79,7 +86,11 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		return nil, nil, fmt.Errorf("routing table: %w", err)
 	}
 	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
-		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes}
+		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
+		handOver: map[string]bool{}}
+	for _, param := range in.HandOver {
+		t.handOver[param] = true
+	}
 	for _, digest := range in.APIKeyDigests {
 		key, err := hex.DecodeString(digest)
 		if err != nil || len(key) != sha256.Size {
@@ -108,6 +119,15 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode or python", name, m.Route)
 		}
 		out := &model{route: m.Route}
+		if m.Route != routePython {
+			for _, url := range m.Render {
+				e, err := engine(url)
+				if err != nil {
+					return nil, nil, err
+				}
+				out.render = append(out.render, e)
+			}
+		}
 		for i, g := range m.Groups {
 			var built group
 			for _, url := range g.Prefill {
@@ -135,6 +155,19 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		t.models[name] = out
 	}
 	return t, next, nil
+}
+
+// handsOver: the request sets a parameter the Python gateway must see (null counts as unset).
+func (t *table) handsOver(members []member) bool {
+	if len(t.handOver) == 0 {
+		return false
+	}
+	for i := range members {
+		if t.handOver[members[i].key] && string(members[i].value) != "null" {
+			return true
+		}
+	}
+	return false
 }
 
 // authorized: no keys configured, or the Bearer token is one of them (compared as digests,

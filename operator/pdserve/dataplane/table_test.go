@@ -94,3 +94,26 @@ func TestWithinCapRefusesWhatThePythonGatewayWouldRefuseOrFillIn(t *testing.T) {
 		}
 	}
 }
+
+func TestATokensOnlyEnginesRefusalsAreHandedOverWithTheRenderServersKept(t *testing.T) {
+	built, _ := mustBuild(t, `{"version":1,"handOverParams":["stop","tool_choice"],
+		"models":{"qwen":{"route":"decode","render":["http://r0:8000"],"groups":[{"prefill":[],"decode":["http://d0:8000"]}]},
+		"off":{"route":"python","render":["http://r1:8000"],"groups":[]}}}`, nil)
+	if got := built.models["qwen"].render; len(got) != 1 || got[0].url != "http://r0:8000" {
+		t.Fatalf("render %v", got)
+	}
+	if built.models["off"].render != nil {
+		t.Fatal("a python route keeps no render servers")
+	}
+	for body, want := range map[string]bool{
+		`{"model":"qwen","stop":["x"]}`:         true,
+		`{"model":"qwen","tool_choice":"auto"}`: true,
+		`{"model":"qwen","stop":null}`:          false,
+		`{"model":"qwen","max_tokens":3}`:       false,
+	} {
+		members, _ := topLevel([]byte(body))
+		if built.handsOver(members) != want {
+			t.Fatalf("handsOver(%s) = %v", body, !want)
+		}
+	}
+}

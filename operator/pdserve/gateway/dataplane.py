@@ -33,6 +33,8 @@ log = logging.getLogger("pdserve.gateway")
 SOURCE = Path(__file__).resolve().parents[1] / "dataplane"
 BINARY = "dataplane"
 STARTUP_SECONDS = 10.0
+ROUTES = ("pd", "decode", "render_pd", "render_decode")
+"""What the data plane counts as served, by route (`pdserve_gateway_dataplane_requests_total`)."""
 
 
 class DataPlaneError(RuntimeError):
@@ -144,7 +146,7 @@ class DataPlane:
         """The data plane's counters since the last poll, into this gateway's metrics."""
         async with session.get(f"{self.control}/stats") as answer:
             stats = await answer.json()
-        totals = {f"route:{route}": float(stats.get(route, 0)) for route in ("pd", "decode")}
+        totals = {f"route:{route}": float(stats.get(route, 0)) for route in ROUTES}
         totals["route:unreadable_body"] = float(stats.get("unreadable", 0))
         totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
         for key, total in totals.items():

@@ -2,13 +2,16 @@
 it may serve itself and on which engines, derived from the same state the Python gateway routes
 by. A pure function of that state, so what the data plane does is decided here, in one place.
 
-The data plane serves a model's OpenAI-level requests itself only where the Python gateway would
-do nothing per request that the table cannot say: routing mode Disaggregated (P/D on every
-request) or Aggregated (straight to decode) with engines that speak OpenAI. Everything else goes
-to the Python gateway, request by request: routing mode Auto (a decision per request), a render
-pool (token ids), a request log (every request must be in it), prompts long enough for fair
-prefill admission (or declared documents), and every request whose fast path failed before its
-answer began (the Python gateway retries and falls back as always)."""
+The data plane serves a model's requests itself only where the Python gateway would do nothing
+per request that the table cannot say: routing mode Disaggregated (P/D on every request) or
+Aggregated (straight to decode), with engines that speak OpenAI or behind render servers (render
+-> P/D -> derender, not streamed). Everything else goes to the Python gateway, request by
+request: routing mode Auto (a decision per request), bidirectional KV (a conversation's KV on
+decode is tracked per request), streams through render servers (the derender pipeline), a
+request log (every request must be in it), and every request whose fast path failed before its
+answer began (the Python gateway retries and falls back as always). Long prompts (by body size,
+or by rendered token count behind render servers) ask the Python gateway for a fair prefill
+admission slot."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints
+from pdserve.gateway.openai_schema import TOKENIZER_PARAMS
 from pdserve.gateway.settings import GatewaySettings
 
 PYTHON, PD, DECODE = "python", "pd", "decode"
@@ -28,10 +32,10 @@ the body-size threshold for fair admission is the long-prompt threshold in these
 
 def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
     """The route the data plane may take for this model, and why not when it may take none."""
-    if config.engine_api != "openai":
-        return PYTHON, "render pool (token ids)"
     if settings.request_log is not None:
         return PYTHON, "--request-log (every request is logged by the Python gateway)"
+    if config.engine_api == "tokens" and config.kv_transfer.bidirectional:
+        return PYTHON, "bidirectional KV (each conversation's KV on decode is tracked per request)"
     mode = config.routing.mode
     if mode == "Aggregated" or config.pools.prefill is None:
         return DECODE, None
@@ -40,18 +44,24 @@ def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str
     return PYTHON, f"routing mode {mode} (decided per request)"
 
 
-def groups(config: GatewayConfig, endpoints: Endpoints, route: str) -> list[dict[str, list[str]]]:
-    """The engines the data plane may pair: per KV-compatibility digest and slice, the prefill
+def engines(
+    config: GatewayConfig, endpoints: Endpoints, route: str
+) -> tuple[list[str], list[dict[str, list[str]]]]:
+    """The render servers (behind which the engines take token ids; none for OpenAI engines)
+    and the engines the data plane may pair: per KV-compatibility digest and slice, the prefill
     replicas and the decode replicas that can pull their KV, as the Python gateway would choose
-    them (parity-consistent, healthy, replica-checked, transport-verified when Required); none
-    when no complete set is routable (the Python gateway then waits, or answers 503)."""
+    them (one parity-consistent set of every pool, healthy, replica-checked,
+    transport-verified when Required); no groups when no complete set is routable (the Python
+    gateway then waits, or answers 503)."""
+    needed = ["render", "decode"] if config.engine_api == "tokens" else ["decode"]
     try:
-        selection = endpoints.select(["decode"], ["prefill"])
+        selection = endpoints.select(needed, ["prefill"])
     except NoEndpoints:
-        return []
+        return [], []
+    render = urls(selection.pools.get("render", []))
     decode = selection.pools["decode"]
     if route == DECODE:
-        return [{"prefill": [], "decode": urls(decode)}]
+        return render, [{"prefill": [], "decode": urls(decode)}]
     prefill = selection.pools.get("prefill", [])
     if config.kv_transfer.verify == "Required":
         prefill = [e for e in prefill if e.kv_transport == "Verified"]
@@ -63,7 +73,7 @@ def groups(config: GatewayConfig, endpoints: Endpoints, route: str) -> list[dict
         pullers = Endpoints.same_slice(Endpoints.kv_compatible(decode, members[0]), members[0])
         if pullers:
             found.append({"prefill": urls(members), "decode": urls(pullers)})
-    return found
+    return render, found
 
 
 def urls(endpoints: Iterable[Endpoint]) -> list[str]:
@@ -75,21 +85,25 @@ def routing_table(
 ) -> dict[str, Any]:
     """The table the data plane is sent (`version` orders the pushes)."""
     route, _ = route_of(config, settings)
-    engine_groups = groups(config, endpoints, route) if route != PYTHON else []
+    render, engine_groups = engines(config, endpoints, route) if route != PYTHON else ([], [])
     if route != PYTHON and not engine_groups:
         route = PYTHON  # the Python gateway holds, falls back or answers 503
-    if any(
-        not url.startswith("http://") for g in engine_groups for urls in g.values() for url in urls
-    ):
-        route, engine_groups = PYTHON, []  # the data plane speaks plain HTTP to engines only
+    every = [*render, *(url for g in engine_groups for pool in g.values() for url in pool)]
+    if any(not url.startswith("http://") for url in every):
+        route, render, engine_groups = PYTHON, [], []  # plain HTTP to engines only
+    if route == PYTHON:
+        render = []
     return {
         "version": version,
-        "models": {config.model: {"route": route, "groups": engine_groups}},
+        "models": {config.model: {"route": route, "groups": engine_groups, "render": render}},
         "apiKeySha256": [hashlib.sha256(k.encode()).hexdigest() for k in settings.api_keys],
         # Without gateway keys the client's own credentials go on to the engines (intake.py).
         "passAuthorization": not settings.api_keys,
         "maxTokensCap": settings.max_tokens_cap or 0,
         "longBodyBytes": settings.fair_queue.long_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
+        "longPromptTokens": settings.fair_queue.long_prompt_tokens,
+        # Engines without a tokenizer refuse some parameters: intake says which and why.
+        "handOverParams": list(TOKENIZER_PARAMS) if config.tokens_only_engines else [],
         "load": {e.url: base_load(e) for pool in endpoints.pools.values() for e in pool},
     }
 

@@ -1,7 +1,8 @@
 """`pdserve gateway --data-plane`: the compiled data plane in front of the Python gateway, as
-processes, over simulated engines that speak OpenAI. What a client sees must not change: the
-same answers, the same errors in the same words, fair admission for long prompts, upstream work
-stopped when the client leaves, and the gateway and its data plane living and dying together."""
+processes, over simulated engines that speak OpenAI, or take token ids behind a simulated
+render server. What a client sees must not change: the same answers, the same errors in the
+same words, fair admission for long prompts, upstream work stopped when the client leaves, and
+the gateway and its data plane living and dying together."""
 
 from __future__ import annotations
 
@@ -37,20 +38,26 @@ def binary() -> Path:
 
 @contextmanager
 def stack(
-    *flags: str, mode: str = "Disaggregated", engine_flags: list[str] | None = None
+    *flags: str,
+    mode: str = "Disaggregated",
+    engine_flags: list[str] | None = None,
+    render: bool = False,
 ) -> Iterator[tuple[Proc, dict[str, Proc]]]:
-    """A prefill and a decode engine and a gateway over them (with `flags`): the gateway and
-    the engines by role."""
+    """A prefill and a decode engine (with `render`: tokens engines behind a render server)
+    and a gateway over them (with `flags`): the gateway and the servers by role."""
     with Processes(startup_timeout=60) as procs:
         engines = {
             role: procs.engine(SIM_MODEL, role=role, served_model_name=MODEL,
-                               extra=engine_flags or FAST)
+                               extra=engine_flags or FAST, tokens_only=render)
             for role in ("prefill", "decode")
         }  # fmt: skip
+        if render:
+            engines["render"] = procs.render(SIM_MODEL, served_model_name=MODEL)
         pool = {"service": "x", "port": 8000}
         config = {
-            "model": MODEL, "engineApi": "openai", "routing": {"mode": mode},
-            "pools": {"render": None, "prefill": pool, "decode": pool},
+            "model": MODEL, "engineApi": "tokens" if render else "openai",
+            "routing": {"mode": mode},
+            "pools": {"render": pool if render else None, "prefill": pool, "decode": pool},
             "endpoints": {role: [{"url": e.url}] for role, e in engines.items()},
         }  # fmt: skip
         yield procs.gateway(config, *flags), engines
@@ -109,6 +116,56 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
         assert metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
         eventually("3 requests counted as served by the data plane",
                    lambda: served_by_data_plane(gateway) == 3)  # fmt: skip
+
+
+RENDERED = [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/chat/completions", {**CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 40, "stop_token_ids": [0, 1, 2, 3]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 4}),
+    ("/v1/completions", {"model": MODEL, "prompt": ["Once"], "max_tokens": 4, "echo": True}),
+]
+
+
+def rendered_answers(url: str) -> list[Any]:
+    """Each of RENDERED's answers, as a client keeps it (the gateway's id and the time aside),
+    and a stream's text and finish reason (how its tokens are grouped into chunks depends on
+    timing: derender pipelining)."""
+    kept: list[Any] = []
+    for path, body in RENDERED:
+        answer = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["X-PDServe-Request-Id"] == answer.json()["id"]
+        kept.append({k: v for k, v in answer.json().items() if k not in ("id", "created")})
+    with httpx.stream("POST", f"{url}/v1/chat/completions",
+                      json={**CHAT, "stream": True}, timeout=30) as streamed:  # fmt: skip
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    choices = [c for e in events for c in e["choices"]]
+    kept.append(("".join(c["delta"].get("content") or "" for c in choices),
+                 choices[-1]["finish_reason"]))  # fmt: skip
+    return kept
+
+
+@pytest.mark.parametrize("mode", ["Disaggregated", "Aggregated"])
+def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
+    tmp_path: Path, binary: Path, mode: str
+) -> None:
+    with stack(mode=mode, render=True) as (gateway, engines):
+        expected = rendered_answers(gateway.url)
+    with stack("--data-plane", str(binary), mode=mode, render=True) as (gateway, engines):
+        prefilled = metric(engines["prefill"].url, "vllm:prompt_tokens_total")
+        assert rendered_answers(gateway.url) == expected
+        # The non-streamed ones were served in Go, the stream by the derender pipeline.
+        eventually(f"{len(RENDERED)} served by the data plane, the stream handed over", lambda: (
+            served_by_data_plane(gateway, ROUTE[mode]) == len(RENDERED)
+            and 'reason="render_stream"} 1.0' in httpx.get(f"{gateway.url}/metrics").text
+        ))  # fmt: skip
+        went_to_prefill = metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
+        assert went_to_prefill == (mode == "Disaggregated")
+
+
+ROUTE = {"Disaggregated": "render_pd", "Aggregated": "render_decode"}
 
 
 def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.fastpath import routing_table, same_table
@@ -20,12 +21,16 @@ def table_for(
     *,
     engine_api: str = "openai",
     settings: GatewaySettings | None = None,
-    kv_transfer: dict[str, str] | None = None,
+    kv_transfer: dict[str, Any] | None = None,
+    render: list[Endpoint] | None = None,
+    tokens_engines: str = "scale_out",
 ) -> dict[str, object]:
-    cfg = config(engine_api, mode, kv_transfer)
+    cfg = config(engine_api, mode, kv_transfer, tokens_engines)
     endpoints = Endpoints(cfg)
     endpoints.replace("prefill", prefill if prefill is not None else [Endpoint("http://p", "p1")])
     endpoints.replace("decode", decode if decode is not None else [Endpoint("http://d", "p1")])
+    if engine_api == "tokens":
+        endpoints.replace("render", render if render is not None else [Endpoint("http://r", "p1")])
     return routing_table(cfg, endpoints, settings or GatewaySettings(), 1)
 
 
@@ -39,14 +44,44 @@ def model(table: dict[str, object]) -> dict[str, object]:
 
 def test_disaggregated_and_aggregated_are_served_by_the_data_plane() -> None:
     pd = model(table_for("Disaggregated"))
-    assert pd == {"route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}]}
+    assert pd == {
+        "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}], "render": [],
+    }  # fmt: skip
     aggregated = model(table_for("Aggregated"))
-    assert aggregated == {"route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}]}
+    assert aggregated == {
+        "route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}], "render": [],
+    }  # fmt: skip
+
+
+def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d() -> None:
+    pd = model(table_for("Disaggregated", engine_api="tokens"))
+    assert pd == {
+        "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}],
+        "render": ["http://r"],
+    }  # fmt: skip
+    assert model(table_for("Aggregated", engine_api="tokens"))["route"] == "decode"
+    # The render servers of the engines' parity only: never a template the engines disagree with.
+    render = [Endpoint("http://r-old", "p0"), Endpoint("http://r", "p1")]
+    assert model(table_for(engine_api="tokens", render=render))["render"] == ["http://r"]
+    # No routable render server: the Python gateway waits for one or answers 503.
+    assert model(table_for(engine_api="tokens", render=[])) == {
+        "route": "python", "groups": [], "render": [],
+    }  # fmt: skip
+    # Long prompts are counted in rendered tokens; a tokens-only engine's refusals stay the
+    # Python gateway's (intake names the parameter and what to send instead).
+    table = table_for(engine_api="tokens", tokens_engines="tokens_only")
+    assert table["longPromptTokens"] == GatewaySettings().fair_queue.long_prompt_tokens
+    handed_over = table["handOverParams"]
+    assert isinstance(handed_over, list)
+    assert {"stop", "response_format", "tool_choice"} <= set(handed_over)
+    assert table_for(engine_api="tokens")["handOverParams"] == []
 
 
 def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over() -> None:
     assert model(table_for("Auto"))["route"] == "python"  # Auto decides per request
-    assert model(table_for(engine_api="tokens"))["route"] == "python"  # token ids, derender
+    # A conversation's KV left on decode is tracked per request (bidirectional KV).
+    bidirectional = {"bidirectional": True}
+    assert model(table_for(engine_api="tokens", kv_transfer=bidirectional))["route"] == "python"
     logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
     assert model(table_for(settings=logged))["route"] == "python"  # every request logged
     # No routable decode: the Python gateway waits for one or answers 503.
@@ -93,7 +128,7 @@ def test_replicas_the_python_gateway_would_not_route_to_are_left_out() -> None:
     assert groups == [{"prefill": ["http://p-ok"], "decode": ["http://d"]}]
     # Mode Disaggregated with no prefill to pair: the Python gateway decides (local or 503).
     assert model(table_for(prefill=[unverified], kv_transfer={"verify": "Required"})) == {
-        "route": "python", "groups": [],
+        "route": "python", "groups": [], "render": [],
     }  # fmt: skip
 
 

@@ -7,6 +7,9 @@
 // A request with kv_transfer_params.do_remote_decode (P/D step 1) answers one token and the
 // params decode pulls from; any other request answers max_tokens tokens ("tok "), streamed
 // as one event per token when asked, with the include_usage trailer and [DONE].
+//
+// It also speaks the render route's APIs (tokens.go): render (a prompt of N bytes is N/4
+// token ids), the tokens engines' /inference/v1/generate and derender, streamed or not.
 package main
 
 import (
@@ -31,10 +34,10 @@ type request struct {
 }
 
 type engine struct {
-	model    string
-	role     string
-	served   atomic.Int64
-	running  atomic.Int64
+	model   string
+	role    string
+	served  atomic.Int64
+	running atomic.Int64
 }
 
 func (e *engine) tokens(r *request) int {
@@ -157,6 +160,7 @@ func main() {
 	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) {
 		e.completion(w, r, false)
 	})
+	e.tokensRoutes(mux)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) {})
 	mux.HandleFunc("GET /metrics", e.metrics)
 	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, _ *http.Request) {

@@ -1,0 +1,529 @@
+package main
+
+// The render route: engines behind render servers (token ids in, token ids out), served
+// render -> (prefill ->) decode -> derender, not streamed. The calls, bodies and corrections
+// are the Python gateway's (gateway/tokens_route.py, vllm/protocol.py, vllm/derender_gaps.py);
+// each body is spliced from the bytes it came in, so the prompt's token ids are copied, never
+// decoded into numbers and encoded again.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+const generatePath = "/inference/v1/generate"
+
+func renderPath(chat bool) string {
+	if chat {
+		return "/v1/chat/completions/render"
+	}
+	return "/v1/completions/render"
+}
+
+func derenderPath(chat bool) string {
+	if chat {
+		return "/v1/chat/completions/derender"
+	}
+	return "/v1/completions/derender"
+}
+
+// What the rendered generate request must not keep when the route sets it.
+var (
+	tokensPrefillDrops = map[string]bool{"request_id": true, "stream": true,
+		"stream_options": true, "sampling_params": true, "kv_transfer_params": true}
+	tokensDecodeDrops = map[string]bool{"request_id": true, "sampling_params": true,
+		"kv_transfer_params": true}
+	prefillParamDrops = map[string]bool{"max_tokens": true, "min_tokens": true, "n": true,
+		"extra_args": true}
+	extraArgsDrops   = map[string]bool{"extra_args": true}
+	kvParamsDrops    = map[string]bool{"kv_transfer_params": true}
+	answerFixedDrops = map[string]bool{"id": true, "model": true, "usage": true}
+	tokenIDsDrops    = map[string]bool{"token_ids": true}
+	choicesDrops     = map[string]bool{"choices": true}
+)
+
+// requestClass is what the client declared (X-PDServe-Class), or auto: by prompt length.
+type requestClass int
+
+const (
+	classAuto requestClass = iota
+	classLong
+	classShort
+)
+
+func (c requestClass) long(auto bool) bool {
+	return c == classLong || (c == classAuto && auto)
+}
+
+// rendered serves one non-streamed request on a model behind render servers. Until its answer
+// is written any failure goes to the Python gateway, which serves the request from the start
+// with its retries and fallbacks.
+func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
+	m *model, body []byte, members []member, class requestClass, id, auth string) fallback {
+	chat := r.URL.Path == "/v1/chat/completions"
+	renderer := least(m.render)
+	renderAnswer := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(renderAnswer)
+	if !p.call(ctx, renderer, renderPath(chat), body, id, auth, renderAnswer) {
+		return "render_failed"
+	}
+	generate, ok := onePrompt(renderAnswer.Bytes())
+	if !ok {
+		return "body_shape" // several prompts: the Python gateway says to send one
+	}
+	fields, err := topLevel(generate)
+	if err != nil {
+		return "render_failed"
+	}
+	tokens, params := lookup(fields, "token_ids"), lookup(fields, "sampling_params")
+	paramFields, err := topLevel(params)
+	if len(tokens) < 2 || tokens[0] != '[' || err != nil {
+		return "render_failed" // the Python gateway answers 502: render sent no token ids
+	}
+	promptTokens := countElements(tokens)
+	prefill, decode := m.pick()
+	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
+		granted, release, reason := p.admit(ctx, m, prefill)
+		if reason != "" {
+			return reason
+		}
+		defer release()
+		prefill, decode = granted, m.decodeFor(granted)
+	}
+	quotedID := strconv.AppendQuote(nil, id)
+	var kv []byte
+	if prefill != nil {
+		var reason fallback
+		if kv, reason = p.prefillTokens(ctx, prefill, generate, fields, params, paramFields, quotedID, id, auth); reason != "" {
+			return reason
+		}
+	}
+	request := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(request)
+	request.Reset()
+	extra := []field{{"request_id", quotedID}}
+	if kv != nil {
+		extra = append(extra, field{"kv_transfer_params", kv},
+			field{"sampling_params", withExtraArg(params, paramFields, extraArgsDrops, nil, kv)})
+		splice(request, generate, fields, tokensDecodeDrops, extra)
+	} else {
+		splice(request, generate, fields, requestIDDrops, extra)
+	}
+	decoded := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(decoded)
+	if !p.call(ctx, decode, generatePath, request.Bytes(), id, auth, decoded) {
+		return "decode_failed"
+	}
+	answer := decoded.Bytes()
+	answerFields, err := topLevel(answer)
+	if err != nil || !hasChoices(lookup(answerFields, "choices")) {
+		return "decode_failed" // the Python gateway answers 502: nothing to derender
+	}
+	includeStop := string(lookup(paramFields, "include_stop_str_in_output")) == "true"
+	trimmed := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(trimmed)
+	generated, stops := withoutStopTokens(trimmed, answer, answerFields, includeStop)
+	request.Reset()
+	derenderBody(request, chat, lookup(members, "model"), generated, promptTokens, tokens, body)
+	derendered := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(derendered)
+	if !p.call(ctx, renderer, derenderPath(chat), request.Bytes(), id, auth, derendered) {
+		return "derender_failed"
+	}
+	result, err := topLevel(derendered.Bytes())
+	if err != nil || !hasChoices(lookup(result, "choices")) {
+		return "derender_failed"
+	}
+	final := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(final)
+	toolChoice := lookup(members, "tool_choice")
+	namedTool := len(toolChoice) > 0 && toolChoice[0] == '{'
+	matchVllmServe(final, derendered.Bytes(), result, lookup(answerFields, "usage"), stops,
+		chat, namedTool, lookup(members, "model"), quotedID)
+	if prefill != nil {
+		p.stats.renderPD.Add(1)
+	} else {
+		p.stats.renderDecode.Add(1)
+	}
+	nameResponse(w.Header(), r, id)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(final.Len()))
+	_, _ = w.Write(final.Bytes())
+	return ""
+}
+
+var requestIDDrops = map[string]bool{"request_id": true}
+
+// call posts to an engine or render server (counted in its load meanwhile) and reads a 200
+// answer whole into `into`.
+func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte, id, auth string,
+	into *bytes.Buffer) bool {
+	into.Reset()
+	e.inflight.Add(1)
+	defer e.inflight.Add(-1)
+	response, err := p.post(ctx, e, path, body, id, auth)
+	if err != nil {
+		return false
+	}
+	defer response.Body.Close()
+	if _, err := into.ReadFrom(response.Body); err != nil || response.StatusCode != http.StatusOK {
+		return false
+	}
+	e.served.Add(1)
+	return true
+}
+
+// prefillTokens runs the prefill of a rendered request: cut to one token, one choice, not
+// streamed, with the handoff's kv_transfer_params (also in sampling_params.extra_args, which
+// older engines read). Its kv_transfer_params come back; nil when it sent none (decode then
+// prefills itself, as in the Python gateway).
+func (p *plane) prefillTokens(ctx context.Context, e *endpoint, generate []byte, fields []member,
+	params []byte, paramFields []member, quotedID []byte, id, auth string) ([]byte, fallback) {
+	request := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(request)
+	request.Reset()
+	cut := withExtraArg(params, paramFields, prefillParamDrops,
+		[]field{{"max_tokens", []byte("1")}, {"min_tokens", []byte("0")}, {"n", []byte("1")}}, handoff)
+	splice(request, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
+		{"stream", []byte("false")}, {"stream_options", []byte("null")},
+		{"sampling_params", cut}, {"kv_transfer_params", handoff}})
+	answer := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(answer)
+	if !p.call(ctx, e, generatePath, request.Bytes(), id, auth, answer) {
+		return nil, "prefill_failed"
+	}
+	answerFields, err := topLevel(answer.Bytes())
+	if err != nil {
+		return nil, "prefill_failed"
+	}
+	kv := lookup(answerFields, "kv_transfer_params")
+	if len(kv) == 0 || kv[0] != '{' {
+		return nil, ""
+	}
+	return append([]byte(nil), kv...), ""
+}
+
+// withExtraArg: sampling params without `drop`, with `extra`, and extra_args carrying
+// kv_transfer_params = kv (the rest of extra_args kept).
+func withExtraArg(params []byte, fields []member, drop map[string]bool, extra []field, kv []byte) []byte {
+	var args bytes.Buffer
+	existing := lookup(fields, "extra_args")
+	argFields, err := topLevel(existing)
+	if len(existing) > 0 && existing[0] == '{' && err == nil {
+		splice(&args, existing, argFields, kvParamsDrops, []field{{"kv_transfer_params", kv}})
+	} else {
+		splice(&args, nil, nil, nil, []field{{"kv_transfer_params", kv}})
+	}
+	var out bytes.Buffer
+	splice(&out, params, fields, drop, append(extra, field{"extra_args", args.Bytes()}))
+	return out.Bytes()
+}
+
+// onePrompt: the generate request render answered (completions render answers a list of them;
+// the route takes one prompt per request).
+func onePrompt(answer []byte) ([]byte, bool) {
+	start := skipSpace(answer, 0)
+	if start >= len(answer) || answer[start] != '[' {
+		return answer, true
+	}
+	list := answer[start:]
+	elements, err := arrayElements(list)
+	if err != nil || len(elements) != 1 {
+		return nil, false
+	}
+	return list[elements[0].start:elements[0].end], true
+}
+
+// span is one element of a JSON array: raw[start:end].
+type span struct{ start, end int }
+
+// arrayElements: each element of a JSON array, as spans of `raw`.
+func arrayElements(raw []byte) ([]span, error) {
+	i := skipSpace(raw, 0)
+	if i >= len(raw) || raw[i] != '[' {
+		return nil, errNotObject
+	}
+	elements := []span{}
+	i = skipSpace(raw, i+1)
+	if i < len(raw) && raw[i] == ']' {
+		return elements, nil
+	}
+	for {
+		end, err := valueEnd(raw, i)
+		if err != nil {
+			return nil, err
+		}
+		elements = append(elements, span{i, end})
+		i = skipSpace(raw, end)
+		if i >= len(raw) {
+			return nil, errNotObject
+		}
+		if raw[i] == ']' {
+			return elements, nil
+		}
+		if raw[i] != ',' {
+			return nil, errNotObject
+		}
+		i = skipSpace(raw, i+1)
+	}
+}
+
+// countElements: how many numbers a flat array of numbers holds (a token id list).
+func countElements(tokens []byte) int {
+	if bytes.IndexFunc(tokens[1:len(tokens)-1], func(r rune) bool { return r != ' ' && r != '\n' && r != '\t' && r != '\r' }) < 0 {
+		return 0
+	}
+	return bytes.Count(tokens, []byte{','}) + 1
+}
+
+// hasChoices: a non-empty array of objects, what a client's answer is made of.
+func hasChoices(raw []byte) bool {
+	elements, err := arrayElements(raw)
+	if err != nil || len(elements) == 0 {
+		return false
+	}
+	for _, e := range elements {
+		if raw[e.start] != '{' {
+			return false
+		}
+	}
+	return true
+}
+
+// withoutStopTokens writes the decode answer with each choice's ending stop token dropped
+// (vLLM keeps an EOS or a stop_token_ids hit in token_ids; `vllm serve` leaves it out of the
+// text) into `dst`, and says, by choice index, the stop string that ended a choice when the
+// text must end before it. The answer's own bytes come back when nothing changed.
+func withoutStopTokens(dst *bytes.Buffer, answer []byte, fields []member, includeStop bool) ([]byte, map[string]string) {
+	dst.Reset()
+	var stops map[string]string
+	list := lookup(fields, "choices")
+	choices, _ := arrayElements(list)
+	changed := false
+	rewritten := make([][]byte, len(choices))
+	for i, at := range choices {
+		choice := list[at.start:at.end]
+		rewritten[i] = choice
+		members, err := topLevel(choice)
+		if err != nil || string(lookup(members, "finish_reason")) != `"stop"` || includeStop {
+			continue
+		}
+		reason := lookup(members, "stop_reason")
+		if len(reason) > 0 && reason[0] == '"' {
+			var stop string
+			if json.Unmarshal(reason, &stop) == nil && stop != "" {
+				if stops == nil {
+					stops = map[string]string{}
+				}
+				stops[indexOf(members)] = stop
+			}
+			continue
+		}
+		tokens := lookup(members, "token_ids")
+		ids, err := arrayElements(tokens)
+		if err != nil || len(ids) == 0 {
+			continue
+		}
+		kept := []byte("[]")
+		if len(ids) > 1 {
+			kept = append(append([]byte{'['}, tokens[ids[0].start:ids[len(ids)-2].end]...), ']')
+		}
+		var out bytes.Buffer
+		splice(&out, choice, members, tokenIDsDrops, []field{{"token_ids", kept}})
+		rewritten[i] = out.Bytes()
+		changed = true
+	}
+	if !changed {
+		return answer, stops
+	}
+	var joined bytes.Buffer
+	joined.WriteByte('[')
+	for i, choice := range rewritten {
+		if i > 0 {
+			joined.WriteByte(',')
+		}
+		joined.Write(choice)
+	}
+	joined.WriteByte(']')
+	splice(dst, answer, fields, choicesDrops, []field{{"choices", joined.Bytes()}})
+	return dst.Bytes(), stops
+}
+
+// indexOf: a choice's index as written ("0" when it has none).
+func indexOf(members []member) string {
+	if index := lookup(members, "index"); index != nil {
+		return string(index)
+	}
+	return "0"
+}
+
+// derenderBody: the decode answer turned back into the client's answer by the render server
+// that rendered it, with the client's request (its parsers need it).
+func derenderBody(dst *bytes.Buffer, chat bool, model, answer []byte, promptTokens int,
+	tokens, request []byte) {
+	dst.WriteString(`{"stream":false,"model":`)
+	dst.Write(model)
+	count := strconv.Itoa(promptTokens)
+	if chat {
+		dst.WriteString(`,"generate_response":`)
+		dst.Write(answer)
+		dst.WriteString(`,"prompt_tokens":` + count + `,"prompt_token_ids":`)
+		dst.Write(tokens)
+		dst.WriteString(`,"chat_request":`)
+	} else {
+		dst.WriteString(`,"generate_responses":[`)
+		dst.Write(answer)
+		dst.WriteString(`],"prompt_tokens":[` + count + `],"prompt_token_ids":[`)
+		dst.Write(tokens)
+		dst.WriteString(`],"completion_request":`)
+	}
+	dst.Write(request)
+	dst.WriteByte('}')
+}
+
+// matchVllmServe writes the derendered answer as `vllm serve` would have answered: the
+// engine's usage (the stop token counted), text ended where a stop string starts, a chat
+// answer whose tool calls were parsed ending with finish_reason "tool_calls" (unless the
+// request named the function), and the gateway's id and the model's name.
+func matchVllmServe(dst *bytes.Buffer, result []byte, fields []member, usage []byte,
+	stops map[string]string, chat, namedTool bool, model, quotedID []byte) {
+	dst.Reset()
+	choices := lookup(fields, "choices")
+	toolCalls := chat && !namedTool && bytes.Contains(choices, []byte(`"tool_calls"`))
+	drop := answerFixedDrops
+	extra := []field{{"id", quotedID}, {"model", model}}
+	if len(usage) > 0 && usage[0] == '{' {
+		extra = append(extra, field{"usage", usage})
+	} else {
+		drop = map[string]bool{"id": true, "model": true}
+	}
+	if len(stops) > 0 || toolCalls {
+		extra = append(extra, field{"choices", fixChoices(choices, stops, chat, toolCalls)})
+		drop = withKey(drop, "choices")
+	}
+	splice(dst, result, fields, drop, extra)
+}
+
+func withKey(set map[string]bool, key string) map[string]bool {
+	out := map[string]bool{key: true}
+	for k := range set {
+		out[k] = true
+	}
+	return out
+}
+
+func fixChoices(choices []byte, stops map[string]string, chat, toolCalls bool) []byte {
+	elements, _ := arrayElements(choices)
+	var list bytes.Buffer
+	list.WriteByte('[')
+	for i, at := range elements {
+		choice := choices[at.start:at.end]
+		if i > 0 {
+			list.WriteByte(',')
+		}
+		members, err := topLevel(choice)
+		if err != nil {
+			list.Write(choice)
+			continue
+		}
+		stop, hasStop := stops[indexOf(members)]
+		var out bytes.Buffer
+		switch {
+		case chat:
+			message := lookup(members, "message")
+			messageFields, err := topLevel(message)
+			if err != nil {
+				list.Write(choice)
+				continue
+			}
+			fixed := message
+			if hasStop {
+				fixed = cutMessage(message, messageFields, stop)
+			}
+			drop, extra := map[string]bool{"message": true}, []field{{"message", fixed}}
+			calls := lookup(messageFields, "tool_calls")
+			if toolCalls && string(lookup(members, "finish_reason")) == `"stop"` {
+				if called, err := arrayElements(calls); err == nil && len(called) > 0 {
+					drop = withKey(drop, "finish_reason")
+					extra = append(extra, field{"finish_reason", []byte(`"tool_calls"`)})
+				}
+			}
+			splice(&out, choice, members, drop, extra)
+		case hasStop:
+			cut, found := cutString(lookup(members, "text"), stop)
+			if !found {
+				list.Write(choice)
+				continue
+			}
+			splice(&out, choice, members, map[string]bool{"text": true}, []field{{"text", cut}})
+		default:
+			list.Write(choice)
+			continue
+		}
+		list.Write(out.Bytes())
+	}
+	list.WriteByte(']')
+	return list.Bytes()
+}
+
+// cutMessage ends the generated text where the stop string starts: in the reasoning (then
+// there is no content) or in the content.
+func cutMessage(message []byte, fields []member, stop string) []byte {
+	var out bytes.Buffer
+	if reasoning := lookup(fields, "reasoning"); len(reasoning) > 0 && reasoning[0] == '"' {
+		if cut, found := cutString(reasoning, stop); found {
+			splice(&out, message, fields, map[string]bool{"reasoning": true, "content": true},
+				[]field{{"reasoning", cut}, {"content", []byte("null")}})
+			return out.Bytes()
+		}
+	}
+	cut, found := cutString(lookup(fields, "content"), stop)
+	if !found {
+		return message
+	}
+	splice(&out, message, fields, map[string]bool{"content": true}, []field{{"content", cut}})
+	return out.Bytes()
+}
+
+// cutString: a JSON string value cut where `stop` starts; false when it is not a string or
+// holds no `stop` (then it stays as it is).
+func cutString(raw []byte, stop string) ([]byte, bool) {
+	if len(raw) == 0 || raw[0] != '"' {
+		return nil, false
+	}
+	var text string
+	if json.Unmarshal(raw, &text) != nil {
+		return nil, false
+	}
+	at := strings.Index(text, stop)
+	if at < 0 {
+		return nil, false
+	}
+	var out bytes.Buffer
+	encoder := json.NewEncoder(&out)
+	encoder.SetEscapeHTML(false)
+	_ = encoder.Encode(text[:at])
+	return bytes.TrimRight(out.Bytes(), "\n"), true
+}
+
+// nameResponse: the gateway's own id of the request (X-PDServe-Request-Id, what the engines
+// were told) and the client's X-Request-Id back, as the Python gateway names every answer.
+func nameResponse(h http.Header, r *http.Request, id string) {
+	h.Set("X-PDServe-Request-Id", id)
+	if client := r.Header.Get("X-Request-Id"); client != "" && len(client) <= 256 && printable(client) {
+		h.Set("X-Request-Id", client)
+	}
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,214 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func parsed(t *testing.T, raw []byte) any {
+	t.Helper()
+	var value any
+	if err := json.Unmarshal(raw, &value); err != nil {
+		t.Fatalf("not JSON: %v: %s", err, raw)
+	}
+	return value
+}
+
+func sameJSON(t *testing.T, got []byte, want string) {
+	t.Helper()
+	if !reflect.DeepEqual(parsed(t, got), parsed(t, []byte(want))) {
+		t.Fatalf("got  %s\nwant %s", got, want)
+	}
+}
+
+func TestTheStopTokenThatEndedAChoiceIsDroppedAndAStopStringNamed(t *testing.T) {
+	answer := []byte(`{"request_id":"r","choices":[
+		{"index":0,"token_ids":[5, 6, 151645],"finish_reason":"stop","stop_reason":null},
+		{"index":1,"token_ids":[7],"finish_reason":"stop","stop_reason":151643},
+		{"index":2,"token_ids":[8,9],"finish_reason":"length","stop_reason":null},
+		{"index":3,"token_ids":[10,11],"finish_reason":"stop","stop_reason":"</x>"}],
+		"usage":{"prompt_tokens":3,"completion_tokens":8,"total_tokens":11}}`)
+	fields, _ := topLevel(answer)
+	var dst bytes.Buffer
+	trimmed, stops := withoutStopTokens(&dst, answer, fields, false)
+	sameJSON(t, trimmed, `{"request_id":"r","choices":[
+		{"index":0,"token_ids":[5,6],"finish_reason":"stop","stop_reason":null},
+		{"index":1,"token_ids":[],"finish_reason":"stop","stop_reason":151643},
+		{"index":2,"token_ids":[8,9],"finish_reason":"length","stop_reason":null},
+		{"index":3,"token_ids":[10,11],"finish_reason":"stop","stop_reason":"</x>"}],
+		"usage":{"prompt_tokens":3,"completion_tokens":8,"total_tokens":11}}`)
+	if !reflect.DeepEqual(stops, map[string]string{"3": "</x>"}) {
+		t.Fatalf("stops %v", stops)
+	}
+	// include_stop_str_in_output: the text keeps what ended it, as `vllm serve` does.
+	kept, stops := withoutStopTokens(&dst, answer, fields, true)
+	if !bytes.Equal(kept, answer) || stops != nil {
+		t.Fatalf("changed with include_stop_str_in_output: %s %v", kept, stops)
+	}
+}
+
+func TestTheDerenderedAnswerIsCorrectedAsVllmServeWouldAnswer(t *testing.T) {
+	result := []byte(`{"id":"chatcmpl-render","object":"chat.completion","model":"served",
+		"choices":[
+		{"index":0,"message":{"role":"assistant","content":"a \u003cb\u003e</x>tail"},"finish_reason":"stop"},
+		{"index":1,"message":{"role":"assistant","reasoning":"think</x>more","content":"c"},"finish_reason":"stop"},
+		{"index":2,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"t"}]},"finish_reason":"stop"},
+		{"index":3,"message":{"role":"assistant","content":"d","tool_calls":[]},"finish_reason":"stop"}],
+		"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10}}`)
+	fields, _ := topLevel(result)
+	usage := []byte(`{"prompt_tokens":3,"completion_tokens":8,"total_tokens":11}`)
+	stops := map[string]string{"0": "</x>", "1": "</x>"}
+	var dst bytes.Buffer
+	matchVllmServe(&dst, result, fields, usage, stops, true, false, []byte(`"qwen"`), []byte(`"pdserve-1"`))
+	sameJSON(t, dst.Bytes(), `{"id":"pdserve-1","object":"chat.completion","model":"qwen",
+		"choices":[
+		{"index":0,"message":{"role":"assistant","content":"a <b>"},"finish_reason":"stop"},
+		{"index":1,"message":{"role":"assistant","reasoning":"think","content":null},"finish_reason":"stop"},
+		{"index":2,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"t"}]},"finish_reason":"tool_calls"},
+		{"index":3,"message":{"role":"assistant","content":"d","tool_calls":[]},"finish_reason":"stop"}],
+		"usage":{"prompt_tokens":3,"completion_tokens":8,"total_tokens":11}}`)
+	// A request that named its function keeps "stop" (as `vllm serve` does).
+	matchVllmServe(&dst, result, fields, usage, nil, true, true, []byte(`"qwen"`), []byte(`"pdserve-1"`))
+	if !strings.Contains(dst.String(), `"tool_calls":[{"id":"t"}]},"finish_reason":"stop"`) {
+		t.Fatalf("named tool: %s", dst.String())
+	}
+	completion := []byte(`{"id":"cmpl-r","choices":[{"index":0,"text":"once</x>upon"}],"usage":null}`)
+	fields, _ = topLevel(completion)
+	matchVllmServe(&dst, completion, fields, nil, map[string]string{"0": "</x>"}, false, false,
+		[]byte(`"qwen"`), []byte(`"pdserve-2"`))
+	sameJSON(t, dst.Bytes(), `{"id":"pdserve-2","model":"qwen","choices":[{"index":0,"text":"once"}],"usage":null}`)
+}
+
+func TestARenderedPromptIsOneGenerateRequestWithItsTokensCounted(t *testing.T) {
+	if got, ok := onePrompt([]byte(` [{"token_ids":[1]}]`)); !ok || string(got) != `{"token_ids":[1]}` {
+		t.Fatalf("list of one: %s %v", got, ok)
+	}
+	if _, ok := onePrompt([]byte(`[{"a":1},{"a":2}]`)); ok {
+		t.Fatal("two prompts taken")
+	}
+	for raw, want := range map[string]int{`[]`: 0, `[ ]`: 0, `[7]`: 1, `[1, 2,3]`: 3} {
+		if got := countElements([]byte(raw)); got != want {
+			t.Fatalf("countElements(%s) = %d, want %d", raw, got, want)
+		}
+	}
+}
+
+func TestExtraArgsCarryTheKvTransferParamsBesideWhatTheyHeld(t *testing.T) {
+	params := []byte(`{"max_tokens":64,"n":2,"extra_args":{"mine":1,"kv_transfer_params":{"old":1}}}`)
+	fields, _ := topLevel(params)
+	cut := withExtraArg(params, fields, prefillParamDrops,
+		[]field{{"max_tokens", []byte("1")}, {"min_tokens", []byte("0")}, {"n", []byte("1")}}, handoff)
+	sameJSON(t, cut, `{"max_tokens":1,"min_tokens":0,"n":1,"extra_args":{"mine":1,"kv_transfer_params":`+string(handoff)+`}}`)
+	bare := []byte(`{"max_tokens":64,"extra_args":null}`)
+	fields, _ = topLevel(bare)
+	sameJSON(t, withExtraArg(bare, fields, extraArgsDrops, nil, []byte(`{"k":1}`)),
+		`{"max_tokens":64,"extra_args":{"kv_transfer_params":{"k":1}}}`)
+}
+
+// renderStack: a render server and a tokens engine (prefill and decode alike) that record the
+// bodies they were sent.
+type renderStack struct {
+	mu   sync.Mutex
+	sent map[string][]any // path -> bodies
+}
+
+func (s *renderStack) handler(t *testing.T) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		raw, _ := io.ReadAll(r.Body)
+		body := parsed(t, raw).(map[string]any)
+		s.mu.Lock()
+		s.sent[r.URL.Path] = append(s.sent[r.URL.Path], body)
+		s.mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		switch r.URL.Path {
+		case "/v1/chat/completions/render":
+			io.WriteString(w, `{"request_id":"chatcmpl-x","token_ids":[1,2,3],"features":null,
+				"sampling_params":{"max_tokens":8,"n":1,"extra_args":null},"stream":false,
+				"stream_options":null,"kv_transfer_params":null}`)
+		case generatePath:
+			if body["sampling_params"].(map[string]any)["max_tokens"] == 1.0 {
+				io.WriteString(w, `{"request_id":"p","choices":[{"index":0,"token_ids":[9]}],"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[4]}}`)
+				return
+			}
+			io.WriteString(w, `{"request_id":"d","choices":[{"index":0,"token_ids":[7,8,0],"finish_reason":"stop","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}`)
+		case "/v1/chat/completions/derender":
+			io.WriteString(w, `{"id":"chatcmpl-x","object":"chat.completion","model":"qwen","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`)
+		default:
+			w.WriteHeader(http.StatusNotFound)
+		}
+	})
+}
+
+func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
+	s := &renderStack{sent: map[string][]any{}}
+	server := httptest.NewServer(s.handler(t))
+	defer server.Close()
+	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
+		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
+		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second}}
+	p.buffers.New = func() any { return new(bytes.Buffer) }
+	tbl, engines, err := build([]byte(`{"version":1,"models":{"qwen":{"route":"pd","render":["`+server.URL+`"],
+		"groups":[{"prefill":["`+server.URL+`"],"decode":["`+server.URL+`"]}]}}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.engines = engines
+	p.current.Store(tbl)
+	client := `{"model":"qwen","messages":[{"role":"user","content":"hi"}]}`
+	request := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(client))
+	request.Header.Set("X-Request-Id", "mine")
+	recorder := httptest.NewRecorder()
+	p.serveCompletion(recorder, request)
+	if recorder.Code != 200 {
+		t.Fatalf("%d %s", recorder.Code, recorder.Body.String())
+	}
+	id := recorder.Header().Get("X-PDServe-Request-Id")
+	if !strings.HasPrefix(id, "pdserve-") || recorder.Header().Get("X-Request-Id") != "mine" {
+		t.Fatalf("headers %v", recorder.Header())
+	}
+	sameJSON(t, recorder.Body.Bytes(), `{"id":"`+id+`","object":"chat.completion","model":"qwen",
+		"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],
+		"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}`)
+	handoffParams := parsed(t, handoff)
+	kv := map[string]any{"remote_engine_id": "e", "remote_block_ids": []any{4.0}}
+	want := map[string][]any{
+		"/v1/chat/completions/render": {parsed(t, []byte(client))},
+		generatePath: {
+			map[string]any{"request_id": id, "token_ids": []any{1.0, 2.0, 3.0}, "features": nil,
+				"stream": false, "stream_options": nil, "kv_transfer_params": handoffParams,
+				"sampling_params": map[string]any{"max_tokens": 1.0, "min_tokens": 0.0, "n": 1.0,
+					"extra_args": map[string]any{"kv_transfer_params": handoffParams}}},
+			map[string]any{"request_id": id, "token_ids": []any{1.0, 2.0, 3.0}, "features": nil,
+				"stream": false, "stream_options": nil, "kv_transfer_params": kv,
+				"sampling_params": map[string]any{"max_tokens": 8.0, "n": 1.0,
+					"extra_args": map[string]any{"kv_transfer_params": kv}}},
+		},
+		"/v1/chat/completions/derender": {map[string]any{"stream": false, "model": "qwen",
+			"generate_response": parsed(t, []byte(`{"request_id":"d","choices":[{"index":0,"token_ids":[7,8],"finish_reason":"stop","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}`)),
+			"prompt_tokens":     3.0, "prompt_token_ids": []any{1.0, 2.0, 3.0},
+			"chat_request": parsed(t, []byte(client))}},
+	}
+	for path, bodies := range want {
+		if !reflect.DeepEqual(s.sent[path], bodies) {
+			t.Fatalf("%s was sent\n%v\nwant\n%v", path, s.sent[path], bodies)
+		}
+	}
+	if p.stats.renderPD.Load() != 1 {
+		t.Fatalf("render_pd %d", p.stats.renderPD.Load())
+	}
+	// A streamed request goes to the Python gateway's derender pipeline.
+	streamed := `{"model":"qwen","messages":[],"stream":true}`
+	members, _ := topLevel([]byte(streamed))
+	if reason := p.fast(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
+		tbl, []byte(streamed)); reason != "render_stream" || len(members) != 3 {
+		t.Fatalf("stream: %q", reason)
+	}
+}
