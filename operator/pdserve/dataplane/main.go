@@ -111,6 +111,9 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	reason := p.fast(w, r, t, body)
+	if reason != "" && r.Context().Err() != nil {
+		return // the client left: nobody to serve it to (the engines' work stopped with it)
+	}
 	if reason != "" {
 		p.toPython(w, r, body, reason)
 	}
@@ -153,8 +156,8 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		return "needs_tokenizer" // the engines have none: the Python gateway says what to send
 	}
 	stream := string(lookup(members, "stream")) == "true"
-	if stream && len(m.render) > 0 {
-		return "render_stream" // the Python gateway's derender pipeline streams it
+	if stream && len(m.render) > 0 && t.streamHandsOver(members) {
+		return "render_stream" // stop strings or log probabilities: the Python gateway's
 	}
 	if n := p.inflight.Add(1); n > p.maxInflight {
 		p.inflight.Add(-1)
@@ -169,17 +172,18 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		auth = r.Header.Get("Authorization")
 	}
 	if len(m.render) > 0 {
-		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth)
+		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth, stream)
 	}
 	prefill, decode := m.pick()
+	release := func() {}
 	if class.long(t.longBody > 0 && int64(len(body)) > t.longBody) && prefill != nil {
 		// Fair prefill admission, which the Python gateway runs (with its peers): a long
 		// prompt holds a slot on one prefill replica while it prefills there.
-		granted, release, reason := p.admit(ctx, m, prefill)
-		if reason != "" {
+		var granted *endpoint
+		var reason fallback
+		if granted, release, reason = p.admit(ctx, m, prefill); reason != "" {
 			return reason
 		}
-		defer release()
 		prefill, decode = granted, m.decodeFor(granted)
 	}
 	decodeBody := p.buffers.Get().(*bytes.Buffer)
@@ -187,6 +191,7 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	defer p.buffers.Put(decodeBody)
 	if prefill != nil {
 		kv, reason := p.prefill(ctx, prefill, r.URL.Path, body, members, id, auth)
+		release() // the slot is for prefill's work, as in the Python gateway
 		if reason != "" {
 			return reason
 		}

@@ -1,7 +1,7 @@
 package main
 
 // The render route: engines behind render servers (token ids in, token ids out), served
-// render -> (prefill ->) decode -> derender, not streamed. The calls, bodies and corrections
+// render -> (prefill ->) decode -> derender, streamed (render_stream.go) or not. The calls, bodies and corrections
 // are the Python gateway's (gateway/tokens_route.py, vllm/protocol.py, vllm/derender_gaps.py);
 // each body is spliced from the bytes it came in, so the prompt's token ids are copied, never
 // decoded into numbers and encoded again.
@@ -59,11 +59,11 @@ func (c requestClass) long(auto bool) bool {
 	return c == classLong || (c == classAuto && auto)
 }
 
-// rendered serves one non-streamed request on a model behind render servers. Until its answer
+// rendered serves one request on a model behind render servers. Until its answer
 // is written any failure goes to the Python gateway, which serves the request from the start
 // with its retries and fallbacks.
 func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
-	m *model, body []byte, members []member, class requestClass, id, auth string) fallback {
+	m *model, body []byte, members []member, class requestClass, id, auth string, stream bool) fallback {
 	chat := r.URL.Path == "/v1/chat/completions"
 	renderer := least(m.render)
 	renderAnswer := p.buffers.Get().(*bytes.Buffer)
@@ -86,22 +86,26 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	promptTokens := countElements(tokens)
 	prefill, decode := m.pick()
+	release := func() {}
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
-		granted, release, reason := p.admit(ctx, m, prefill)
-		if reason != "" {
+		var granted *endpoint
+		var reason fallback
+		if granted, release, reason = p.admit(ctx, m, prefill); reason != "" {
 			return reason
 		}
-		defer release()
 		prefill, decode = granted, m.decodeFor(granted)
 	}
 	quotedID := strconv.AppendQuote(nil, id)
 	var kv []byte
 	if prefill != nil {
 		var reason fallback
-		if kv, reason = p.prefillTokens(ctx, prefill, generate, fields, params, paramFields, quotedID, id, auth); reason != "" {
+		kv, reason = p.prefillTokens(ctx, prefill, generate, fields, params, paramFields, quotedID, id, auth)
+		if reason != "" {
+			release()
 			return reason
 		}
 	}
+	release() // the slot is for prefill's work, as in the Python gateway
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
@@ -113,6 +117,17 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	} else {
 		splice(request, generate, fields, requestIDDrops, extra)
 	}
+	includeStop := string(lookup(paramFields, "include_stop_str_in_output")) == "true"
+	if stream {
+		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,
+			auth: auth, tokens: tokens, count: promptTokens, request: body,
+			pipelining: t.derenderPipelining, renderer: renderer, includeStop: includeStop}
+		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), usageAsked(members))
+		if reason == "" {
+			p.countRendered(prefill != nil)
+		}
+		return reason
+	}
 	decoded := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(decoded)
 	if !p.call(ctx, decode, generatePath, request.Bytes(), id, auth, decoded) {
@@ -123,7 +138,6 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if err != nil || !hasChoices(lookup(answerFields, "choices")) {
 		return "decode_failed" // the Python gateway answers 502: nothing to derender
 	}
-	includeStop := string(lookup(paramFields, "include_stop_str_in_output")) == "true"
 	trimmed := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(trimmed)
 	generated, stops := withoutStopTokens(trimmed, answer, answerFields, includeStop)
@@ -144,11 +158,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	namedTool := len(toolChoice) > 0 && toolChoice[0] == '{'
 	matchVllmServe(final, derendered.Bytes(), result, lookup(answerFields, "usage"), stops,
 		chat, namedTool, lookup(members, "model"), quotedID)
-	if prefill != nil {
-		p.stats.renderPD.Add(1)
-	} else {
-		p.stats.renderDecode.Add(1)
-	}
+	p.countRendered(prefill != nil)
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(final.Len()))
@@ -157,6 +167,20 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 }
 
 var requestIDDrops = map[string]bool{"request_id": true}
+
+func (p *plane) countRendered(pd bool) {
+	if pd {
+		p.stats.renderPD.Add(1)
+	} else {
+		p.stats.renderDecode.Add(1)
+	}
+}
+
+// usageAsked: the client's stream_options.include_usage.
+func usageAsked(members []member) bool {
+	options, err := topLevel(lookup(members, "stream_options"))
+	return err == nil && string(lookup(options, "include_usage")) == "true"
+}
 
 // call posts to an engine or render server (counted in its load meanwhile) and reads a 200
 // answer whole into `into`.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -130,16 +131,35 @@ func (s *renderStack) handler(t *testing.T) http.Handler {
 		w.Header().Set("Content-Type", "application/json")
 		switch r.URL.Path {
 		case "/v1/chat/completions/render":
-			io.WriteString(w, `{"request_id":"chatcmpl-x","token_ids":[1,2,3],"features":null,
-				"sampling_params":{"max_tokens":8,"n":1,"extra_args":null},"stream":false,
-				"stream_options":null,"kv_transfer_params":null}`)
+			fmt.Fprintf(w, `{"request_id":"chatcmpl-x","token_ids":[1,2,3],"features":null,
+				"sampling_params":{"max_tokens":8,"n":1,"extra_args":null},"stream":%v,
+				"stream_options":null,"kv_transfer_params":null}`, body["stream"] == true)
 		case generatePath:
+			if body["stream"] == true {
+				w.Header().Set("Content-Type", "text/event-stream")
+				io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"token_ids\":[7],\"finish_reason\":null}]}\n\n")
+				io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"token_ids\":[8,0],\"finish_reason\":\"stop\",\"stop_reason\":null}]}\n\n")
+				io.WriteString(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":3,\"total_tokens\":6}}\n\ndata: [DONE]\n\n")
+				return
+			}
 			if body["sampling_params"].(map[string]any)["max_tokens"] == 1.0 {
 				io.WriteString(w, `{"request_id":"p","choices":[{"index":0,"token_ids":[9]}],"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[4]}}`)
 				return
 			}
 			io.WriteString(w, `{"request_id":"d","choices":[{"index":0,"token_ids":[7,8,0],"finish_reason":"stop","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}`)
 		case "/v1/chat/completions/derender":
+			if body["stream"] == true {
+				choice := body["generate_chunk"].(map[string]any)["choices"].([]any)[0].(map[string]any)
+				seen := 0.0
+				if state, ok := body["stream_state"].(map[string]any); ok {
+					seen = state["seen"].(float64)
+				}
+				ids := choice["token_ids"].([]any)
+				finish, _ := json.Marshal(choice["finish_reason"])
+				fmt.Fprintf(w, `{"chunk":{"id":"x","object":"chat.completion.chunk","model":"served","choices":[{"index":0,"delta":{"content":%q},"finish_reason":%s}]},"stream_state":{"seen":%v}}`,
+					strings.Repeat("t", len(ids)), finish, seen+float64(len(ids)))
+				return
+			}
 			io.WriteString(w, `{"id":"chatcmpl-x","object":"chat.completion","model":"qwen","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}`)
 		default:
 			w.WriteHeader(http.StatusNotFound)
@@ -204,11 +224,58 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	if p.stats.renderPD.Load() != 1 {
 		t.Fatalf("render_pd %d", p.stats.renderPD.Load())
 	}
-	// A streamed request goes to the Python gateway's derender pipeline.
-	streamed := `{"model":"qwen","messages":[],"stream":true}`
-	members, _ := topLevel([]byte(streamed))
+	// A stream with stop strings goes to the Python gateway (it cuts them across chunks).
+	tbl.streamHandOver = map[string]bool{"stop": true}
+	streamed := `{"model":"qwen","messages":[],"stream":true,"stop":["x"]}`
 	if reason := p.fast(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
-		tbl, []byte(streamed)); reason != "render_stream" || len(members) != 3 {
-		t.Fatalf("stream: %q", reason)
+		tbl, []byte(streamed)); reason != "render_stream" {
+		t.Fatalf("stream with stop strings: %q", reason)
+	}
+}
+
+func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T) {
+	s := &renderStack{sent: map[string][]any{}}
+	server := httptest.NewServer(s.handler(t))
+	defer server.Close()
+	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
+		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
+		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second}}
+	p.buffers.New = func() any { return new(bytes.Buffer) }
+	tbl, engines, err := build([]byte(`{"version":1,"derenderPipelining":false,"models":{"qwen":{"route":"decode","render":["`+server.URL+`"],
+		"groups":[{"prefill":[],"decode":["`+server.URL+`"]}]}}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.engines = engines
+	p.current.Store(tbl)
+	client := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`
+	recorder := httptest.NewRecorder()
+	p.serveCompletion(recorder, httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(client)))
+	id := recorder.Header().Get("X-PDServe-Request-Id")
+	if recorder.Code != 200 || recorder.Header().Get("Content-Type") != "text/event-stream" || id == "" {
+		t.Fatalf("%d %v %s", recorder.Code, recorder.Header(), recorder.Body.String())
+	}
+	events := strings.Split(strings.TrimSuffix(recorder.Body.String(), "\n\n"), "\n\n")
+	if len(events) != 4 || events[3] != "data: [DONE]" {
+		t.Fatalf("events %q", events)
+	}
+	// The stop token (0) is not derendered; each chunk is named as the gateway's.
+	sameJSON(t, []byte(strings.TrimPrefix(events[0], "data: ")), `{"id":"`+id+`","object":"chat.completion.chunk","model":"qwen","choices":[{"index":0,"delta":{"content":"t"},"finish_reason":null}]}`)
+	sameJSON(t, []byte(strings.TrimPrefix(events[1], "data: ")), `{"id":"`+id+`","object":"chat.completion.chunk","model":"qwen","choices":[{"index":0,"delta":{"content":"t"},"finish_reason":"stop"}]}`)
+	usage := parsed(t, []byte(strings.TrimPrefix(events[2], "data: "))).(map[string]any)
+	if usage["id"] != id || fmt.Sprint(usage["choices"]) != "[]" || usage["usage"].(map[string]any)["completion_tokens"] != 3.0 {
+		t.Fatalf("usage event %v", usage)
+	}
+	calls := s.sent["/v1/chat/completions/derender"]
+	if len(calls) != 2 {
+		t.Fatalf("derender calls %v", calls)
+	}
+	second := calls[1].(map[string]any)
+	if fmt.Sprint(second["stream_state"]) != "map[seen:1]" || second["prompt_tokens"] != 3.0 ||
+		fmt.Sprint(second["generate_chunk"]) != "map[choices:[map[finish_reason:stop index:0 logprobs:<nil> token_ids:[8]]] request_id:"+id+"]" {
+		t.Fatalf("second derender call %v", second)
+	}
+	if p.stats.renderDecode.Load() != 1 || p.stats.streams.Load() != 1 {
+		t.Fatalf("counted %d %d", p.stats.renderDecode.Load(), p.stats.streams.Load())
 	}
 }

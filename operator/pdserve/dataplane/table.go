@@ -25,15 +25,17 @@ const (
 )
 
 type tableJSON struct {
-	Version       int64                `json:"version"`
-	Models        map[string]modelJSON `json:"models"`
-	APIKeyDigests []string             `json:"apiKeySha256"`
-	PassAuth      bool                 `json:"passAuthorization"`
-	MaxTokensCap  int64                `json:"maxTokensCap"`
-	LongBodyBytes int64                `json:"longBodyBytes"`
-	LongTokens    int64                `json:"longPromptTokens"`
-	HandOver      []string             `json:"handOverParams"`
-	Load          map[string]float64   `json:"load"`
+	Version        int64                `json:"version"`
+	Models         map[string]modelJSON `json:"models"`
+	APIKeyDigests  []string             `json:"apiKeySha256"`
+	PassAuth       bool                 `json:"passAuthorization"`
+	MaxTokensCap   int64                `json:"maxTokensCap"`
+	LongBodyBytes  int64                `json:"longBodyBytes"`
+	LongTokens     int64                `json:"longPromptTokens"`
+	HandOver       []string             `json:"handOverParams"`
+	StreamHandOver []string             `json:"streamHandOverParams"`
+	Pipelining     bool                 `json:"derenderPipelining"`
+	Load           map[string]float64   `json:"load"`
 }
 
 type modelJSON struct {
@@ -77,6 +79,9 @@ type table struct {
 	longBody     int64           // larger bodies are long prompts: fair admission, in the Python gateway
 	longTokens   int64           // behind render servers: prompts of this many tokens or more are long
 	handOver     map[string]bool // a request setting one of these goes to the Python gateway
+	// behind render servers, a stream setting one of these goes to the Python gateway
+	streamHandOver     map[string]bool
+	derenderPipelining bool
 }
 
 // build validates a pushed table; engines are shared with the previous table by URL.
@@ -87,10 +92,8 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	}
 	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
 		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
-		handOver: map[string]bool{}}
-	for _, param := range in.HandOver {
-		t.handOver[param] = true
-	}
+		handOver: set(in.HandOver), streamHandOver: set(in.StreamHandOver),
+		derenderPipelining: in.Pipelining}
 	for _, digest := range in.APIKeyDigests {
 		key, err := hex.DecodeString(digest)
 		if err != nil || len(key) != sha256.Size {
@@ -157,13 +160,31 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	return t, next, nil
 }
 
-// handsOver: the request sets a parameter the Python gateway must see (null counts as unset).
+func set(keys []string) map[string]bool {
+	out := map[string]bool{}
+	for _, key := range keys {
+		out[key] = true
+	}
+	return out
+}
+
+// handsOver: the request sets a parameter the Python gateway must see.
 func (t *table) handsOver(members []member) bool {
-	if len(t.handOver) == 0 {
+	return setsAny(members, t.handOver)
+}
+
+// streamHandsOver: a stream behind render servers sets a parameter the Python gateway must see.
+func (t *table) streamHandsOver(members []member) bool {
+	return setsAny(members, t.streamHandOver)
+}
+
+// setsAny: one of `keys` is set to something (null and false count as unset).
+func setsAny(members []member, keys map[string]bool) bool {
+	if len(keys) == 0 {
 		return false
 	}
 	for i := range members {
-		if t.handOver[members[i].key] && string(members[i].value) != "null" {
+		if keys[members[i].key] && string(members[i].value) != "null" && string(members[i].value) != "false" {
 			return true
 		}
 	}

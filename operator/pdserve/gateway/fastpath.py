@@ -5,11 +5,12 @@ by. A pure function of that state, so what the data plane does is decided here, 
 The data plane serves a model's requests itself only where the Python gateway would do nothing
 per request that the table cannot say: routing mode Disaggregated (P/D on every request) or
 Aggregated (straight to decode), with engines that speak OpenAI or behind render servers (render
--> P/D -> derender, not streamed). Everything else goes to the Python gateway, request by
-request: routing mode Auto (a decision per request), bidirectional KV (a conversation's KV on
-decode is tracked per request), streams through render servers (the derender pipeline), a
-request log (every request must be in it), and every request whose fast path failed before its
-answer began (the Python gateway retries and falls back as always). Long prompts (by body size,
+-> P/D -> derender, streamed through the same derender pipeline or not). Everything else goes to
+the Python gateway, request by request: routing mode Auto (a decision per request),
+bidirectional KV (a conversation's KV on decode is tracked per request), streams through render
+servers with stop strings or log probabilities, a request log (every request must be in it),
+and every request whose fast path failed before its answer began (the Python gateway retries
+and falls back as always). Long prompts (by body size,
 or by rendered token count behind render servers) ask the Python gateway for a fair prefill
 admission slot."""
 
@@ -25,6 +26,10 @@ from pdserve.gateway.openai_schema import TOKENIZER_PARAMS
 from pdserve.gateway.settings import GatewaySettings
 
 PYTHON, PD, DECODE = "python", "pd", "decode"
+RENDERED_STREAM_PARAMS = ("stop", "logprobs", "top_logprobs", "prompt_logprobs")
+"""Streams behind render servers that set one of these are the Python gateway's: it cuts stop
+strings across chunks (vllm/derender_gaps.StreamStop) and refuses log probabilities with a 400
+naming the parameter (tokens_route.py)."""
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""
@@ -104,6 +109,8 @@ def routing_table(
         "longPromptTokens": settings.fair_queue.long_prompt_tokens,
         # Engines without a tokenizer refuse some parameters: intake says which and why.
         "handOverParams": list(TOKENIZER_PARAMS) if config.tokens_only_engines else [],
+        "streamHandOverParams": list(RENDERED_STREAM_PARAMS),
+        "derenderPipelining": settings.derender_pipelining,
         "load": {e.url: base_load(e) for pool in endpoints.pools.values() for e in pool},
     }
 

@@ -129,22 +129,35 @@ RENDERED = [
 
 def rendered_answers(url: str) -> list[Any]:
     """Each of RENDERED's answers, as a client keeps it (the gateway's id and the time aside),
-    and a stream's text and finish reason (how its tokens are grouped into chunks depends on
-    timing: derender pipelining)."""
+    and each of STREAMED's text, finish reasons and usage (how its tokens are grouped into
+    chunks depends on timing: derender pipelining)."""
     kept: list[Any] = []
     for path, body in RENDERED:
         answer = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert answer.status_code == 200, answer.text
         assert answer.headers["X-PDServe-Request-Id"] == answer.json()["id"]
         kept.append({k: v for k, v in answer.json().items() if k not in ("id", "created")})
-    with httpx.stream("POST", f"{url}/v1/chat/completions",
-                      json={**CHAT, "stream": True}, timeout=30) as streamed:  # fmt: skip
-        events = [json.loads(line[6:]) for line in streamed.iter_lines()
-                  if line.startswith("data: {")]  # fmt: skip
-    choices = [c for e in events for c in e["choices"]]
-    kept.append(("".join(c["delta"].get("content") or "" for c in choices),
-                 choices[-1]["finish_reason"]))  # fmt: skip
+    for path, body in STREAMED:
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=30) as streamed:
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        choices = [c for e in events for c in e["choices"]]
+        # Choices interleave as they come: each one's text on its own.
+        text = {c["index"]: "" for c in choices}
+        for c in choices:
+            text[c["index"]] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+        kept.append((text, [c["finish_reason"] for c in choices if c["finish_reason"]],
+                     [e.get("usage") for e in events if e.get("usage")], lines[-1]))  # fmt: skip
     return kept
+
+
+STREAMED = [
+    ("/v1/chat/completions", {**CHAT, "stream": True}),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "n": 2, "max_tokens": 40,
+                              "stop_token_ids": [0, 1, 2, 3]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True,
+                         "stream_options": {"include_usage": True}}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["Disaggregated", "Aggregated"])
@@ -156,11 +169,17 @@ def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
     with stack("--data-plane", str(binary), mode=mode, render=True) as (gateway, engines):
         prefilled = metric(engines["prefill"].url, "vllm:prompt_tokens_total")
         assert rendered_answers(gateway.url) == expected
-        # The non-streamed ones were served in Go, the stream by the derender pipeline.
-        eventually(f"{len(RENDERED)} served by the data plane, the stream handed over", lambda: (
-            served_by_data_plane(gateway, ROUTE[mode]) == len(RENDERED)
-            and 'reason="render_stream"} 1.0' in httpx.get(f"{gateway.url}/metrics").text
-        ))  # fmt: skip
+        # Every one of them was served in Go.
+        served = len(RENDERED) + len(STREAMED)
+        eventually(f"{served} served by the data plane", lambda: (
+            served_by_data_plane(gateway, ROUTE[mode]) == served))  # fmt: skip
+        # A stream asking for log probabilities is the Python gateway's, which refuses it in
+        # its words (streamed chunks are derendered without them).
+        with_logprobs = {**CHAT, "stream": True, "logprobs": True}
+        answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=with_logprobs, timeout=30)
+        assert (answer.status_code, answer.json()["error"]["param"]) == (400, "logprobs")
+        eventually("the stream handed over", lambda: 'reason="render_stream"} 1.0'
+                   in httpx.get(f"{gateway.url}/metrics").text)  # fmt: skip
         went_to_prefill = metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
         assert went_to_prefill == (mode == "Disaggregated")
 
@@ -231,9 +250,12 @@ def test_a_long_prompt_on_the_data_plane_holds_a_fair_admission_slot(
         eventually("served by the data plane", lambda: served_by_data_plane(gateway) == 1)
 
 
-def test_a_client_that_leaves_stops_the_decode_engine(tmp_path: Path, binary: Path) -> None:
+@pytest.mark.parametrize("render", [False, True], ids=["openai", "render"])
+def test_a_client_that_leaves_stops_the_decode_engine(
+    tmp_path: Path, binary: Path, render: bool
+) -> None:
     slow_decode = ["--sim-time-scale", "1", "--sim-kv-overhead-ms", "0"]
-    with stack("--data-plane", str(binary), engine_flags=slow_decode) as (
+    with stack("--data-plane", str(binary), engine_flags=slow_decode, render=render) as (
         gateway, engines,
     ):  # fmt: skip
         decode = engines["decode"].url
@@ -251,6 +273,11 @@ def test_a_client_that_leaves_stops_the_decode_engine(tmp_path: Path, binary: Pa
                        json={**long_stream, "stream": False}, timeout=2)  # fmt: skip
         eventually("decode stopped the abandoned request",
                    lambda: metric(decode, "vllm:num_requests_running") == 0)  # fmt: skip
+        # Both were the data plane's (the one abandoned before its answer is not handed over).
+        eventually("the stream counted as served by the data plane", lambda: served_by_data_plane(
+            gateway, "render_pd" if render else "pd") >= 1)  # fmt: skip
+        assert "pdserve_gateway_dataplane_fallbacks_total{" not in httpx.get(
+            f"{gateway.url}/metrics").text  # fmt: skip
 
 
 def test_the_gateway_and_its_data_plane_stop_together(tmp_path: Path, binary: Path) -> None:

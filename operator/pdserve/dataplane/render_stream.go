@@ -1,0 +1,459 @@
+package main
+
+// The render route streamed: decode's token-id events turned into the client's OpenAI chunks
+// by derender calls, as the Python gateway's derender pipeline does (gateway/streaming.py):
+// per choice at most one derender call in flight, the tokens that arrive meanwhile merged into
+// the next one (light load is per token, heavy load batches itself and costs render less CPU).
+// The stream always ends with every choice's finish_reason or an error event, then [DONE].
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// rendering is what every derender call of one request shares.
+type rendering struct {
+	chat        bool
+	model       []byte // the model's name, a JSON string
+	quotedID    []byte
+	id, auth    string
+	tokens      []byte // the prompt's token ids (a JSON array)
+	count       int
+	request     []byte // the client's body
+	pipelining  bool
+	renderer    *endpoint
+	includeStop bool
+}
+
+// streamWriter serializes the chunks of one client stream; a failed write means the client
+// left, and ends everything working for it.
+type streamWriter struct {
+	mu      sync.Mutex
+	w       http.ResponseWriter
+	flusher http.Flusher
+	gone    atomic.Bool
+	cancel  context.CancelFunc
+}
+
+func (s *streamWriter) event(data []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.gone.Load() {
+		return
+	}
+	if _, err := s.w.Write(append(append([]byte("data: "), data...), '\n', '\n')); err != nil {
+		s.gone.Store(true)
+		s.cancel()
+		return
+	}
+	if s.flusher != nil {
+		s.flusher.Flush()
+	}
+}
+
+// piece is what one decode event carried for one choice.
+type piece struct {
+	ids       []byte // the token ids, without brackets ("1,2")
+	finish    []byte // the finish_reason's JSON, nil while the choice goes on
+	abandoned bool   // the stream ended without this choice's finish_reason
+}
+
+type derenderPipeline struct {
+	index    []byte
+	mu       sync.Mutex
+	pending  []piece
+	wake     chan struct{}
+	finished bool // decode sent this choice's finish_reason
+	done     chan struct{}
+	err      error // the derender call that failed, once done
+}
+
+func (p *plane) startPipeline(ctx context.Context, rs *rendering, index []byte, out *streamWriter) *derenderPipeline {
+	pipeline := &derenderPipeline{index: append([]byte(nil), index...), wake: make(chan struct{}, 1),
+		done: make(chan struct{})}
+	go func() {
+		defer close(pipeline.done)
+		pipeline.err = p.runPipeline(ctx, rs, pipeline, out)
+	}()
+	return pipeline
+}
+
+func (d *derenderPipeline) push(next piece) {
+	d.mu.Lock()
+	if d.finished {
+		d.mu.Unlock()
+		return // nothing comes after a finish reason
+	}
+	d.finished = next.finish != nil
+	d.pending = append(d.pending, next)
+	d.mu.Unlock()
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+// take: the next call's tokens: one piece, or with pipelining every piece up to the one that
+// finishes the choice.
+func (d *derenderPipeline) take(pipelining bool) (piece, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.pending) == 0 {
+		return piece{}, false
+	}
+	next := d.pending[0]
+	d.pending = d.pending[1:]
+	for pipelining && next.finish == nil && !next.abandoned && len(d.pending) > 0 {
+		more := d.pending[0]
+		d.pending = d.pending[1:]
+		next.ids = joinIDs(next.ids, more.ids)
+		next.finish, next.abandoned = more.finish, more.abandoned
+	}
+	return next, true
+}
+
+func joinIDs(a, b []byte) []byte {
+	switch {
+	case len(a) == 0:
+		return b
+	case len(b) == 0:
+		return a
+	}
+	return append(append(append([]byte(nil), a...), ','), b...)
+}
+
+// close ends the choice: what is queued is derendered; a choice decode never finished ends
+// without a finish reason (the stream is then reported broken).
+func (d *derenderPipeline) close() error {
+	d.push(piece{abandoned: true})
+	<-d.done
+	return d.err
+}
+
+func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipeline, out *streamWriter) error {
+	var state []byte = []byte("null")
+	body := new(bytes.Buffer)
+	answer := new(bytes.Buffer)
+	for {
+		next, ok := d.take(rs.pipelining)
+		if !ok {
+			select {
+			case <-d.wake:
+				continue
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		if next.abandoned && len(next.ids) == 0 {
+			return nil
+		}
+		finish := next.finish
+		if finish == nil {
+			finish = []byte("null")
+		}
+		body.Reset()
+		derenderChunkBody(body, rs, state, d.index, next.ids, finish)
+		if !p.call(ctx, rs.renderer, derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer) {
+			return errors.New("derender failed: the render server did not answer")
+		}
+		fields, err := topLevel(answer.Bytes())
+		chunk := lookup(fields, "chunk")
+		chunkFields, chunkErr := topLevel(chunk)
+		if err != nil || chunkErr != nil {
+			return errors.New("derender failed: the render server answered without a chunk")
+		}
+		if next := lookup(fields, "stream_state"); next != nil {
+			state = append(state[:0:0], next...)
+		}
+		if worthSending(lookup(chunkFields, "choices")) {
+			var named bytes.Buffer
+			splice(&named, chunk, chunkFields, idModelDrops, []field{{"id", rs.quotedID}, {"model", rs.model}})
+			out.event(named.Bytes())
+		}
+		if next.finish != nil || next.abandoned {
+			return nil
+		}
+	}
+}
+
+var idModelDrops = map[string]bool{"id": true, "model": true}
+
+// worthSending: a chunk with something for the client (text, a role, tool calls, a finish).
+func worthSending(choices []byte) bool {
+	elements, err := arrayElements(choices)
+	if err != nil {
+		return false
+	}
+	for _, at := range elements {
+		members, err := topLevel(choices[at.start:at.end])
+		if err != nil {
+			continue
+		}
+		if truthy(lookup(members, "finish_reason")) || truthy(lookup(members, "text")) {
+			return true
+		}
+		delta, err := topLevel(lookup(members, "delta"))
+		if err != nil {
+			continue
+		}
+		for _, key := range []string{"role", "content", "reasoning", "tool_calls"} {
+			if truthy(lookup(delta, key)) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func truthy(raw []byte) bool {
+	switch string(bytes.TrimSpace(raw)) {
+	case "", "null", `""`, "[]", "{}", "false", "0":
+		return false
+	}
+	return true
+}
+
+func derenderChunkBody(dst *bytes.Buffer, rs *rendering, state, index, ids, finish []byte) {
+	dst.WriteString(`{"stream":true,"model":`)
+	dst.Write(rs.model)
+	dst.WriteString(`,"stream_state":`)
+	dst.Write(state)
+	dst.WriteString(`,"generate_chunk":{"request_id":`)
+	dst.Write(rs.quotedID)
+	dst.WriteString(`,"choices":[{"index":`)
+	dst.Write(index)
+	dst.WriteString(`,"token_ids":[`)
+	dst.Write(ids)
+	dst.WriteString(`],"finish_reason":`)
+	dst.Write(finish)
+	dst.WriteString(`,"logprobs":null}]},"prompt_tokens":` + strconv.Itoa(rs.count) + `,"prompt_token_ids":`)
+	dst.Write(rs.tokens)
+	if rs.chat {
+		dst.WriteString(`,"chat_request":`)
+	} else {
+		dst.WriteString(`,"completion_request":`)
+	}
+	dst.Write(rs.request)
+	dst.WriteByte('}')
+}
+
+// streamRendered sends the decode request and relays its stream through the derender
+// pipelines. A failure before the stream's head goes to the Python gateway; after it, the
+// stream ends with an error event.
+func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *http.Request,
+	rs *rendering, decode *endpoint, body []byte, usageAsked bool) fallback {
+	decode.inflight.Add(1)
+	defer decode.inflight.Add(-1)
+	response, err := p.post(ctx, decode, generatePath, body, rs.id, rs.auth)
+	if err != nil {
+		return "decode_failed"
+	}
+	defer response.Body.Close()
+	if response.StatusCode != http.StatusOK {
+		return "decode_failed"
+	}
+	decode.served.Add(1)
+	p.stats.streams.Add(1)
+	nameResponse(w.Header(), r, rs.id)
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	flusher, _ := w.(http.Flusher)
+	out := &streamWriter{w: w, flusher: flusher, cancel: cancel}
+	if flusher != nil {
+		flusher.Flush()
+	}
+	// Why the stream would have gone quiet, and (once the timer closed it) why it did.
+	var waiting, quiet atomic.Value
+	waiting.Store("no first event")
+	idle := fmt.Sprintf("no event for %g s", p.timeouts.idle.Seconds())
+	timer := time.AfterFunc(p.upstream.firstByte, func() {
+		quiet.Store(waiting.Load())
+		response.Body.Close()
+	})
+	defer timer.Stop()
+	pipelines := []*derenderPipeline{}
+	byIndex := map[string]*derenderPipeline{}
+	var usage []byte
+	done, broke := false, ""
+	reader := bufio.NewReaderSize(response.Body, 32*1024)
+	var line []byte
+	for !done && broke == "" {
+		line, err = readLine(reader, line[:0])
+		if err != nil {
+			broke = streamBreak(ctx, err, &quiet)
+			break
+		}
+		data, isData := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data: "))
+		if !isData {
+			continue
+		}
+		waiting.Store(idle)
+		timer.Reset(p.timeouts.idle)
+		if string(data) == "[DONE]" {
+			done = true
+			break
+		}
+		members, err := topLevel(data)
+		if err != nil {
+			broke = "decode sent a malformed event (not a JSON object)"
+			break
+		}
+		if failure := lookup(members, "error"); failure != nil {
+			broke = "decode reported: " + string(failure)
+			break
+		}
+		if u := lookup(members, "usage"); u != nil && string(u) != "null" {
+			usage = append(usage[:0], u...)
+		}
+		choices := lookup(members, "choices")
+		elements, err := arrayElements(choices)
+		if choices != nil && string(choices) != "null" && err != nil {
+			broke = "decode sent a malformed event (choices)"
+			break
+		}
+		for _, at := range elements {
+			choice, err := topLevel(choices[at.start:at.end])
+			if err != nil {
+				broke = "decode sent a malformed event (a choice)"
+				break
+			}
+			index := lookup(choice, "index")
+			if index == nil {
+				index = []byte("0")
+			}
+			next, ok := eventPiece(choice, rs.includeStop)
+			if !ok {
+				broke = "decode sent a malformed event (token_ids)"
+				break
+			}
+			pipeline := byIndex[string(index)]
+			if pipeline == nil {
+				pipeline = p.startPipeline(ctx, rs, index, out)
+				byIndex[string(index)] = pipeline
+				pipelines = append(pipelines, pipeline)
+			}
+			pipeline.push(next)
+		}
+	}
+	finished := done && len(pipelines) > 0
+	for _, pipeline := range pipelines {
+		pipeline.mu.Lock()
+		finished = finished && pipeline.finished
+		pipeline.mu.Unlock()
+	}
+	if !finished && broke == "" {
+		broke = "decode closed it"
+		if done {
+			broke = "decode sent [DONE] before a finish_reason"
+		}
+	}
+	// Flush what was generated before reporting anything, so chunks stay in order.
+	var failed error
+	for _, pipeline := range pipelines {
+		if err := pipeline.close(); err != nil && failed == nil {
+			failed = err
+		}
+	}
+	if out.gone.Load() {
+		return "" // the client left: closing decode's connection aborts its work
+	}
+	switch {
+	case failed != nil:
+		out.event(streamError(502, failed.Error()))
+	case !finished:
+		status := 502
+		if quiet.Load() != nil || ctx.Err() != nil {
+			status = 504
+		}
+		out.event(streamError(status, "decode stream ended before the answer was complete: "+broke))
+	case usage != nil && usageAsked:
+		object := `"text_completion"`
+		if rs.chat {
+			object = `"chat.completion.chunk"`
+		}
+		out.event(fmt.Appendf(nil, `{"id":%s,"object":%s,"created":%d,"model":%s,"choices":[],"usage":%s}`,
+			rs.quotedID, object, time.Now().Unix(), rs.model, usage))
+	}
+	out.mu.Lock()
+	defer out.mu.Unlock()
+	if !out.gone.Load() {
+		_, _ = w.Write([]byte("data: [DONE]\n\n"))
+		if flusher != nil {
+			flusher.Flush()
+		}
+	}
+	return ""
+}
+
+// eventPiece: one event's tokens of a choice, the stop token that ended it dropped (vLLM
+// keeps it in token_ids; `vllm serve` leaves it out of the text).
+func eventPiece(choice []member, includeStop bool) (piece, bool) {
+	tokens := lookup(choice, "token_ids")
+	var ids []byte
+	if tokens != nil && string(tokens) != "null" {
+		elements, err := arrayElements(tokens)
+		if err != nil {
+			return piece{}, false
+		}
+		end := len(elements)
+		if endsOnStopToken(choice, includeStop) && end > 0 {
+			end--
+		}
+		if end > 0 {
+			ids = tokens[elements[0].start:elements[end-1].end]
+		}
+	}
+	next := piece{ids: append([]byte(nil), ids...)}
+	if finish := lookup(choice, "finish_reason"); finish != nil && string(finish) != "null" {
+		next.finish = append([]byte(nil), finish...)
+	}
+	return next, true
+}
+
+// endsOnStopToken: finished on an EOS or a stop_token_ids hit (its stop_reason is no string),
+// which the text must not show unless include_stop_str_in_output.
+func endsOnStopToken(choice []member, includeStop bool) bool {
+	reason := lookup(choice, "stop_reason")
+	return string(lookup(choice, "finish_reason")) == `"stop"` && !includeStop &&
+		(len(reason) == 0 || reason[0] != '"')
+}
+
+func streamError(status int, message string) []byte {
+	kind := "UpstreamError"
+	if status == 504 {
+		kind = "GatewayTimeout"
+	}
+	quoted, _ := json.Marshal(message)
+	return fmt.Appendf(nil, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`,
+		quoted, kind, status)
+}
+
+func streamBreak(ctx context.Context, err error, quiet *atomic.Value) string {
+	if why, ok := quiet.Load().(string); ok {
+		return "decode stream timed out: " + why
+	}
+	return "decode stream broke (" + errorKind(ctx, err) + ")"
+}
+
+// readLine: one line of the stream, however long.
+func readLine(reader *bufio.Reader, into []byte) ([]byte, error) {
+	for {
+		part, err := reader.ReadSlice('\n')
+		into = append(into, part...)
+		if err != bufio.ErrBufferFull {
+			return into, err
+		}
+	}
+}
