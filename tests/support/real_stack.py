@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
+from pdserve.sim.procs import free_port
 from tests.support.chat_cases import LONG_ANSWER_TOKENS
 from tests.support.real_vllm import SERVED_NAME, VllmServer, engine_counts
 from tests.support.serving import serving
@@ -44,11 +46,13 @@ async def gateway_over(
     tokens_engines: str = "scale_out",
     kv_transfer: Mapping[str, Any] | None = None,
     operator_config: Mapping[str, Any] | None = None,
+    data_plane: Path | None = None,
     **settings: Any,
 ) -> AsyncIterator[GatewayUnderTest]:
     """A gateway with static endpoints: render -> (prefill ->) decode, or the OpenAI route
     (engine_api="openai", no render) when `render` is None. With `operator_config` (the
-    routing config the operator writes for a model), that config with these endpoints."""
+    routing config the operator writes for a model), that config with these endpoints. With
+    `data_plane` (a binary), clients reach it through its compiled data plane."""
     pool = {"service": "static", "port": 8000}
     parity = operator_config["parityHash"] if operator_config else PARITY
 
@@ -80,11 +84,24 @@ async def gateway_over(
         if engine_api == "openai":  # the same engines' OpenAI API, no render pool
             config |= {"engineApi": "openai", "pools": {**config["pools"], "render": None}}
     gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
-    async with (
-        serving(gateway.app(), runner_class=GatewayRunner) as url,
-        AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client,
-    ):
-        yield GatewayUnderTest(gateway, url, client)
+    port, front = free_port(), free_port()
+    if data_plane is not None:
+        gateway.use_data_plane(data_plane, f"127.0.0.1:{front}", f"http://127.0.0.1:{port}")
+    async with serving(gateway.app(), port, runner_class=GatewayRunner) as url:
+        url = url if data_plane is None else f"http://127.0.0.1:{front}"
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+            yield GatewayUnderTest(gateway, url, client)
+
+
+async def data_plane_stats(gateway: GatewayUnderTest) -> dict[str, Any]:
+    """What the gateway's data plane counts: requests served by route, hand-overs by reason."""
+    front = gateway.gateway.data_plane
+    assert front is not None
+    assert front.control is not None
+    async with httpx.AsyncClient() as client:
+        answer = await client.get(f"{front.control}/stats")
+    stats: dict[str, Any] = answer.json()
+    return stats
 
 
 def chat_answer(response: Any) -> dict[str, Any]:

@@ -1,17 +1,20 @@
 """The render route against real vLLM: `vllm launch render` -> `vllm serve --enable-scale-out`
 (prefill on decode) -> derender, driven with the OpenAI SDK, must answer what vLLM itself
 answers for the same request (greedy, so token for token): content, reasoning, tool calls,
-finish reasons and token counts, streamed or not. The OpenAI route over the same engine is the
-other half of the comparison."""
+finish reasons and token counts, streamed or not, served by the Python gateway or by its
+compiled data plane. The OpenAI route over the same engine is the other half of the
+comparison."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
+from pdserve.gateway.dataplane import build_binary
 from tests.support.chat_cases import CHAT_CASES, STREAM_CASES, request
 from tests.support.real_stack import (
     GatewayUnderTest,
@@ -19,16 +22,33 @@ from tests.support.real_stack import (
     chat_stream_answer,
     completion_answer,
     completion_stream_answer,
+    data_plane_stats,
     gateway_over,
     pretty,
 )
 from tests.support.real_vllm import SERVED_NAME, VllmServer
 
 
-@pytest.fixture
-async def tokens_route(render: VllmServer, engine: VllmServer) -> AsyncIterator[GatewayUnderTest]:
-    async with gateway_over(render=render.url, decode=[engine.url]) as gateway:
+@pytest.fixture(scope="module")
+def data_plane() -> Path:
+    return build_binary()
+
+
+@pytest.fixture(params=["python", "data-plane"])
+async def tokens_route(
+    request: pytest.FixtureRequest, render: VllmServer, engine: VllmServer, data_plane: Path
+) -> AsyncIterator[GatewayUnderTest]:
+    """The render route served by the Python gateway, or by its data plane, which must have
+    served each request itself or handed it over only where the Python gateway must serve it
+    (a stream with stop strings, a model it does not serve: 404): a fallback after an engine
+    refused its body would hide a wrong body behind the Python gateway's right answer."""
+    binary = data_plane if request.param == "data-plane" else None
+    async with gateway_over(render=render.url, decode=[engine.url], data_plane=binary) as gateway:
         yield gateway
+        if binary is not None:
+            stats = await data_plane_stats(gateway)
+            assert set(stats["fallbacks"]) <= {"render_stream", "unknown_model"}, stats
+            assert stats["render_decode"] + sum(stats["fallbacks"].values()) >= 1, stats
 
 
 @pytest.fixture
