@@ -1,7 +1,8 @@
 """`spec.gateway.dataPlane: true` as a user turns it on, on the real node: the gateway pod runs
 the compiled data plane from the pdserve image in front of the Python gateway, the OpenAI SDK
 gets its answers (streamed and not) through the Service, and the gateway's own metrics show
-that the data plane, not the Python gateway, served them."""
+that the data plane, not the Python gateway, served them: with OpenAI engines, and with
+engines behind the render pool."""
 
 from __future__ import annotations
 
@@ -21,24 +22,30 @@ from tests.support.realcluster import EXAMPLE, Cluster, describe, pods
 
 NAMESPACE = "llm-dataplane"
 NAME = "sim-fast"
-SERVED = re.compile(r'^pdserve_gateway_dataplane_requests_total\{route="pd"\} (\S+)$', re.M)
+ROUTE = {"openai": "pd", "render": "render_pd"}
+"""The data plane's route label, by whether the engines sit behind the render pool."""
 
 
-def fast_model() -> dict[str, Any]:
+def fast_model(engines: str) -> dict[str, Any]:
     """The simulator example, the way the data plane's route applies: prefill then decode for
-    every request (no render pool, no Auto decisions), one gateway replica."""
+    every request (no Auto decisions), one gateway replica; with `engines` "openai" no render
+    pool (the engines speak OpenAI), with "render" the example's render pool."""
     model: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     model["metadata"] = {"name": NAME, "namespace": NAMESPACE}
     spec = model["spec"]
-    spec["render"] = {"enabled": False}
+    if engines == "openai":
+        spec["render"] = {"enabled": False}
     spec["gateway"].update(replicas=1, dataPlane=True, routing={"mode": "Disaggregated"})
     return model
 
 
-@pytest.fixture
-def fast(cluster: Cluster, operator: None) -> Iterator[str]:
+@pytest.fixture(params=list(ROUTE))
+def fast(
+    request: pytest.FixtureRequest, cluster: Cluster, operator: None
+) -> Iterator[tuple[str, str]]:
+    """The gateway Service's URL and the route the data plane serves it by."""
     cluster.kubectl("create", "namespace", NAMESPACE)
-    manifest = json.dumps(fast_model())
+    manifest = json.dumps(fast_model(request.param))
     cluster.kubectl("apply", "-f", "-", stdin=manifest)
     try:
         waited = cluster.kubectl(
@@ -49,7 +56,8 @@ def fast(cluster: Cluster, operator: None) -> Iterator[str]:
         service = json.loads(cluster.kubectl(
             "get", "svc", f"{NAME}-gateway", "-n", NAMESPACE, "-o", "json"
         ).stdout)  # fmt: skip
-        yield f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+        base = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+        yield base, ROUTE[request.param]
     finally:
         cluster.kubectl("delete", "namespace", NAMESPACE, "--wait", check=False, timeout=300)
 
@@ -60,8 +68,9 @@ def metrics_of(base: str) -> str:
     return metrics.text
 
 
-def served_by_data_plane(base: str) -> float:
-    found = SERVED.search(metrics_of(base))
+def served_by_data_plane(base: str, route: str) -> float:
+    name = "pdserve_gateway_dataplane_requests_total"
+    found = re.search(rf'^{name}{{route="{route}"}} (\S+)$', metrics_of(base), re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -72,12 +81,13 @@ def fallbacks(base: str) -> list[str]:
 
 
 def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
-    cluster: Cluster, fast: str
+    cluster: Cluster, fast: tuple[str, str]
 ) -> None:
+    base, route = fast
     [gateway] = pods(cluster, NAMESPACE, "app.kubernetes.io/component=gateway")
     args = gateway["spec"]["containers"][0]["args"]
     assert args[args.index("--data-plane") + 1] == DATA_PLANE_BINARY
-    client = openai.OpenAI(base_url=f"{fast}/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
 
     def chat() -> None:
         answer = client.chat.completions.create(
@@ -106,18 +116,18 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
     assert "no-such-model" in str(unknown.value)
 
     def fast_path_serves() -> bool:
-        before = served_by_data_plane(fast)
+        before = served_by_data_plane(base, route)
         chat()
-        return served_by_data_plane(fast) > before  # its counts reach /metrics every second
+        return served_by_data_plane(base, route) > before  # its counts reach /metrics every second
 
     try:
         wait_until("the data plane to serve P/D requests itself", fast_path_serves, timeout=90,
                    interval=1)  # fmt: skip
     except ControlPlaneError as error:
-        raise AssertionError(f"{error}; hand-overs: {fallbacks(fast)}") from None
+        raise AssertionError(f"{error}; hand-overs: {fallbacks(base)}") from None
     # Then streamed and not, each served by it.
-    before = served_by_data_plane(fast)
+    before = served_by_data_plane(base, route)
     chat()
     stream()
-    wait_until("the data plane's count of both", lambda: served_by_data_plane(fast) >= before + 2,
-               timeout=20)  # fmt: skip
+    wait_until("the data plane's count of both",
+               lambda: served_by_data_plane(base, route) >= before + 2, timeout=20)  # fmt: skip

@@ -70,9 +70,10 @@ class GatewaySpec(ApiModel):
     data_plane: bool = False
     """Serve clients through the gateway's compiled data plane (Go, in the pdserve image):
     the routes it can serve as the Python gateway's routing table says (routing mode
-    Disaggregated or Aggregated, no render pool, no request log) at a fraction of the CPU per
-    request; everything else, and every request whose engine failed, goes on to the Python
-    gateway in the same pod. Off by default."""
+    Disaggregated or Aggregated, OpenAI engines or engines behind a render pool, no request
+    log, no bidirectional KV) at a fraction of the CPU per request; everything else, and every
+    request whose engine failed, goes on to the Python gateway in the same pod. Off by
+    default."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)

@@ -370,6 +370,8 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		return "" // the client left: closing decode's connection aborts its work
 	}
 	switch {
+	case failed != nil && ctx.Err() != nil:
+		out.event(streamError(504, "derender failed: the request's deadline passed"))
 	case failed != nil:
 		out.event(streamError(502, failed.Error()))
 	case !finished:
