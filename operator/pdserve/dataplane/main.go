@@ -272,15 +272,11 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	body []byte, id, auth string, stream bool) fallback {
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
-	response, err := p.post(ctx, e, r.URL.Path, body, id, auth)
-	if err != nil {
+	response := p.open(ctx, e, r.URL.Path, body, id, auth)
+	if response == nil {
 		return "decode_failed"
 	}
 	defer response.Body.Close()
-	if response.StatusCode != http.StatusOK {
-		return "decode_failed"
-	}
-	e.served.Add(1)
 	if !stream {
 		read := p.buffers.Get().(*bytes.Buffer)
 		read.Reset()

@@ -189,16 +189,29 @@ func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte,
 	into.Reset()
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
-	response, err := p.post(ctx, e, path, body, id, auth)
-	if err != nil {
+	response := p.open(ctx, e, path, body, id, auth)
+	if response == nil {
 		return false
 	}
 	defer response.Body.Close()
-	if _, err := into.ReadFrom(response.Body); err != nil || response.StatusCode != http.StatusOK {
-		return false
+	_, err := into.ReadFrom(response.Body)
+	return err == nil
+}
+
+// open posts to an engine or render server: the head of its 200 answer (counted as served),
+// the body still to read; nil when it failed or answered anything else.
+func (p *plane) open(ctx context.Context, e *endpoint, path string, body []byte,
+	id, auth string) *http.Response {
+	response, err := p.post(ctx, e, path, body, id, auth)
+	if err != nil {
+		return nil
+	}
+	if response.StatusCode != http.StatusOK {
+		response.Body.Close()
+		return nil
 	}
 	e.served.Add(1)
-	return true
+	return response
 }
 
 // prefillTokens runs the prefill of a rendered request: cut to one token, one choice, not

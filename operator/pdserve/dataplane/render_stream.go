@@ -253,15 +253,11 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	rs *rendering, decode *endpoint, body []byte, usageAsked bool) fallback {
 	decode.inflight.Add(1)
 	defer decode.inflight.Add(-1)
-	response, err := p.post(ctx, decode, generatePath, body, rs.id, rs.auth)
-	if err != nil {
+	response := p.open(ctx, decode, generatePath, body, rs.id, rs.auth)
+	if response == nil {
 		return "decode_failed"
 	}
 	defer response.Body.Close()
-	if response.StatusCode != http.StatusOK {
-		return "decode_failed"
-	}
-	decode.served.Add(1)
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, rs.id)
 	w.Header().Set("Content-Type", "text/event-stream")
@@ -290,6 +286,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	reader := bufio.NewReaderSize(response.Body, 32*1024)
 	var line []byte
 	for !done && broke == "" {
+		var err error
 		line, err = readLine(reader, line[:0])
 		if err != nil {
 			broke = streamBreak(ctx, err, &quiet)

@@ -167,21 +167,28 @@ func (s *renderStack) handler(t *testing.T) http.Handler {
 	})
 }
 
-func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
+// renderPlane: a data plane serving `table` (URL: the renderStack's address) and the stack.
+func renderPlane(t *testing.T, table string) (*renderStack, *plane, *table) {
+	t.Helper()
 	s := &renderStack{sent: map[string][]any{}}
 	server := httptest.NewServer(s.handler(t))
-	defer server.Close()
+	t.Cleanup(server.Close)
 	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
 		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
 		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second}}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
-	tbl, engines, err := build([]byte(`{"version":1,"models":{"qwen":{"route":"pd","render":["`+server.URL+`"],
-		"groups":[{"prefill":["`+server.URL+`"],"decode":["`+server.URL+`"]}]}}}`), nil)
+	built, engines, err := build([]byte(strings.ReplaceAll(table, "URL", server.URL)), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	p.engines = engines
-	p.current.Store(tbl)
+	p.current.Store(built)
+	return s, p, built
+}
+
+func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
+	s, p, tbl := renderPlane(t, `{"version":1,"models":{"qwen":{"route":"pd","render":["URL"],
+		"groups":[{"prefill":["URL"],"decode":["URL"]}]}}}`)
 	client := `{"model":"qwen","messages":[{"role":"user","content":"hi"}]}`
 	request := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(client))
 	request.Header.Set("X-Request-Id", "mine")
@@ -234,20 +241,8 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 }
 
 func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T) {
-	s := &renderStack{sent: map[string][]any{}}
-	server := httptest.NewServer(s.handler(t))
-	defer server.Close()
-	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
-		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
-		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second}}
-	p.buffers.New = func() any { return new(bytes.Buffer) }
-	tbl, engines, err := build([]byte(`{"version":1,"derenderPipelining":false,"models":{"qwen":{"route":"decode","render":["`+server.URL+`"],
-		"groups":[{"prefill":[],"decode":["`+server.URL+`"]}]}}}`), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.engines = engines
-	p.current.Store(tbl)
+	s, p, _ := renderPlane(t, `{"version":1,"derenderPipelining":false,"models":{"qwen":{"route":"decode",
+		"render":["URL"],"groups":[{"prefill":[],"decode":["URL"]}]}}}`)
 	client := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`
 	recorder := httptest.NewRecorder()
 	p.serveCompletion(recorder, httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(client)))
