@@ -10,9 +10,8 @@ the Python gateway, request by request: routing mode Auto (a decision per reques
 bidirectional KV (a conversation's KV on decode is tracked per request), streams through render
 servers with stop strings or log probabilities, a request log (every request must be in it),
 and every request whose fast path failed before its answer began (the Python gateway retries
-and falls back as always). Long prompts (by body size,
-or by rendered token count behind render servers) ask the Python gateway for a fair prefill
-admission slot."""
+and falls back as always). Long prompts (by body size, or by rendered token count behind render
+servers) ask the Python gateway for a fair prefill admission slot."""
 
 from __future__ import annotations
 
