@@ -402,6 +402,7 @@ func indexOf(members []member) string {
 // that rendered it, with the client's request (its parsers need it).
 func derenderBody(dst *bytes.Buffer, chat bool, model, answer []byte, promptTokens int,
 	tokens, request []byte) {
+	dst.Grow(len(answer) + len(tokens) + len(request) + 256)
 	dst.WriteString(`{"stream":false,"model":`)
 	dst.Write(model)
 	count := strconv.Itoa(promptTokens)

@@ -141,8 +141,10 @@ func (d *derenderPipeline) close() error {
 
 func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipeline, out *streamWriter) error {
 	var state []byte = []byte("null")
-	body := new(bytes.Buffer)
-	answer := new(bytes.Buffer)
+	// Pooled: every call's body carries the prompt's token ids and the client's request again.
+	body, answer := p.buffers.Get().(*bytes.Buffer), p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(body)
+	defer p.buffers.Put(answer)
 	for {
 		next, ok := d.take(rs.pipelining)
 		if !ok {
@@ -223,6 +225,7 @@ func truthy(raw []byte) bool {
 }
 
 func derenderChunkBody(dst *bytes.Buffer, rs *rendering, state, index, ids, finish []byte) {
+	dst.Grow(len(rs.tokens) + len(rs.request) + len(state) + len(ids) + 256)
 	dst.WriteString(`{"stream":true,"model":`)
 	dst.Write(rs.model)
 	dst.WriteString(`,"stream_state":`)
