@@ -94,7 +94,8 @@ async def gateway_over(
 
 
 async def data_plane_stats(gateway: GatewayUnderTest) -> dict[str, Any]:
-    """What the gateway's data plane counts: requests served by route, hand-overs by reason."""
+    """What the gateway's data plane counts: requests served by route (`routes`), hand-overs
+    by reason (`fallbacks`)."""
     front = gateway.gateway.data_plane
     assert front is not None
     assert front.control is not None

@@ -48,7 +48,8 @@ async def tokens_route(
         if binary is not None:
             stats = await data_plane_stats(gateway)
             assert set(stats["fallbacks"]) <= {"render_stream", "unknown_model"}, stats
-            assert stats["render_decode"] + sum(stats["fallbacks"].values()) >= 1, stats
+            served = stats["routes"]["render_decode"]
+            assert served + sum(stats["fallbacks"].values()) >= 1, stats
 
 
 @pytest.fixture

@@ -196,7 +196,7 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 			return reason
 		}
 		extra := []field{}
-		if len(kv) > 0 && string(kv) != "null" {
+		if kv != nil {
 			extra = append(extra, field{"kv_transfer_params", kv})
 		}
 		splice(decodeBody, body, members, decodeDrops, extra)
@@ -235,25 +235,7 @@ func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []by
 	}
 	extra = append(extra, field{"kv_transfer_params", handoff})
 	splice(buffer, body, members, prefillDrops, extra)
-	e.inflight.Add(1)
-	defer e.inflight.Add(-1)
-	response, err := p.post(ctx, e, path, buffer.Bytes(), id, auth)
-	if err != nil {
-		return nil, "prefill_failed"
-	}
-	defer response.Body.Close()
-	answer := p.buffers.Get().(*bytes.Buffer)
-	answer.Reset()
-	defer p.buffers.Put(answer)
-	if _, err := answer.ReadFrom(response.Body); err != nil || response.StatusCode != http.StatusOK {
-		return nil, "prefill_failed"
-	}
-	e.served.Add(1)
-	fields, err := topLevel(answer.Bytes())
-	if err != nil {
-		return nil, "prefill_failed"
-	}
-	return append([]byte(nil), lookup(fields, "kv_transfer_params")...), ""
+	return p.handOff(ctx, e, path, buffer.Bytes(), id, auth)
 }
 
 // post sends one upstream request (the request id the engine names its work by, and the
@@ -420,14 +402,13 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		return true
 	})
 	out := map[string]any{
-		"pd":            p.stats.pd.Load(),
-		"decode":        p.stats.decode.Load(),
-		"render_pd":     p.stats.renderPD.Load(),
-		"render_decode": p.stats.renderDecode.Load(),
-		"streams":       p.stats.streams.Load(),
-		"fallbacks":     fallbacks,
-		"unreadable":    p.stats.unreadable.Load(),
-		"inflight":      p.inflight.Load(),
+		// Served by route: the Python gateway's metric labels, named here only.
+		"routes": map[string]int64{"pd": p.stats.pd.Load(), "decode": p.stats.decode.Load(),
+			"render_pd": p.stats.renderPD.Load(), "render_decode": p.stats.renderDecode.Load()},
+		"streams":    p.stats.streams.Load(),
+		"fallbacks":  fallbacks,
+		"unreadable": p.stats.unreadable.Load(),
+		"inflight":   p.inflight.Load(),
 	}
 	if t := p.current.Load(); t != nil {
 		out["version"] = t.version

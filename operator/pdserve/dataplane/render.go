@@ -228,16 +228,24 @@ func (p *plane) prefillTokens(ctx context.Context, e *endpoint, generate []byte,
 	splice(request, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
 		{"stream", []byte("false")}, {"stream_options", []byte("null")},
 		{"sampling_params", cut}, {"kv_transfer_params", handoff}})
+	return p.handOff(ctx, e, generatePath, request.Bytes(), id, auth)
+}
+
+// handOff sends a prefill request and returns the kv_transfer_params of its answer: where
+// decode pulls the KV from; nil when prefill sent none (decode then prefills itself, as in
+// the Python gateway, which counts it as no_kv_params).
+func (p *plane) handOff(ctx context.Context, e *endpoint, path string, request []byte,
+	id, auth string) ([]byte, fallback) {
 	answer := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(answer)
-	if !p.call(ctx, e, generatePath, request.Bytes(), id, auth, answer) {
+	if !p.call(ctx, e, path, request, id, auth, answer) {
 		return nil, "prefill_failed"
 	}
-	answerFields, err := topLevel(answer.Bytes())
+	fields, err := topLevel(answer.Bytes())
 	if err != nil {
 		return nil, "prefill_failed"
 	}
-	kv := lookup(answerFields, "kv_transfer_params")
+	kv := lookup(fields, "kv_transfer_params")
 	if len(kv) == 0 || kv[0] != '{' {
 		return nil, ""
 	}

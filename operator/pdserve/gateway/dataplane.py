@@ -33,8 +33,6 @@ log = logging.getLogger("pdserve.gateway")
 SOURCE = Path(__file__).resolve().parents[1] / "dataplane"
 BINARY = "dataplane"
 STARTUP_SECONDS = 10.0
-ROUTES = ("pd", "decode", "render_pd", "render_decode")
-"""What the data plane counts as served, by route (`pdserve_gateway_dataplane_requests_total`)."""
 
 
 class DataPlaneError(RuntimeError):
@@ -146,7 +144,9 @@ class DataPlane:
         """The data plane's counters since the last poll, into this gateway's metrics."""
         async with session.get(f"{self.control}/stats") as answer:
             stats = await answer.json()
-        totals = {f"route:{route}": float(stats.get(route, 0)) for route in ROUTES}
+        # By route as the data plane names them: the labels of dataplane_requests_total.
+        routes = stats.get("routes") or {}
+        totals = {f"route:{route}": float(count) for route, count in routes.items()}
         totals["route:unreadable_body"] = float(stats.get("unreadable", 0))
         totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
         for key, total in totals.items():
