@@ -87,11 +87,22 @@ class GatewayLogs:
             self.read()
             self.stop.wait(0.2)
 
+    def logs(self) -> list[Path]:
+        """The gateway pods' log files now; the kubelet removes a deleted pod's directory,
+        possibly while it is being listed."""
+        try:
+            return list(self.directory.glob(f"{self.namespace}_*/gateway/*.log"))
+        except FileNotFoundError:
+            return []
+
     def read(self) -> None:
         with self.lock:
-            for path in self.directory.glob(f"{self.namespace}_*/gateway/*.log"):
+            for path in self.logs():
                 if path not in self.files:
-                    self.files[path] = path.open(encoding="utf-8")
+                    try:
+                        self.files[path] = path.open(encoding="utf-8")
+                    except FileNotFoundError:
+                        continue  # its pod went away meanwhile (files opened stay readable)
             for path, handle in self.files.items():
                 text = self.unfinished.pop(path, "") + handle.read()
                 for record in text.splitlines(keepends=True):
