@@ -517,7 +517,7 @@ func main() {
 		_ = server.Shutdown(ctx)
 		close(stopped)
 	}()
-	if err := server.Serve(clientListener); !errors.Is(err, http.ErrServerClosed) {
+	if err := server.Serve(rawListener{clientListener}); !errors.Is(err, http.ErrServerClosed) {
 		log.Fatal(err)
 	}
 	<-stopped

@@ -65,6 +65,7 @@ func (p *upstreamPool) get(ctx context.Context, host string) (*upConn, error) {
 	if err != nil {
 		return nil, err
 	}
+	conn = newRawConn(conn)
 	return &upConn{conn: conn, reader: bufio.NewReaderSize(conn, 16*1024), host: host}, nil
 }
 
@@ -144,8 +145,7 @@ func (p *upstreamPool) exchange(ctx context.Context, c *upConn, head, body []byt
 	// The request's context (the client's, bounded by the request timeout) unblocks any read
 	// or write on the connection when it ends.
 	stop := context.AfterFunc(ctx, func() { c.conn.SetDeadline(longAgo) })
-	buffers := net.Buffers{head, body}
-	if _, err := buffers.WriteTo(c.conn); err != nil {
+	if err := writeHeadAndBody(c.conn, head, body); err != nil {
 		stop()
 		return nil, err
 	}
