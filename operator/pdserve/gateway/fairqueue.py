@@ -65,10 +65,16 @@ class PrefillAdmission:
     def oldest_wait(self) -> float:
         return self.clock() - self.queue[0].since if self.queue else 0.0
 
-    def _free(self, replicas: Sequence[str]) -> str | None:
-        """The first of `replicas` with room for another long prefill."""
-        limit = self.settings.max_long_per_replica
-        return next((r for r in replicas if self.in_flight[r] + self.others(r) < limit), None)
+    def _free(self, replicas: Sequence[str], room: dict[str, int]) -> str | None:
+        """The first of `replicas` with room for another long prefill (`room`: what is known
+        of it so far in this pass, filled in here)."""
+        for replica in replicas:
+            if replica not in room:
+                taken = self.in_flight[replica] + self.others(replica)
+                room[replica] = self.settings.max_long_per_replica - taken
+            if room[replica] > 0:
+                return replica
+        return None
 
     def _grant(self, waiter: _Waiter, replica: str) -> None:
         self.in_flight[replica] += 1
@@ -77,13 +83,22 @@ class PrefillAdmission:
     def wake(self) -> None:
         """Admit queued long requests, oldest first, while one of their replicas has room (after
         a release here or a peer's). A request whose replicas are all busy does not hold back a
-        later one that may use another replica."""
-        for waiter in list(self.queue):
+        later one that may use another replica.
+
+        Each replica's room is counted once per pass (the peers' counts are not cheap), so a
+        release with a long queue behind it costs a dictionary lookup per waiter."""
+        room: dict[str, int] = {}
+        waiting: deque[_Waiter] = deque()
+        for waiter in self.queue:
             if waiter.granted.done():
-                self.queue.remove(waiter)
-            elif (replica := self._free(waiter.replicas)) is not None:
-                self.queue.remove(waiter)
+                continue
+            replica = self._free(waiter.replicas, room)
+            if replica is None:
+                waiting.append(waiter)
+            else:
+                room[replica] -= 1
                 self._grant(waiter, replica)
+        self.queue = waiting
 
     def _release(self, replica: str) -> None:
         self.in_flight[replica] -= 1

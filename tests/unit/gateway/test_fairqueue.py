@@ -94,6 +94,30 @@ async def test_a_cancelled_waiter_gives_up_its_place() -> None:
     assert gate.long_in_flight == 0
 
 
+async def test_a_release_asks_the_peers_count_once_per_replica_however_long_the_queue() -> None:
+    """The peers' counts are summed over every peer's state: asking them once per waiter made
+    each release with 128 long prompts queued cost the gateway about a millisecond."""
+    gate = admission(max_long_per_replica=1)
+    asked: list[str] = []
+
+    def others(replica: str) -> int:
+        asked.append(replica)
+        return 0
+
+    gate.others = others
+    order: list[int] = []
+    async with gate.admit("long", replicas=["a"]):
+        tasks = [asyncio.create_task(_hold(gate, "long", order, n)) for n in range(50)]
+        await _until(lambda: len(gate.queue) == 50)
+        asked.clear()
+    await asyncio.gather(*tasks)
+    assert order == list(range(50))  # still first come first served
+    # One pass per release (51) and per arrival, each asking about "a" once.
+    assert asked.count("a") <= 2 * 51, len(asked)
+    assert gate.long_in_flight == 0
+    assert not gate.queue
+
+
 async def _hold(
     gate: PrefillAdmission, kind: str, order: list[int] | None = None, n: int = 0
 ) -> None:
