@@ -297,7 +297,9 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 			if _, werr := w.Write((*chunk)[:n]); werr != nil {
 				return "" // the client left: closing decode's connection aborts its work
 			}
-			if flusher != nil {
+			// With the stream's end (or its error event) to follow, the server's last write
+			// carries these bytes too: one system call, not two.
+			if flusher != nil && err == nil {
 				flusher.Flush()
 			}
 		}

@@ -44,7 +44,10 @@ type streamWriter struct {
 	cancel  context.CancelFunc
 }
 
-func (s *streamWriter) event(data []byte) {
+func (s *streamWriter) event(data []byte) { s.write(data, true) }
+
+// write sends one event; unflushed, it goes out with the next flushed one or the stream's end.
+func (s *streamWriter) write(data []byte, flush bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.gone.Load() {
@@ -55,7 +58,7 @@ func (s *streamWriter) event(data []byte) {
 		s.cancel()
 		return
 	}
-	if s.flusher != nil {
+	if flush && s.flusher != nil {
 		s.flusher.Flush()
 	}
 }
@@ -379,23 +382,17 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		if quiet.Load() != nil || ctx.Err() != nil {
 			status = 504
 		}
-		out.event(streamError(status, "decode stream ended before the answer was complete: "+broke))
+		out.write(streamError(status, "decode stream ended before the answer was complete: "+broke), false)
 	case usage != nil && usageAsked:
 		object := `"text_completion"`
 		if rs.chat {
 			object = `"chat.completion.chunk"`
 		}
-		out.event(fmt.Appendf(nil, `{"id":%s,"object":%s,"created":%d,"model":%s,"choices":[],"usage":%s}`,
-			rs.quotedID, object, time.Now().Unix(), rs.model, usage))
+		out.write(fmt.Appendf(nil, `{"id":%s,"object":%s,"created":%d,"model":%s,"choices":[],"usage":%s}`,
+			rs.quotedID, object, time.Now().Unix(), rs.model, usage), false)
 	}
-	out.mu.Lock()
-	defer out.mu.Unlock()
-	if !out.gone.Load() {
-		_, _ = w.Write([]byte("data: [DONE]\n\n"))
-		if flusher != nil {
-			flusher.Flush()
-		}
-	}
+	// The trailer events and [DONE] go out with the stream's end, in the server's last write.
+	out.write([]byte("[DONE]"), false)
 	return ""
 }
 
