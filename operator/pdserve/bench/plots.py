@@ -52,7 +52,7 @@ def bar_chart(
             color=[COLORS[i % len(COLORS)] for i in range(len(shown))],
         )
         axes.set_yticks(positions, [label for label, _ in shown], fontsize=8)
-        axes.set_title(title, fontsize=10)
+        figure.suptitle(title, fontsize=10)  # over the whole figure: long labels narrow the axes
         axes.set_xlabel(ylabel)
         axes.grid(axis="x", alpha=0.3)
         figure.tight_layout()
@@ -119,7 +119,7 @@ def line_chart(
             axes.yaxis.set_minor_formatter(NullFormatter())
         if logx:
             axes.xaxis.set_major_formatter(ScalarFormatter())
-        axes.set_title(title, fontsize=10)
+        figure.suptitle(title, fontsize=10)  # over the whole figure: long labels narrow the axes
         axes.set_xlabel(xlabel, fontsize=9)
         axes.set_ylabel(ylabel, fontsize=9)
         axes.tick_params(labelsize=8)
