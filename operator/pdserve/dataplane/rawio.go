@@ -63,16 +63,39 @@ func (c *rawConn) Read(b []byte) (int, error) {
 	return int(n), nil
 }
 
-func (c *rawConn) Write(b []byte) (int, error) {
-	written := 0
+func (c *rawConn) Write(b []byte) (int, error) { return c.send(b, nil) }
+
+// writeBoth writes head then body in one writev where the socket takes them.
+func (c *rawConn) writeBoth(head, body []byte) error {
+	_, err := c.send(head, body)
+	return err
+}
+
+// send writes head then body (either may be empty) with writev, waiting in the poller when the
+// socket's buffer is full; it returns how many bytes went.
+func (c *rawConn) send(head, body []byte) (int, error) {
+	done, total := 0, len(head)+len(body)
 	var errno syscall.Errno
 	err := c.raw.Write(func(fd uintptr) bool {
-		for written < len(b) {
-			n, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd,
-				uintptr(unsafe.Pointer(&b[written])), uintptr(len(b)-written))
+		for done < total {
+			var vectors [2]syscall.Iovec
+			count := 0
+			if done < len(head) {
+				vectors[count].Base = &head[done]
+				vectors[count].SetLen(len(head) - done)
+				count++
+			}
+			if len(body) > 0 {
+				from := max(done-len(head), 0)
+				vectors[count].Base = &body[from]
+				vectors[count].SetLen(len(body) - from)
+				count++
+			}
+			n, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd,
+				uintptr(unsafe.Pointer(&vectors[0])), uintptr(count))
 			switch e {
 			case 0:
-				written += int(n)
+				done += int(n)
 			case syscall.EINTR:
 			case syscall.EAGAIN:
 				return false // the socket's buffer is full: wait until it drains
@@ -86,52 +109,7 @@ func (c *rawConn) Write(b []byte) (int, error) {
 	if err == nil && errno != 0 {
 		err = c.failed("write", errno)
 	}
-	return written, err
-}
-
-// writeBoth writes head then body in one writev where the socket takes them.
-func (c *rawConn) writeBoth(head, body []byte) error {
-	if len(body) == 0 {
-		_, err := c.Write(head)
-		return err
-	}
-	var errno syscall.Errno
-	done := 0 // bytes of head and body written
-	total := len(head) + len(body)
-	err := c.raw.Write(func(fd uintptr) bool {
-		for done < total {
-			var vectors [2]syscall.Iovec
-			count := 0
-			if done < len(head) {
-				vectors[0].Base = &head[done]
-				vectors[0].SetLen(len(head) - done)
-				vectors[1].Base = &body[0]
-				vectors[1].SetLen(len(body))
-				count = 2
-			} else {
-				vectors[0].Base = &body[done-len(head)]
-				vectors[0].SetLen(total - done)
-				count = 1
-			}
-			n, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd,
-				uintptr(unsafe.Pointer(&vectors[0])), uintptr(count))
-			switch e {
-			case 0:
-				done += int(n)
-			case syscall.EINTR:
-			case syscall.EAGAIN:
-				return false
-			default:
-				errno = e
-				return true
-			}
-		}
-		return true
-	})
-	if err == nil && errno != 0 {
-		err = c.failed("writev", errno)
-	}
-	return err
+	return done, err
 }
 
 // failed is the error net's own connection gives for a failed system call, so callers'
