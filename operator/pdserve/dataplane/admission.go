@@ -1,9 +1,17 @@
 package main
 
-// Long prompts' fair prefill admission, which the Python gateway runs (with its peer
-// replicas): a slot is asked for and given back as lines on one kept-open loopback connection
-// (the protocol: pdserve/gateway/dataplane_admission.py), so a long prompt costs the Python
-// gateway two short lines, not an HTTP request held open while prefill runs.
+// The admission channel: one kept-open loopback connection to the Python gateway, opened at
+// start and again whenever it closes, on which both sides ask each other for long-prefill slots
+// in lines (the protocol: pdserve/gateway/dataplane_admission.py). The asker's ids are its own:
+//
+//	data plane -> gateway  hello <token>                  (first, once per connection)
+//	either -> the other    acquire <id> <url> [<url>...]  (prefill replicas, best first)
+//	the other -> asker     granted <id> <url>
+//	asker -> the other     release <id>
+//
+// The Python gateway asks this replica's queue (fairqueue.go) for its own long requests and its
+// peers'; the data plane asks the Python gateway only while another gateway replica is the
+// admission leader (the Python gateway then holds the slot through the leader).
 
 import (
 	"bufio"
@@ -20,28 +28,46 @@ import (
 
 type admissionChannel struct {
 	address, token string
+	queue          *fairQueue
+	holdFor        time.Duration // at most this long a slot is held for the Python gateway
 	next           atomic.Uint64
-	mu             sync.Mutex // guards conn, waiters and every write
+	mu             sync.Mutex // guards conn, waiters, holds and every write
 	conn           net.Conn
-	waiters        map[string]chan string
+	waiters        map[string]chan string        // the data plane's asks, by its ids
+	holds          map[string]context.CancelFunc // the Python gateway's asks, by its ids
 }
 
 var errAdmissionClosed = errors.New("the admission connection closed")
 
-func newAdmissionChannel(address, token string) *admissionChannel {
-	return &admissionChannel{address: address, token: token, waiters: map[string]chan string{}}
+func newAdmissionChannel(address, token string, queue *fairQueue, holdFor time.Duration) *admissionChannel {
+	return &admissionChannel{address: address, token: token, queue: queue, holdFor: holdFor,
+		waiters: map[string]chan string{}, holds: map[string]context.CancelFunc{}}
 }
 
-// acquire waits for a slot on one of `replicas` (best first) and returns it with the function
-// that gives it back.
+// keepConnected connects, serves the connection until it closes, and connects again (the
+// Python gateway listens before it starts the data plane; it may stop before the data plane).
+func (a *admissionChannel) keepConnected(retry time.Duration) {
+	for {
+		conn, err := net.DialTimeout("tcp", a.address, 5*time.Second)
+		if err == nil {
+			a.mu.Lock()
+			a.conn = conn
+			err = a.send("hello " + a.token)
+			a.mu.Unlock()
+			if err == nil {
+				a.read(conn)
+			}
+		}
+		time.Sleep(retry) // a pause between attempts, not synchronization
+	}
+}
+
+// acquire asks the Python gateway for a slot on one of `replicas` (best first) and returns it
+// with the function that gives it back.
 func (a *admissionChannel) acquire(ctx context.Context, replicas []string) (string, func(), error) {
 	id := strconv.FormatUint(a.next.Add(1), 36)
 	granted := make(chan string, 1)
 	a.mu.Lock()
-	if err := a.connect(); err != nil {
-		a.mu.Unlock()
-		return "", nil, err
-	}
 	a.waiters[id] = granted
 	err := a.send("acquire " + id + " " + strings.Join(replicas, " "))
 	a.mu.Unlock()
@@ -66,26 +92,6 @@ func (a *admissionChannel) acquire(ctx context.Context, replicas []string) (stri
 	}
 }
 
-// connect (with a.mu held) opens the connection when there is none.
-func (a *admissionChannel) connect() error {
-	if a.conn != nil {
-		return nil
-	}
-	if a.address == "" {
-		return errors.New("no admission address (-admission)")
-	}
-	conn, err := net.DialTimeout("tcp", a.address, 5*time.Second)
-	if err != nil {
-		return err
-	}
-	a.conn = conn
-	if err := a.send("hello " + a.token); err != nil {
-		return err
-	}
-	go a.read(conn)
-	return nil
-}
-
 // send (with a.mu held) writes one line; a failed write closes the connection.
 func (a *admissionChannel) send(line string) error {
 	if a.conn == nil {
@@ -102,17 +108,52 @@ func (a *admissionChannel) read(conn net.Conn) {
 	lines := bufio.NewScanner(conn)
 	for lines.Scan() {
 		fields := strings.Fields(lines.Text())
-		if len(fields) != 3 || fields[0] != "granted" {
+		if len(fields) < 2 {
 			continue
 		}
+		id := fields[1]
 		a.mu.Lock()
-		if waiter := a.waiters[fields[1]]; waiter != nil {
-			waiter <- fields[2]
+		switch {
+		case fields[0] == "granted" && len(fields) == 3:
+			select {
+			case a.waiters[id] <- fields[2]: // buffered; a nil channel (no such ask) is never ready
+			default: // a second grant for one ask: the first stands
+			}
+		case fields[0] == "acquire" && len(fields) >= 3 && a.holds[id] == nil:
+			ctx, cancel := context.WithTimeout(context.Background(), a.holdFor)
+			a.holds[id] = cancel
+			go a.hold(ctx, conn, id, a.queue.enqueue(fields[2:]))
+		case fields[0] == "release" && len(fields) == 2:
+			if cancel := a.holds[id]; cancel != nil {
+				delete(a.holds, id)
+				cancel()
+			}
 		}
 		a.mu.Unlock()
 	}
 	a.mu.Lock()
 	a.drop(conn)
+	a.mu.Unlock()
+}
+
+// hold waits in this replica's queue for the Python gateway's ask `id`, says when it is
+// granted, and keeps the slot until released (or the connection closes, or holdFor passes).
+func (a *admissionChannel) hold(ctx context.Context, conn net.Conn, id string, waiter *queuedPrompt) {
+	url, release, err := a.queue.wait(ctx, waiter)
+	if err != nil {
+		return // released (or gone) while queued
+	}
+	defer release()
+	a.mu.Lock()
+	if ctx.Err() == nil && a.conn == conn {
+		_ = a.send("granted " + id + " " + url)
+	}
+	a.mu.Unlock()
+	<-ctx.Done()
+	a.mu.Lock()
+	if a.holds[id] != nil && a.conn == conn { // held past holdFor: the Python gateway forgot it
+		delete(a.holds, id)
+	}
 	a.mu.Unlock()
 }
 
@@ -126,5 +167,9 @@ func (a *admissionChannel) drop(conn net.Conn) {
 	for id, waiter := range a.waiters {
 		close(waiter)
 		delete(a.waiters, id)
+	}
+	for id, cancel := range a.holds {
+		cancel()
+		delete(a.holds, id)
 	}
 }

@@ -50,6 +50,7 @@ type plane struct {
 	chunks      sync.Pool // *[]byte: stream reads
 	timeouts    timeouts
 	admission   *admissionChannel
+	queue       *fairQueue // this gateway replica's fair admission queue
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -177,11 +178,11 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	prefill, decode := m.pick()
 	release := func() {}
 	if class.long(t.longBody > 0 && int64(len(body)) > t.longBody) && prefill != nil {
-		// Fair prefill admission, which the Python gateway runs (with its peers): a long
+		// Fair prefill admission (this replica's queue, or its peers' leader's): a long
 		// prompt holds a slot on one prefill replica while it prefills there.
 		var granted *endpoint
 		var reason fallback
-		if granted, release, reason = p.admit(ctx, m, prefill); reason != "" {
+		if granted, release, reason = p.admit(ctx, t, m, prefill); reason != "" {
 			return reason
 		}
 		prefill, decode = granted, m.decodeFor(granted)
@@ -325,15 +326,20 @@ func errorKind(ctx context.Context, err error) string {
 	return "connection closed"
 }
 
-// admit asks the Python gateway for a long-prefill slot on one of the model's prefill
-// replicas (the least loaded first) and holds it until release.
-func (p *plane) admit(ctx context.Context, m *model, best *endpoint) (*endpoint, func(), fallback) {
+// admit waits for a long-prefill slot on one of the model's prefill replicas (the least loaded
+// first) in this replica's queue, or while another gateway replica leads admission through the
+// Python gateway, and holds it until release.
+func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint) (*endpoint, func(), fallback) {
 	ranked := m.rankedPrefill(best)
 	urls := make([]string, len(ranked))
 	for i, e := range ranked {
 		urls[i] = e.url
 	}
-	url, release, err := p.admission.acquire(ctx, urls)
+	acquire := p.admission.acquire
+	if t.admitHere {
+		acquire = p.queue.acquire
+	}
+	url, release, err := acquire(ctx, urls)
 	if err != nil {
 		return nil, nil, "admission_failed"
 	}
@@ -394,6 +400,7 @@ func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
 	}
 	p.engines = engines
 	p.current.Store(t)
+	p.queue.configure(t.admission)
 	w.WriteHeader(http.StatusNoContent)
 }
 
@@ -412,9 +419,12 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		"unreadable": p.stats.unreadable.Load(),
 		"inflight":   p.inflight.Load(),
 	}
+	admission := p.queue.state()
 	if t := p.current.Load(); t != nil {
 		out["version"] = t.version
+		admission.AdmitsHere = t.admitHere
 	}
+	out["admission"] = admission
 	p.tableMu.Lock()
 	served := map[string]int64{}
 	for url, e := range p.engines {
@@ -463,9 +473,13 @@ func main() {
 	python.ErrorHandler = pythonUnavailable
 	p := &plane{python: python, maxBody: *maxBody,
 		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 4*time.Second),
-		maxInflight: *maxInflight, engines: map[string]*endpoint{},
-		// The token tells the Python gateway its own data plane from anyone else on loopback.
-		admission: newAdmissionChannel(*admission, os.Getenv("PDSERVE_DATAPLANE_TOKEN"))}
+		maxInflight: *maxInflight, engines: map[string]*endpoint{}, queue: newFairQueue()}
+	// The token tells the Python gateway its own data plane from anyone else on loopback; a
+	// slot it asked for is held at most as long as its prefill call may wait for an answer.
+	p.admission = newAdmissionChannel(*admission, os.Getenv("PDSERVE_DATAPLANE_TOKEN"), p.queue, seconds(*firstByte))
+	if *admission != "" {
+		go p.admission.keepConnected(100 * time.Millisecond)
+	}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole)}

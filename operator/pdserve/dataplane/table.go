@@ -15,6 +15,7 @@ import (
 	"sort"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // Route names what the fast path does with a model's requests.
@@ -36,6 +37,16 @@ type tableJSON struct {
 	StreamHandOver []string             `json:"streamHandOverParams"`
 	Pipelining     bool                 `json:"derenderPipelining"`
 	Load           map[string]float64   `json:"load"`
+	Admission      admissionJSON        `json:"admission"`
+}
+
+// admissionJSON: how this replica's fair admission queue runs (fairqueue.go). Absent (a zero
+// limit): every long prompt asks the Python gateway, as when another replica leads.
+type admissionJSON struct {
+	MaxLongPerReplica int            `json:"maxLongPerReplica"`
+	MaxWaitSeconds    float64        `json:"maxWaitSeconds"`
+	LeaderElsewhere   bool           `json:"leaderElsewhere"` // another gateway replica admits: ask the Python gateway
+	Others            map[string]int `json:"others"`          // peers' own long prefills per replica
 }
 
 type modelJSON struct {
@@ -76,12 +87,14 @@ type table struct {
 	keys         [][]byte // sha256 digests of the API keys
 	passAuth     bool
 	maxTokensCap int64
-	longBody     int64           // larger bodies are long prompts: fair admission, in the Python gateway
+	longBody     int64           // larger bodies are long prompts: fair admission
 	longTokens   int64           // behind render servers: prompts of this many tokens or more are long
 	handOver     map[string]bool // a request setting one of these goes to the Python gateway
 	// behind render servers, a stream setting one of these goes to the Python gateway
 	streamHandOver     map[string]bool
 	derenderPipelining bool
+	admission          admissionSettings
+	admitHere          bool // this replica's queue runs here; else ask the Python gateway
 }
 
 // build validates a pushed table; engines are shared with the previous table by URL.
@@ -94,6 +107,12 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
 		handOver: set(in.HandOver), streamHandOver: set(in.StreamHandOver),
 		derenderPipelining: in.Pipelining}
+	if a := in.Admission; a.MaxLongPerReplica < 0 || a.MaxWaitSeconds < 0 || math.IsNaN(a.MaxWaitSeconds) {
+		return nil, nil, fmt.Errorf("routing table: admission: maxLongPerReplica and maxWaitSeconds must not be negative")
+	}
+	t.admitHere = in.Admission.MaxLongPerReplica > 0 && !in.Admission.LeaderElsewhere
+	t.admission = admissionSettings{limit: in.Admission.MaxLongPerReplica,
+		maxWait: time.Duration(in.Admission.MaxWaitSeconds * float64(time.Second)), others: in.Admission.Others}
 	for _, digest := range in.APIKeyDigests {
 		key, err := hex.DecodeString(digest)
 		if err != nil || len(key) != sha256.Size {

@@ -10,6 +10,7 @@ import asyncio
 from collections import Counter
 from contextlib import suppress
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.errors import GatewayError, error_response
@@ -50,12 +51,15 @@ class AdmissionHandlers:
 
     async def admission_state(self, _: web.Request) -> web.Response:
         """What peers count against the shared long-prefill limit."""
-        admission = self.admission
+        try:
+            queue = await self.admission.fresh_state()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            queue = self.admission.state()  # the last one read
         return web.json_response(
             {
-                "longInFlight": admission.long_in_flight,
-                "queued": len(admission.queue),
-                "replicas": dict(admission.in_flight),
+                "longInFlight": queue.long_in_flight,
+                "queued": queue.queued,
+                "replicas": queue.replicas,
                 "heldAt": self.peers.holdings(),
             }
         )

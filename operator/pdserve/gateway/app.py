@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -197,6 +198,8 @@ class Gateway:
             self.peers,
         )  # fmt: skip
         self.admission_handlers.behind_data_plane = True
+        # This replica's fair queue runs in the data plane: its long prompts wait with no call.
+        self.admission.remote = self.data_plane.admission
 
     async def _start_background(self, _: web.Application) -> None:
         if self.request_log is not None:
@@ -300,9 +303,10 @@ class Gateway:
         )
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
-        self.metrics.prefill_queue.set(len(self.admission.queue))
-        self.metrics.prefill_oldest_wait.set(self.admission.oldest_wait())
-        self.metrics.prefill_aged.set(self.admission.aged)
+        queue = self.admission.state()
+        self.metrics.prefill_queue.set(queue.queued)
+        self.metrics.prefill_oldest_wait.set(queue.oldest_wait)
+        self.metrics.prefill_aged.set(queue.aged)
         self.metrics.admission_leader_errors.set(self.peers.leader_errors)
         # Read live: what the operator's transport monitor reports as GatewayFallback.
         self.metrics.pd_degraded.set(int(self.policy.health.degraded))
@@ -317,6 +321,17 @@ class Gateway:
             body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
         )
 
+    def admission_status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "leader": self.peers.leader() or "self",
+            "peers": sorted(self.peers.live),
+        }
+        if self.data_plane is not None:
+            # Where the data plane's long prompts take their slots (as of its last /stats).
+            here = self.data_plane.admission.admits_here
+            status["dataPlaneAdmits"] = "here" if here else "through the leader"
+        return status
+
     async def status(self, _: web.Request) -> web.Response:
         health = self.policy.health
         return web.json_response(
@@ -328,10 +343,7 @@ class Gateway:
                     url: estimate for url, (estimate, _) in health.by_prefill.items()
                 },
                 "recentFailures": len(health.failures),
-                "admission": {
-                    "leader": self.peers.leader() or "self",
-                    "peers": sorted(self.peers.live),
-                },
+                "admission": self.admission_status(),
                 "kvCompat": self.kv_compat_status(),
                 "replicaCheck": (
                     self.replica_contract.status() if self.replica_contract else "Off"

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import aiohttp
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
-from pdserve.gateway.fastpath import route_of, routing_table, same_table
+from pdserve.gateway.fastpath import admission_table, route_of, routing_table, same_table
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.settings import GatewaySettings
@@ -61,7 +62,7 @@ class DataPlane:
     ) -> None:
         self.binary, self.listen, self.python_url = binary, listen, python_url
         self.config, self.endpoints, self.settings = config, endpoints, settings
-        self.metrics = metrics
+        self.metrics, self.peers = metrics, peers
         self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
         self.process: asyncio.subprocess.Process | None = None
         self.control: str | None = None
@@ -113,6 +114,8 @@ class DataPlane:
         else:
             log.info("data plane at %s serves route %s itself", self.listen, route)
         await self.push(session)
+        self.admission.refresh = partial(self.queue_state, session)
+        await self.queue_state(session)  # where its long prompts wait, known from the start
         self._tasks = [
             asyncio.create_task(self.run(session), name="data-plane"),
             asyncio.create_task(self.watch(), name="data-plane-exit"),
@@ -129,7 +132,15 @@ class DataPlane:
 
     async def push(self, session: aiohttp.ClientSession) -> None:
         """The routing table, when it changed since the last push."""
-        table = routing_table(self.config, self.endpoints, self.settings, self.version + 1)
+        prefill = self.endpoints.pools.get("prefill", [])
+        admission = admission_table(
+            self.settings,
+            leader_elsewhere=self.peers.leader() is not None,
+            others={e.url: self.peers.total(e.url) for e in prefill},
+        )
+        table = routing_table(
+            self.config, self.endpoints, self.settings, self.version + 1, admission
+        )
         if same_table(self.pushed, table):
             return
         async with session.put(f"{self.control}/table", json=table) as answer:
@@ -140,10 +151,16 @@ class DataPlane:
         self.version += 1
         self.pushed = table
 
+    async def queue_state(self, session: aiohttp.ClientSession) -> None:
+        """The data plane's fair queue as it is now (for `GET /admission`)."""
+        async with session.get(f"{self.control}/stats") as answer:
+            self.admission.fold_state(await answer.json())
+
     async def fold_stats(self, session: aiohttp.ClientSession) -> None:
         """The data plane's counters since the last poll, into this gateway's metrics."""
         async with session.get(f"{self.control}/stats") as answer:
             stats = await answer.json()
+        self.admission.fold_state(stats)
         # By route as the data plane names them: the labels of dataplane_requests_total.
         routes = stats.get("routes") or {}
         totals = {f"route:{route}": float(count) for route, count in routes.items()}

@@ -7,16 +7,21 @@ first served until one of them has room, and is granted that one; a long request
 `max_wait_seconds` is admitted anyway on its first choice, so documents cannot starve however busy
 the pool is. The limit is cluster-wide: one gateway replica (the leader, `peers.py`) runs this
 queue for every replica's long requests; `others` counts the long prefills the peer replicas
-report holding on their own (only while they cannot reach the leader)."""
+report holding on their own (only while they cannot reach the leader).
+
+Behind the compiled data plane the queue runs there instead (`remote`: dataplane_admission.py,
+the same rules in dataplane/fairqueue.go), so that the long prompts it serves wait without a
+round trip here: this replica's own long requests then wait in it too."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 LONG, SHORT = "long", "short"
 
@@ -26,6 +31,43 @@ class FairQueueSettings:
     long_prompt_tokens: int = 2048
     max_long_per_replica: int = 1
     max_wait_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What a replica's queue holds: what it reports to its peers (`GET /admission`), its
+    metrics and its planner's prefill backlog."""
+
+    replicas: dict[str, int]
+    """Long prefills admitted, per prefill replica URL."""
+    queued: int
+    oldest_wait: float
+    aged: int
+
+    @property
+    def long_in_flight(self) -> int:
+        return sum(self.replicas.values())
+
+    @classmethod
+    def parse(cls, raw: Any) -> QueueState:
+        """From the data plane's /stats `admission` (dataplane/fairqueue.go admissionState)."""
+        raw = raw if isinstance(raw, dict) else {}
+        replicas = raw.get("replicas") if isinstance(raw.get("replicas"), dict) else {}
+        return cls(
+            {str(url): int(n) for url, n in replicas.items() if isinstance(n, int) and n > 0},
+            int(raw.get("queued") or 0),
+            float(raw.get("oldestWaitSeconds") or 0.0),
+            int(raw.get("aged") or 0),
+        )
+
+
+class RemoteQueue(Protocol):
+    """A replica's queue run in another process (the data plane's)."""
+
+    state: QueueState
+    refresh: Callable[[], Awaitable[None]] | None
+
+    def admit(self, replicas: Sequence[str]) -> AbstractAsyncContextManager[str]: ...
 
 
 @dataclass
@@ -48,6 +90,23 @@ class PrefillAdmission:
         self.queue: deque[_Waiter] = deque()
         self.aged = 0
         self.others: Callable[[str], int] = lambda _: 0  # peers' long prefills on a replica
+        self.remote: RemoteQueue | None = None
+        """Where this replica's queue runs when not here (the data plane's)."""
+
+    @property
+    def queued(self) -> int:
+        return self.remote.state.queued if self.remote is not None else len(self.queue)
+
+    async def fresh_state(self) -> QueueState:
+        """state(), read afresh where the queue runs elsewhere (state() may be a second old)."""
+        if self.remote is not None and self.remote.refresh is not None:
+            await self.remote.refresh()
+        return self.state()
+
+    def state(self) -> QueueState:
+        if self.remote is not None:
+            return self.remote.state
+        return QueueState(dict(self.in_flight), len(self.queue), self.oldest_wait(), self.aged)
 
     @property
     def long_in_flight(self) -> int:
@@ -112,6 +171,10 @@ class PrefillAdmission:
         short requests pass straight through (None)."""
         if request_class != LONG or not replicas:
             yield None
+            return
+        if self.remote is not None:
+            async with self.remote.admit(replicas) as granted:
+                yield granted
             return
         waiter = _Waiter(self.clock(), list(replicas))
         self.queue.append(waiter)

@@ -11,7 +11,8 @@ bidirectional KV (a conversation's KV on decode is tracked per request), streams
 servers with stop strings or log probabilities, a request log (every request must be in it),
 and every request whose fast path failed before its answer began (the Python gateway retries
 and falls back as always). Long prompts (by body size, or by rendered token count behind render
-servers) ask the Python gateway for a fair prefill admission slot."""
+servers) wait for a fair prefill admission slot in this replica's queue, which the data plane
+runs (`admission`), or, while another gateway replica leads admission, ask this gateway."""
 
 from __future__ import annotations
 
@@ -84,10 +85,30 @@ def urls(endpoints: Iterable[Endpoint]) -> list[str]:
     return sorted(e.url for e in endpoints)
 
 
-def routing_table(
-    config: GatewayConfig, endpoints: Endpoints, settings: GatewaySettings, version: int
+def admission_table(
+    settings: GatewaySettings, *, leader_elsewhere: bool, others: Mapping[str, int]
 ) -> dict[str, Any]:
-    """The table the data plane is sent (`version` orders the pushes)."""
+    """How the data plane runs this replica's fair queue (dataplane/fairqueue.go): the limits,
+    whether another replica leads admission (then it asks this gateway), and the long prefills
+    the peers hold on their own per prefill replica (PeerAdmission.total)."""
+    queue = settings.fair_queue
+    return {
+        "maxLongPerReplica": queue.max_long_per_replica,
+        "maxWaitSeconds": queue.max_wait_seconds,
+        "leaderElsewhere": leader_elsewhere,
+        "others": {url: n for url, n in sorted(others.items()) if n > 0},
+    }
+
+
+def routing_table(
+    config: GatewayConfig,
+    endpoints: Endpoints,
+    settings: GatewaySettings,
+    version: int,
+    admission: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The table the data plane is sent (`version` orders the pushes; `admission`: from
+    admission_table, by default this replica alone)."""
     route, _ = route_of(config, settings)
     render, engine_groups = engines(config, endpoints, route) if route != PYTHON else ([], [])
     if route != PYTHON and not engine_groups:
@@ -111,6 +132,7 @@ def routing_table(
         "streamHandOverParams": list(RENDERED_STREAM_PARAMS),
         "derenderPipelining": settings.derender_pipelining,
         "load": {e.url: base_load(e) for pool in endpoints.pools.values() for e in pool},
+        "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
     }
 
 

@@ -134,7 +134,7 @@ class RoutePlanner:
 
         pools = selection.pools
         prefill = pools.get("prefill", [])
-        queued = (len(self.admission.queue) + self.peers.queued()) / max(1, len(prefill))
+        queued = (self.admission.queued + self.peers.queued()) / max(1, len(prefill))
         ahead_by = {e.url: active(e) + queued for e in prefill}
         calmest = min(pools.get("decode", []), key=active, default=None)
         return QueueState(

@@ -161,10 +161,12 @@ class Processes:
         *extra: str,
         module: Sequence[str] = (*PDSERVE, "gateway"),
         preexec_fn: PreExec = None,
+        port: int | None = None,
     ) -> Proc:
-        """A gateway over `config` (a routing.json with static endpoints); `module` picks the
-        entry point (`pdserve gateway`, or the benchmark's time-scaled one)."""
-        port = free_port()
+        """A gateway over `config` (a routing.json with static endpoints) on `port` (default: a
+        free one); `module` picks the entry point (`pdserve gateway`, or the benchmark's
+        time-scaled one)."""
+        port = port or free_port()
         path = self._workdir / f"routing-{len(self.items)}.json"
         path.write_text(json.dumps(config))
         argv = [*module, "--config", str(path), "--host", "127.0.0.1", "--port", str(port)]

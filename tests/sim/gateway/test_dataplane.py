@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from pdserve.gateway.dataplane import build_binary
-from pdserve.sim.procs import Proc, Processes
+from pdserve.sim.procs import Proc, Processes, free_port
 
 MODEL = "qwen"
 SIM_MODEL = "Qwen/Qwen3-8B"
@@ -238,16 +238,94 @@ def test_a_long_prompt_on_the_data_plane_holds_a_fair_admission_slot(
     with stack("--data-plane", str(binary), engine_flags=slow_prefill) as (gateway, _):
         document = {**CHAT, "max_tokens": 1}
         headers = {"X-PDServe-Class": "document"}
-        with ThreadPoolExecutor(1) as client:
-            answer = client.submit(
+
+        def admission() -> dict[str, Any]:
+            state: dict[str, Any] = httpx.get(f"{gateway.url}/admission").json()
+            return state
+
+        with ThreadPoolExecutor(2) as client:
+            first = client.submit(
                 httpx.post, f"{gateway.url}/v1/chat/completions", json=document,
                 headers=headers, timeout=60,
             )  # fmt: skip
-            eventually("the document holds a long-prefill slot", lambda: httpx.get(
-                f"{gateway.url}/admission").json()["longInFlight"] == 1)  # fmt: skip
-            assert answer.result(timeout=60).status_code == 200
-        assert httpx.get(f"{gateway.url}/admission").json()["longInFlight"] == 0
-        eventually("served by the data plane", lambda: served_by_data_plane(gateway) == 1)
+            eventually("the document holds a long-prefill slot",
+                       lambda: admission()["longInFlight"] == 1)  # fmt: skip
+            second = client.submit(
+                httpx.post, f"{gateway.url}/v1/chat/completions", json=document,
+                headers=headers, timeout=60,
+            )  # fmt: skip
+            # One prefill replica, one long prefill on it: the second waits in the queue the
+            # data plane runs for this replica, as the gateway reports it.
+            eventually("the second document queued", lambda: admission()["queued"] == 1)
+            assert admission()["longInFlight"] == 1
+            assert first.result(timeout=60).status_code == 200
+            assert second.result(timeout=60).status_code == 200
+        eventually("every slot given back", lambda: admission() == {
+            "longInFlight": 0, "queued": 0, "replicas": {}, "heldAt": {}})  # fmt: skip
+        eventually("served by the data plane", lambda: served_by_data_plane(gateway) == 2)
+
+
+def test_gateway_replicas_with_data_planes_admit_long_prompts_through_one_leader(
+    tmp_path: Path, binary: Path
+) -> None:
+    """Two gateway replicas, each behind its data plane, one prefill replica, one long
+    prefill at a time on it: the leader's data plane runs the one queue; the follower's data
+    plane asks its gateway, which holds the slot through the leader. Documents sent to both at
+    once reach prefill one at a time, in the leader's queue."""
+    slow_prefill = ["--sim-time-scale", "1", "--sim-step-base-ms", "1500",
+                    "--sim-kv-overhead-ms", "0"]  # fmt: skip
+    with Processes(startup_timeout=60) as procs:
+        engines = {
+            role: procs.engine(SIM_MODEL, role=role, served_model_name=MODEL, extra=slow_prefill)
+            for role in ("prefill", "decode")
+        }  # fmt: skip
+        ports = [free_port(), free_port()]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        pool = {"service": "x", "port": 8000}
+        gateways = [
+            procs.gateway({
+                "model": MODEL, "engineApi": "openai", "routing": {"mode": "Disaggregated"},
+                "pools": {"render": None, "prefill": pool, "decode": pool},
+                "endpoints": {
+                    **{role: [{"url": e.url}] for role, e in engines.items()},
+                    "peers": [urls[1 - i]], "selfUrl": urls[i],
+                },
+            }, "--data-plane", str(binary), port=port)
+            for i, port in enumerate(ports)
+        ]  # fmt: skip
+        leader, follower = sorted(gateways, key=lambda g: g.url)  # the lowest URL leads
+
+        def admission(gateway: Proc) -> dict[str, Any]:
+            status: dict[str, Any] = httpx.get(f"{gateway.url}/status").json()["admission"]
+            return status
+
+        eventually("the follower's data plane asks through the leader", lambda: admission(
+            follower) == {"leader": leader.url, "peers": [leader.url],
+                          "dataPlaneAdmits": "through the leader"})  # fmt: skip
+        assert admission(leader)["dataPlaneAdmits"] == "here"
+
+        def queue(gateway: Proc) -> dict[str, Any]:
+            state: dict[str, Any] = httpx.get(f"{gateway.url}/admission").json()
+            return state
+
+        document = {**CHAT, "max_tokens": 1}
+        headers = {"X-PDServe-Class": "document"}
+        with ThreadPoolExecutor(3) as client:
+            url = "{}/v1/chat/completions".format
+            sent = [
+                client.submit(httpx.post, url(g.url), json=document, headers=headers, timeout=60)
+                for g in (follower, leader, follower)
+            ]
+            eventually("one document prefilling, two queued at the leader", lambda: (
+                queue(leader)["longInFlight"], queue(leader)["queued"]) == (1, 2))  # fmt: skip
+            assert metric(engines["prefill"].url, "vllm:num_requests_running") <= 1
+            assert all(answer.result(timeout=60).status_code == 200 for answer in sent)
+        eventually("every slot given back", lambda: queue(leader)["replicas"] == {}
+                   and queue(follower)["heldAt"] == {})  # fmt: skip
+        assert queue(follower)["longInFlight"] == 0  # the follower decided nothing
+        # All three were served by the data planes (none handed over for its slot).
+        eventually("served by the data planes", lambda: served_by_data_plane(follower) == 2
+                   and served_by_data_plane(leader) == 1)  # fmt: skip
 
 
 @pytest.mark.parametrize("render", [False, True], ids=["openai", "render"])

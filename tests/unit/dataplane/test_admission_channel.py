@@ -6,12 +6,13 @@ never granted to nobody. Only the data plane holding the token may ask."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from pdserve.gateway.dataplane_admission import AdmissionChannel
-from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.fairqueue import LONG, PrefillAdmission
 from pdserve.gateway.peers import PeerAdmission
 
 TOKEN = "t0ken"
@@ -100,3 +101,64 @@ async def test_only_the_data_plane_with_the_token_may_ask(
     writer.write(b"acquire 1 http://p0\n")
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without an answer
     assert admission.long_in_flight == 0
+
+
+@pytest.fixture
+async def remote() -> AsyncIterator[
+    tuple[PrefillAdmission, asyncio.StreamReader, asyncio.StreamWriter]
+]:
+    """This replica's queue in the data plane: the test speaks the data plane's end."""
+    admission = PrefillAdmission()
+    peers = PeerAdmission(admission, lambda: None)  # type: ignore[arg-type,return-value]
+    served = AdmissionChannel(peers, TOKEN, hold_seconds=30)
+    admission.remote = served
+    reader, writer = await connect(await served.start())
+    await asyncio.wait_for(served.connected.wait(), 5)
+    yield admission, reader, writer
+    writer.close()
+    await served.stop()
+
+
+async def test_the_gateways_own_long_requests_are_asked_for_in_the_data_planes_queue(
+    remote: tuple[PrefillAdmission, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    admission, reader, writer = remote
+    async with contextlib.AsyncExitStack() as stack:
+        held = asyncio.create_task(stack.enter_async_context(
+            admission.admit(LONG, ["http://p0", "http://p1"])))  # fmt: skip
+        assert await line(reader) == "acquire 1 http://p0 http://p1"
+        assert not held.done()  # waits for the data plane's grant
+        writer.write(b"granted 1 http://p1\n")
+        assert await asyncio.wait_for(held, 5) == "http://p1"
+        assert admission.long_in_flight == 0  # counted where the queue runs, not here
+    assert await line(reader) == "release 1"
+
+
+async def test_a_request_that_leaves_while_queued_in_the_data_plane_is_released_there(
+    remote: tuple[PrefillAdmission, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    admission, reader, _ = remote
+
+    async def hold() -> None:
+        async with admission.admit(LONG, ["http://p0"]):
+            raise AssertionError("never granted")
+
+    waiting = asyncio.create_task(hold())
+    assert await line(reader) == "acquire 1 http://p0"
+    waiting.cancel()  # its client left
+    assert await line(reader) == "release 1"
+
+
+async def test_without_its_data_plane_a_waiting_request_goes_on_its_first_choice(
+    remote: tuple[PrefillAdmission, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    admission, reader, writer = remote
+
+    async def hold() -> str | None:
+        async with admission.admit(LONG, ["http://p0", "http://p1"]) as granted:
+            return granted
+
+    waiting = asyncio.create_task(hold())
+    assert await line(reader) == "acquire 1 http://p0 http://p1"
+    writer.close()  # the data plane died (this gateway stops with it): nothing to wait in
+    assert await asyncio.wait_for(waiting, 5) == "http://p0"

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
-from pdserve.gateway.fastpath import routing_table, same_table
+from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.fastpath import admission_table, routing_table, same_table
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.gateway_fakes import MODEL, config
 
@@ -156,3 +157,19 @@ def test_the_engines_scraped_load_goes_along_and_only_changes_are_pushed() -> No
     assert same_table(table, again)
     assert not same_table(table, {**again, "load": {"http://p": 1.0, "http://d": 0.0}})
     assert not same_table(None, table)
+
+
+def test_the_data_plane_runs_this_replicas_fair_queue_with_the_gateways_limits() -> None:
+    settings = GatewaySettings(
+        fair_queue=FairQueueSettings(max_long_per_replica=2, max_wait_seconds=4)
+    )
+    assert table_for(settings=settings)["admission"] == {
+        "maxLongPerReplica": 2,
+        "maxWaitSeconds": 4,
+        "leaderElsewhere": False,
+        "others": {},
+    }  # alone: every long prompt waits in the data plane's queue, none asks this gateway
+    led = admission_table(settings, leader_elsewhere=True, others={"http://p1": 1, "http://p0": 0})
+    # Another replica leads: the data plane asks this gateway (which asks the leader); the
+    # peers' own long prefills count, replicas without any are left out.
+    assert (led["leaderElsewhere"], led["others"]) == (True, {"http://p1": 1})
