@@ -51,6 +51,7 @@ type plane struct {
 	timeouts    timeouts
 	admission   *admissionChannel
 	queue       *fairQueue // this gateway replica's fair admission queue
+	metrics     *servedMetrics
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -85,6 +86,7 @@ var decodeDrops = map[string]bool{"kv_transfer_params": true}
 type fallback string
 
 func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
+	s := &served{metrics: p.metrics, started: time.Now(), outcome: "ok"}
 	t := p.current.Load()
 	if t == nil {
 		p.toPython(w, r, nil, "no_table")
@@ -111,17 +113,21 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 		p.toPython(w, r, body, "body_shape")
 		return
 	}
-	reason := p.fast(w, r, t, body)
+	reason := p.fast(w, r, t, body, s)
 	if reason != "" && r.Context().Err() != nil {
+		s.outcome = "client_gone"
+		s.end()
 		return // the client left: nobody to serve it to (the engines' work stopped with it)
 	}
 	if reason != "" {
-		p.toPython(w, r, body, reason)
+		p.toPython(w, r, body, reason) // counted there
+		return
 	}
+	s.end()
 }
 
 // fast serves the request on the table's route, or says why it could not before answering.
-func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []byte) fallback {
+func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []byte, s *served) fallback {
 	if !t.authorized(r.Header.Get("Authorization")) {
 		return "unauthorized" // the Python gateway answers 401 in its words
 	}
@@ -173,7 +179,7 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		auth = r.Header.Get("Authorization")
 	}
 	if len(m.render) > 0 {
-		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth, stream)
+		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth, stream, s)
 	}
 	prefill, decode := m.pick()
 	release := func() {}
@@ -202,11 +208,13 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 		}
 		splice(decodeBody, body, members, decodeDrops, extra)
 		p.stats.pd.Add(1)
+		s.route = routePD
 	} else {
 		decodeBody.Write(body)
 		p.stats.decode.Add(1)
+		s.route = routeDecode
 	}
-	return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, stream)
+	return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, stream, s)
 }
 
 func withinCap(members []member, limit int64) bool {
@@ -252,7 +260,7 @@ var jsonType = []string{"application/json"}
 // to the client a failure is handed to the Python gateway; after it, the stream ends with an
 // error event as the Python gateway's would.
 func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Request, e *endpoint,
-	body []byte, id, auth string, stream bool) fallback {
+	body []byte, id, auth string, stream bool, s *served) fallback {
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
 	response := p.open(ctx, e, r.URL.Path, body, id, auth)
@@ -278,7 +286,9 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 		nameResponse(w.Header(), r, id)
 		w.Header().Set("Content-Type", "application/json")
 		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
-		_, _ = w.Write(answer)
+		if _, err := w.Write(answer); err != nil {
+			s.outcome = "client_gone"
+		}
 		return ""
 	}
 	p.stats.streams.Add(1)
@@ -296,8 +306,10 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 		idle.Reset(p.timeouts.idle)
 		if n > 0 {
 			if _, werr := w.Write((*chunk)[:n]); werr != nil {
+				s.outcome = "client_gone"
 				return "" // the client left: closing decode's connection aborts its work
 			}
+			s.chunk()
 			// With the stream's end (or its error event) to follow, the server's last write
 			// carries these bytes too: one system call, not two.
 			if flusher != nil && err == nil {
@@ -310,6 +322,7 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 		if err != nil {
 			message := fmt.Sprintf(`{"error":{"message":"decode stream ended before the answer was complete: decode stream broke (%s)","type":"UpstreamError","code":502}}`, errorKind(ctx, err))
 			_, _ = fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", message)
+			s.outcome = "error_502"
 			return ""
 		}
 	}
@@ -412,8 +425,9 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 	})
 	out := map[string]any{
 		// Served by route: the Python gateway's metric labels, named here only.
-		"routes": map[string]int64{"pd": p.stats.pd.Load(), "decode": p.stats.decode.Load(),
-			"render_pd": p.stats.renderPD.Load(), "render_decode": p.stats.renderDecode.Load()},
+		"routes": map[string]int64{routePD: p.stats.pd.Load(), routeDecode: p.stats.decode.Load(),
+			routeRenderPD: p.stats.renderPD.Load(), routeRenderDecode: p.stats.renderDecode.Load()},
+		"metrics":    p.metrics.snapshot(),
 		"streams":    p.stats.streams.Load(),
 		"fallbacks":  fallbacks,
 		"unreadable": p.stats.unreadable.Load(),
@@ -456,6 +470,7 @@ func main() {
 	whole := flag.Float64("request-timeout-seconds", 600, "a whole request")
 	gcPercent := flag.Int("gc-percent", 400, "the garbage collector's GOGC: the live heap is small, so collecting less often saves CPU per request (-1: only at -memory-limit-mib)")
 	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: none)")
+	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
 	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
 	flag.Parse()
@@ -480,6 +495,12 @@ func main() {
 	if *admission != "" {
 		go p.admission.keepConnected(100 * time.Millisecond)
 	}
+	bounds, err := parseBounds(*buckets)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane:", err)
+		os.Exit(2)
+	}
+	p.metrics = newServedMetrics(bounds)
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole)}

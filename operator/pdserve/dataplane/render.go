@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 )
 
 const generatePath = "/inference/v1/generate"
@@ -63,12 +64,13 @@ func (c requestClass) long(auto bool) bool {
 // is written any failure goes to the Python gateway, which serves the request from the start
 // with its retries and fallbacks.
 func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
-	m *model, body []byte, members []member, class requestClass, id, auth string, stream bool) fallback {
+	m *model, body []byte, members []member, class requestClass, id, auth string, stream bool,
+	s *served) fallback {
 	chat := r.URL.Path == "/v1/chat/completions"
 	renderer := least(m.render)
 	renderAnswer := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(renderAnswer)
-	if !p.call(ctx, renderer, renderPath(chat), body, id, auth, renderAnswer) {
+	if !p.renderCall(ctx, renderer, "render", renderPath(chat), body, id, auth, renderAnswer) {
 		return "render_failed"
 	}
 	generate, ok := onePrompt(renderAnswer.Bytes())
@@ -118,10 +120,14 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		splice(request, generate, fields, requestIDDrops, extra)
 	}
 	includeStop := string(lookup(paramFields, "include_stop_str_in_output")) == "true"
+	s.route = routeRenderDecode
+	if prefill != nil {
+		s.route = routeRenderPD
+	}
 	if stream {
 		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,
 			auth: auth, tokens: tokens, count: promptTokens, request: body,
-			pipelining: t.derenderPipelining, renderer: renderer, includeStop: includeStop}
+			pipelining: t.derenderPipelining, renderer: renderer, includeStop: includeStop, served: s}
 		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), usageAsked(members))
 		if reason == "" {
 			p.countRendered(prefill != nil)
@@ -145,7 +151,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	derenderBody(request, chat, lookup(members, "model"), generated, promptTokens, tokens, body)
 	derendered := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(derendered)
-	if !p.call(ctx, renderer, derenderPath(chat), request.Bytes(), id, auth, derendered) {
+	if !p.renderCall(ctx, renderer, "derender", derenderPath(chat), request.Bytes(), id, auth, derendered) {
 		return "derender_failed"
 	}
 	result, err := topLevel(derendered.Bytes())
@@ -162,7 +168,10 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(final.Len()))
-	_, _ = w.Write(final.Bytes())
+	s.answered()
+	if _, err := w.Write(final.Bytes()); err != nil {
+		s.outcome = "client_gone"
+	}
 	return ""
 }
 
@@ -196,6 +205,15 @@ func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte,
 	defer response.Body.Close()
 	_, err := into.ReadFrom(response.Body)
 	return err == nil
+}
+
+// renderCall is call to a render server, its time measured per server and stage (render,
+// derender), whatever its answer: the render autoscaler reads it as the server's busy time.
+func (p *plane) renderCall(ctx context.Context, e *endpoint, stage, path string, body []byte,
+	id, auth string, into *bytes.Buffer) bool {
+	started := time.Now()
+	defer func() { p.metrics.render.observe(e.url+"\t"+stage, time.Since(started)) }()
+	return p.call(ctx, e, path, body, id, auth, into)
 }
 
 // open posts to an engine or render server: the head of its 200 answer (counted as served),

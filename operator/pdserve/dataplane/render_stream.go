@@ -32,6 +32,7 @@ type rendering struct {
 	pipelining  bool
 	renderer    *endpoint
 	includeStop bool
+	served      *served
 }
 
 // streamWriter serializes the chunks of one client stream; a failed write means the client
@@ -42,12 +43,16 @@ type streamWriter struct {
 	flusher http.Flusher
 	gone    atomic.Bool
 	cancel  context.CancelFunc
+	served  *served // guarded by mu
 }
 
-func (s *streamWriter) event(data []byte) { s.write(data, true) }
+func (s *streamWriter) event(data []byte) { s.write(data, true, false) }
+
+// chunk sends a chunk of the answer (measured as one).
+func (s *streamWriter) chunk(data []byte) { s.write(data, true, true) }
 
 // write sends one event; unflushed, it goes out with the next flushed one or the stream's end.
-func (s *streamWriter) write(data []byte, flush bool) {
+func (s *streamWriter) write(data []byte, flush, answer bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.gone.Load() {
@@ -57,6 +62,9 @@ func (s *streamWriter) write(data []byte, flush bool) {
 		s.gone.Store(true)
 		s.cancel()
 		return
+	}
+	if answer {
+		s.served.chunk()
 	}
 	if flush && s.flusher != nil {
 		s.flusher.Flush()
@@ -167,7 +175,7 @@ func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipel
 		}
 		body.Reset()
 		derenderChunkBody(body, rs, state, d.index, next.ids, finish)
-		if !p.call(ctx, rs.renderer, derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer) {
+		if !p.renderCall(ctx, rs.renderer, "derender", derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer) {
 			return errors.New("derender failed: the render server did not answer")
 		}
 		fields, err := topLevel(answer.Bytes())
@@ -182,7 +190,7 @@ func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipel
 		if worthSending(lookup(chunkFields, "choices")) {
 			var named bytes.Buffer
 			splice(&named, chunk, chunkFields, idModelDrops, []field{{"id", rs.quotedID}, {"model", rs.model}})
-			out.event(named.Bytes())
+			out.chunk(named.Bytes())
 		}
 		if next.finish != nil || next.abandoned {
 			return nil
@@ -272,7 +280,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	flusher, _ := w.(http.Flusher)
-	out := &streamWriter{w: w, flusher: flusher, cancel: cancel}
+	out := &streamWriter{w: w, flusher: flusher, cancel: cancel, served: rs.served}
 	if flusher != nil {
 		flusher.Flush()
 	}
@@ -369,30 +377,34 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 			failed = err
 		}
 	}
-	if out.gone.Load() {
+	if out.gone.Load() { // (the pipelines are done: nothing else touches out.served now)
+		out.served.outcome = "client_gone"
 		return "" // the client left: closing decode's connection aborts its work
 	}
 	switch {
 	case failed != nil && ctx.Err() != nil:
+		out.served.outcome = "error_504"
 		out.event(streamError(504, "derender failed: the request's deadline passed"))
 	case failed != nil:
+		out.served.outcome = "error_502"
 		out.event(streamError(502, failed.Error()))
 	case !finished:
 		status := 502
 		if quiet.Load() != nil || ctx.Err() != nil {
 			status = 504
 		}
-		out.write(streamError(status, "decode stream ended before the answer was complete: "+broke), false)
+		out.served.outcome = "error_" + strconv.Itoa(status)
+		out.write(streamError(status, "decode stream ended before the answer was complete: "+broke), false, false)
 	case usage != nil && usageAsked:
 		object := `"text_completion"`
 		if rs.chat {
 			object = `"chat.completion.chunk"`
 		}
 		out.write(fmt.Appendf(nil, `{"id":%s,"object":%s,"created":%d,"model":%s,"choices":[],"usage":%s}`,
-			rs.quotedID, object, time.Now().Unix(), rs.model, usage), false)
+			rs.quotedID, object, time.Now().Unix(), rs.model, usage), false, false)
 	}
 	// The trailer events and [DONE] go out with the stream's end, in the server's last write.
-	out.write([]byte("[DONE]"), false)
+	out.write([]byte("[DONE]"), false, false)
 	return ""
 }
 

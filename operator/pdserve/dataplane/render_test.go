@@ -175,7 +175,8 @@ func renderPlane(t *testing.T, table string) (*renderStack, *plane, *table) {
 	t.Cleanup(server.Close)
 	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
 		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
-		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second}}
+		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second},
+		queue:    newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	built, engines, err := build([]byte(strings.ReplaceAll(table, "URL", server.URL)), nil)
 	if err != nil {
@@ -235,7 +236,7 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	tbl.streamHandOver = map[string]bool{"stop": true}
 	streamed := `{"model":"qwen","messages":[],"stream":true,"stop":["x"]}`
 	if reason := p.fast(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
-		tbl, []byte(streamed)); reason != "render_stream" {
+		tbl, []byte(streamed), &served{metrics: p.metrics}); reason != "render_stream" {
 		t.Fatalf("stream with stop strings: %q", reason)
 	}
 }
@@ -273,4 +274,32 @@ func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T
 	if p.stats.renderDecode.Load() != 1 || p.stats.streams.Load() != 1 {
 		t.Fatalf("counted %d %d", p.stats.renderDecode.Load(), p.stats.streams.Load())
 	}
+	// Measured as the Python gateway measures what it serves: one request, its first token and
+	// the gap to the second chunk, one render and two derender calls to the render server.
+	measured := p.metrics.snapshot()
+	if got := fmt.Sprint(measured["requests"]); got != "[{render_decode ok 1}]" {
+		t.Fatalf("requests %s", got)
+	}
+	for name, want := range map[string]int64{"e2e": 1, "ttft": 1, "itl": 1} {
+		if got := observed(measured[name].([]histogramJSON)); got != want {
+			t.Fatalf("%s: %d observations, want %d", name, got, want)
+		}
+	}
+	byStage := map[string]int64{}
+	for _, h := range measured["renderCalls"].([]histogramJSON) {
+		byStage[h.Labels[1]] += observed([]histogramJSON{h})
+	}
+	if byStage["render"] != 1 || byStage["derender"] != 2 {
+		t.Fatalf("render calls %v", byStage)
+	}
+}
+
+func observed(hs []histogramJSON) int64 {
+	var n int64
+	for _, h := range hs {
+		for _, c := range h.Counts {
+			n += c
+		}
+	}
+	return n
 }

@@ -23,6 +23,9 @@ const (
 	routePD     = "pd"     // prefill with a remote-decode handoff, then decode
 	routeDecode = "decode" // straight to decode (Aggregated, or no prefill may serve)
 	routePython = "python" // everything to the Python gateway (Auto mode, bidirectional KV, ...)
+	// Served behind render servers: render -> P/D -> derender, or render -> decode -> derender.
+	routeRenderPD     = "render_pd"
+	routeRenderDecode = "render_decode"
 )
 
 type tableJSON struct {

@@ -25,7 +25,7 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fastpath import admission_table, route_of, routing_table, same_table
-from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.metrics import LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gobuild import built
@@ -69,6 +69,7 @@ class DataPlane:
         self.pushed: dict[str, Any] | None = None
         self.version = 0
         self.seen: dict[str, float] = {}
+        self.render_pods: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         # What the data plane presents when it asks this gateway for long prompts' slots.
         self.token = secrets.token_hex(16)
@@ -88,6 +89,7 @@ class DataPlane:
             "-first-byte-timeout-seconds", str(self.settings.first_byte_timeout),
             "-idle-timeout-seconds", str(self.settings.idle_timeout),
             "-request-timeout-seconds", str(self.settings.request_timeout),
+            "-latency-buckets", ",".join(map(str, LATENCY)),
         ]  # fmt: skip
         try:
             self.process = await asyncio.create_subprocess_exec(
@@ -161,6 +163,9 @@ class DataPlane:
         async with session.get(f"{self.control}/stats") as answer:
             stats = await answer.json()
         self.admission.fold_state(stats)
+        # Render servers by pod, as this gateway labels its own calls (kept for one that left).
+        self.render_pods |= {e.url: e.label for e in self.endpoints.pools.get("render", [])}
+        self.metrics.fold_data_plane(stats.get("metrics") or {}, self.render_pods)
         # By route as the data plane names them: the labels of dataplane_requests_total.
         routes = stats.get("routes") or {}
         totals = {f"route:{route}": float(count) for route, count in routes.items()}

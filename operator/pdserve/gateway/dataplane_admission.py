@@ -89,7 +89,8 @@ class AdmissionChannel:
                 writer.write(f"acquire {ask} {' '.join(replicas)}\n".encode())
                 granted = await future
         except (TimeoutError, ConnectionError) as error:
-            log.warning("data plane admission: %s; admitting on %s", error or "no grant", granted)
+            why = str(error) or f"no grant within {bound:g} s"
+            log.warning("data plane admission: %s; admitting on %s", why, granted)
         except asyncio.CancelledError:
             self._give_back(ask, writer)  # the client left while it waited
             raise

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.contract.metrics import (
@@ -10,9 +13,12 @@ from pdserve.contract.metrics import (
     GATEWAY_RENDER_CALL_SECONDS,
     RENDER_POD_LABEL,
 )
+from pdserve.gateway.dataplane_metrics import ROUTES, DataPlaneCounts, WithDataPlane
 
 LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BY_ROUTE = ("route",)
+BY_RENDER_CALL = (RENDER_POD_LABEL, "stage")
 
 
 class GatewayMetrics:
@@ -39,23 +45,26 @@ class GatewayMetrics:
             registry=r,
         )
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in flight", registry=r)
+        # These and render_call are collected with what the data plane measured added (with
+        # `--data-plane`; dataplane_metrics.py), so they count every request.
         self.ttft = Histogram(
             "pdserve_gateway_ttft_seconds",
             "Time to first token seen by clients",
-            ["route"],
+            BY_ROUTE,
             buckets=LATENCY,
-            registry=r,
+            registry=None,
         )
         self.itl = Histogram(
             "pdserve_gateway_itl_seconds",
             "Gap between chunks sent to clients",
-            ["route"],
+            BY_ROUTE,
             buckets=LATENCY,
-            registry=r,
+            registry=None,
         )
         self.e2e = Histogram(
-            "pdserve_gateway_e2e_seconds", "Request latency", ["route"], buckets=LATENCY, registry=r
-        )
+            "pdserve_gateway_e2e_seconds", "Request latency", BY_ROUTE, buckets=LATENCY,
+            registry=None,
+        )  # fmt: skip
         self.stage = Histogram(
             "pdserve_gateway_stage_seconds",
             "Latency per stage (render, prefill, kv_handoff, decode_first_token, derender)",
@@ -75,10 +84,18 @@ class GatewayMetrics:
         self.render_call = Histogram(
             GATEWAY_RENDER_CALL_SECONDS,
             "Render and derender call latency per render replica",
-            [RENDER_POD_LABEL, "stage"],
+            BY_RENDER_CALL,
             buckets=LATENCY,
-            registry=r,
+            registry=None,
         )
+        self.with_data_plane = {
+            name: WithDataPlane(histogram, labels, LATENCY, r)
+            for name, histogram, labels in (
+                ("e2e", self.e2e, BY_ROUTE), ("ttft", self.ttft, BY_ROUTE),
+                ("itl", self.itl, BY_ROUTE), ("renderCalls", self.render_call, BY_RENDER_CALL),
+            )
+        }  # fmt: skip
+        self._data_plane_requests = DataPlaneCounts(self.requests)
         self.derender_calls = Histogram(
             "pdserve_gateway_derender_calls_per_stream",
             "Derender calls per streamed choice",
@@ -165,3 +182,10 @@ class GatewayMetrics:
             "Aborts posted to tokens engines after a client went away or a stream broke",
             registry=r,
         )
+
+    def fold_data_plane(self, measured: Mapping[str, Any], render_pods: Mapping[str, str]) -> None:
+        """What the data plane measured (its /stats `metrics`), into these series: its routes
+        named as this gateway names them, its render servers by pod (`render_pods`: URL -> pod)."""
+        for name, series in self.with_data_plane.items():
+            series.fold(measured.get(name) or [], render_pods if name == "renderCalls" else ROUTES)
+        self._data_plane_requests.fold(measured.get("requests") or [])

@@ -78,6 +78,25 @@ def eventually(what: str, probe: Callable[[], bool], timeout: float = 15) -> Non
         time.sleep(0.1)
 
 
+def measured(url: str) -> dict[str, dict[str, float]]:
+    """What the gateway's /metrics count of the requests served: by route and outcome, latency
+    and first-token observations by route, render calls by stage (whoever served them)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found: dict[str, dict[str, float]] = {}
+    series = {
+        "requests": r'^pdserve_gateway_requests_total{outcome="([^"]+)",route="([^"]+)"} (\S+)$',
+        "e2e": r'^pdserve_gateway_e2e_seconds_count{route="([^"]+)"} (\S+)$',
+        "ttft": r'^pdserve_gateway_ttft_seconds_count{route="([^"]+)"} (\S+)$',
+        "renderCalls": r'^pdserve_gateway_render_call_seconds_count{render_pod="[^"]+",'
+                       r'stage="(render)"} (\S+)$',
+    }  # fmt: skip
+    for name, pattern in series.items():
+        for *labels, value in re.findall(pattern, text, re.M):
+            key = " ".join(labels)
+            found.setdefault(name, {})[key] = found.get(name, {}).get(key, 0.0) + float(value)
+    return found
+
+
 def served_by_data_plane(gateway: Proc, route: str = "pd") -> float:
     name = "pdserve_gateway_dataplane_requests_total"
     text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
@@ -109,6 +128,7 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
 ) -> None:
     with stack() as (gateway, engines):
         expected = answers(gateway.url)
+        counted = measured(gateway.url)
     with stack("--data-plane", str(binary)) as (gateway, engines):
         prefilled = metric(engines["prefill"].url, "vllm:prompt_tokens_total")
         assert answers(gateway.url) == expected
@@ -116,6 +136,10 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
         assert metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
         eventually("3 requests counted as served by the data plane",
                    lambda: served_by_data_plane(gateway) == 3)  # fmt: skip
+        # The gateway's metrics count them as they count the Python gateway's own.
+        eventually("the same requests, latencies and first tokens in /metrics",
+                   lambda: measured(gateway.url) == counted)  # fmt: skip
+        assert counted["requests"] == {"ok openai_pd": 3}
 
 
 RENDERED = [
@@ -166,6 +190,7 @@ def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
 ) -> None:
     with stack(mode=mode, render=True) as (gateway, engines):
         expected = rendered_answers(gateway.url)
+        counted = measured(gateway.url)
     with stack("--data-plane", str(binary), mode=mode, render=True) as (gateway, engines):
         prefilled = metric(engines["prefill"].url, "vllm:prompt_tokens_total")
         assert rendered_answers(gateway.url) == expected
@@ -173,6 +198,11 @@ def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
         served = len(RENDERED) + len(STREAMED)
         eventually(f"{served} served by the data plane", lambda: (
             served_by_data_plane(gateway, ROUTE[mode]) == served))  # fmt: skip
+        # Counted in the gateway's metrics as the Python gateway counts its own, render calls
+        # per render server included (the render autoscaler's busy time).
+        eventually("the same requests, latencies, first tokens and render calls in /metrics",
+                   lambda: measured(gateway.url) == counted)  # fmt: skip
+        assert counted["renderCalls"] == {"render": served}
         # A stream asking for log probabilities is the Python gateway's, which refuses it in
         # its words (streamed chunks are derendered without them).
         with_logprobs = {**CHAT, "stream": True, "logprobs": True}

@@ -1,0 +1,149 @@
+package main
+
+// What the data plane served, measured as the Python gateway measures what it serves, so that
+// its /metrics count every request whoever served it: requests by route and outcome, latency
+// to the answer's end and to the first token, the gaps between streamed chunks, and each render
+// and derender call per render server (the render autoscaler's busy time). Cumulative since
+// start; the Python gateway reads them from /stats and adds them to its own series
+// (pdserve/gateway/dataplane_metrics.py), with the bucket bounds it passed (-latency-buckets).
+
+import (
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+type histogram struct {
+	counts []atomic.Int64 // per bucket (not cumulative), the last one past every bound
+	nanos  atomic.Int64   // the sum of the observations
+}
+
+// histograms are keyed by their label values (joined with a tab).
+type histograms struct {
+	bounds []float64 // seconds, ascending
+	by     sync.Map  // key -> *histogram
+}
+
+func (h *histograms) observe(key string, d time.Duration) {
+	found, ok := h.by.Load(key)
+	if !ok {
+		found, _ = h.by.LoadOrStore(key, &histogram{counts: make([]atomic.Int64, len(h.bounds)+1)})
+	}
+	each := found.(*histogram)
+	seconds := d.Seconds()
+	bucket := sort.SearchFloat64s(h.bounds, seconds) // the first bound >= seconds: "le"
+	each.counts[bucket].Add(1)
+	each.nanos.Add(int64(d))
+}
+
+type histogramJSON struct {
+	Labels []string `json:"labels"`
+	Counts []int64  `json:"counts"`
+	Sum    float64  `json:"sum"`
+}
+
+func (h *histograms) snapshot() []histogramJSON {
+	out := []histogramJSON{}
+	h.by.Range(func(key, value any) bool {
+		each := value.(*histogram)
+		counts := make([]int64, len(each.counts))
+		for i := range each.counts {
+			counts[i] = each.counts[i].Load()
+		}
+		out = append(out, histogramJSON{Labels: strings.Split(key.(string), "\t"), Counts: counts,
+			Sum: time.Duration(each.nanos.Load()).Seconds()})
+		return true
+	})
+	return out
+}
+
+type servedMetrics struct {
+	requests sync.Map // "route\toutcome" -> *atomic.Int64
+	e2e      histograms
+	ttft     histograms
+	itl      histograms
+	render   histograms // "render server URL\tstage"
+}
+
+func newServedMetrics(bounds []float64) *servedMetrics {
+	return &servedMetrics{e2e: histograms{bounds: bounds}, ttft: histograms{bounds: bounds},
+		itl: histograms{bounds: bounds}, render: histograms{bounds: bounds}}
+}
+
+// parseBounds reads -latency-buckets: ascending positive seconds, comma-separated.
+func parseBounds(raw string) ([]float64, error) {
+	bounds := []float64{}
+	for _, field := range strings.Split(raw, ",") {
+		value, err := strconv.ParseFloat(strings.TrimSpace(field), 64)
+		if err != nil || value <= 0 || (len(bounds) > 0 && value <= bounds[len(bounds)-1]) {
+			return nil, fmt.Errorf("-latency-buckets %q: expected ascending positive seconds, e.g. 0.005,0.01,0.1", raw)
+		}
+		bounds = append(bounds, value)
+	}
+	return bounds, nil
+}
+
+func (m *servedMetrics) count(route, outcome string) {
+	key := route + "\t" + outcome
+	found, ok := m.requests.Load(key)
+	if !ok {
+		found, _ = m.requests.LoadOrStore(key, new(atomic.Int64))
+	}
+	found.(*atomic.Int64).Add(1)
+}
+
+type requestCountJSON struct {
+	Route   string `json:"route"`
+	Outcome string `json:"outcome"`
+	Count   int64  `json:"count"`
+}
+
+func (m *servedMetrics) snapshot() map[string]any {
+	requests := []requestCountJSON{}
+	m.requests.Range(func(key, value any) bool {
+		route, outcome, _ := strings.Cut(key.(string), "\t")
+		requests = append(requests, requestCountJSON{route, outcome, value.(*atomic.Int64).Load()})
+		return true
+	})
+	return map[string]any{"requests": requests, "e2e": m.e2e.snapshot(), "ttft": m.ttft.snapshot(),
+		"itl": m.itl.snapshot(), "renderCalls": m.render.snapshot()}
+}
+
+// served is one request the data plane serves: its route is known once it is chosen, its
+// outcome once it ends (ok unless a stream broke or the client left).
+type served struct {
+	metrics   *servedMetrics
+	started   time.Time
+	route     string
+	outcome   string
+	lastChunk time.Time // zero until the first token went out
+}
+
+// chunk: a piece of the answer went to the client (the first one is its first token).
+func (s *served) chunk() {
+	now := time.Now()
+	if s.lastChunk.IsZero() {
+		s.metrics.ttft.observe(s.route, now.Sub(s.started))
+	} else {
+		s.metrics.itl.observe(s.route, now.Sub(s.lastChunk))
+	}
+	s.lastChunk = now
+}
+
+// answered: a whole (not streamed) answer went to the client: its first token too.
+func (s *served) answered() {
+	s.metrics.ttft.observe(s.route, time.Since(s.started))
+}
+
+// end counts the request; a request handed to the Python gateway is counted there instead.
+func (s *served) end() {
+	if s.route == "" {
+		return
+	}
+	s.metrics.count(s.route, s.outcome)
+	s.metrics.e2e.observe(s.route, time.Since(s.started))
+}

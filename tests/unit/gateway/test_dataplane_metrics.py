@@ -1,0 +1,58 @@
+"""What the data plane served shows in the gateway's own series: its histograms' counts added
+to the gateway's (buckets cumulative as Prometheus reads them, its routes and render servers
+named as the gateway names them), its request counts added once however often they are read."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pdserve.gateway.metrics import GatewayMetrics
+
+
+def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def reported(route: str, counts: list[int], total: float) -> dict[str, object]:
+    return {"labels": [route], "counts": counts, "sum": total}
+
+
+def test_the_data_planes_latencies_are_added_to_the_gateways_own() -> None:
+    metrics = GatewayMetrics()
+    metrics.e2e.labels("openai_pd").observe(0.003)  # one the Python gateway served itself
+    counts = [2, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]  # two at <= 5 ms, one at <= 1 s
+    metrics.fold_data_plane({"e2e": [reported("pd", counts, 0.51)]}, {})
+    name = "pdserve_gateway_e2e_seconds"
+    assert sample(metrics, f"{name}_bucket", route="openai_pd", le="0.005") == 3
+    assert sample(metrics, f"{name}_bucket", route="openai_pd", le="0.5") == 3
+    assert sample(metrics, f"{name}_bucket", route="openai_pd", le="1.0") == 4
+    assert sample(metrics, f"{name}_bucket", route="openai_pd", le="+Inf") == 4
+    assert sample(metrics, f"{name}_count", route="openai_pd") == 4
+    assert abs((sample(metrics, f"{name}_sum", route="openai_pd") or 0) - 0.513) < 1e-9
+    # Read again (its counts are cumulative): nothing is added twice.
+    metrics.fold_data_plane({"e2e": [reported("pd", counts, 0.51)]}, {})
+    assert sample(metrics, f"{name}_count", route="openai_pd") == 4
+    assert b'pdserve_gateway_e2e_seconds_count{route="openai_pd"} 4.0' in generate_latest(
+        metrics.registry
+    )
+
+
+def test_render_calls_are_labelled_by_pod_and_requests_counted_by_delta() -> None:
+    metrics = GatewayMetrics()
+    one = [1] + [0] * 13
+    calls = [{"labels": ["http://10.0.0.7:8000", "derender"], "counts": one, "sum": 0.002}]
+    requests = [{"route": "render_decode", "outcome": "ok", "count": 2}]
+    pods = {"http://10.0.0.7:8000": "model-render-0"}
+    metrics.fold_data_plane({"renderCalls": calls, "requests": requests}, pods)
+    metrics.fold_data_plane({"renderCalls": calls, "requests": requests}, pods)
+    assert sample(
+        metrics, "pdserve_gateway_render_call_seconds_count",
+        render_pod="model-render-0", stage="derender",
+    ) == 1  # fmt: skip
+    assert sample(metrics, "pdserve_gateway_requests_total", route="render", outcome="ok") == 2
+
+
+def test_a_histogram_of_other_buckets_is_left_out() -> None:
+    metrics = GatewayMetrics()
+    metrics.fold_data_plane({"ttft": [reported("pd", [1, 2], 0.1)]}, {})
+    assert sample(metrics, "pdserve_gateway_ttft_seconds_count", route="openai_pd") is None
