@@ -2,8 +2,9 @@ package main
 
 // What the data plane served, measured as the Python gateway measures what it serves, so that
 // its /metrics count every request whoever served it: requests by route and outcome, latency
-// to the answer's end and to the first token, the gaps between streamed chunks, and each render
-// and derender call per render server (the render autoscaler's busy time). Cumulative since
+// to the answer's end and to the first token, the gaps between streamed chunks, each render
+// and derender call per render server (the render autoscaler's busy time), and the render,
+// prefill and derender calls answered, by stage. Cumulative since
 // start; the Python gateway reads them from /stats and adds them to its own series
 // (pdserve/gateway/dataplane_metrics.py), with the bucket bounds it passed (-latency-buckets).
 
@@ -67,11 +68,13 @@ type servedMetrics struct {
 	ttft     histograms
 	itl      histograms
 	render   histograms // "render server URL\tstage"
+	stage    histograms // render, prefill, derender
 }
 
 func newServedMetrics(bounds []float64) *servedMetrics {
 	return &servedMetrics{e2e: histograms{bounds: bounds}, ttft: histograms{bounds: bounds},
-		itl: histograms{bounds: bounds}, render: histograms{bounds: bounds}}
+		itl: histograms{bounds: bounds}, render: histograms{bounds: bounds},
+		stage: histograms{bounds: bounds}}
 }
 
 // parseBounds reads -latency-buckets: ascending positive seconds, comma-separated.
@@ -110,7 +113,7 @@ func (m *servedMetrics) snapshot() map[string]any {
 		return true
 	})
 	return map[string]any{"requests": requests, "e2e": m.e2e.snapshot(), "ttft": m.ttft.snapshot(),
-		"itl": m.itl.snapshot(), "renderCalls": m.render.snapshot()}
+		"itl": m.itl.snapshot(), "renderCalls": m.render.snapshot(), "stages": m.stage.snapshot()}
 }
 
 // served is one request the data plane serves: its route is known once it is chosen, its

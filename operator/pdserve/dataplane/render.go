@@ -208,12 +208,18 @@ func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte,
 }
 
 // renderCall is call to a render server, its time measured per server and stage (render,
-// derender), whatever its answer: the render autoscaler reads it as the server's busy time.
+// derender), whatever its answer: the render autoscaler reads it as the server's busy time;
+// answered, it is that stage's latency too.
 func (p *plane) renderCall(ctx context.Context, e *endpoint, stage, path string, body []byte,
 	id, auth string, into *bytes.Buffer) bool {
 	started := time.Now()
-	defer func() { p.metrics.render.observe(e.url+"\t"+stage, time.Since(started)) }()
-	return p.call(ctx, e, path, body, id, auth, into)
+	ok := p.call(ctx, e, path, body, id, auth, into)
+	spent := time.Since(started)
+	p.metrics.render.observe(e.url+"\t"+stage, spent)
+	if ok {
+		p.metrics.stage.observe(stage, spent)
+	}
+	return ok
 }
 
 // open posts to an engine or render server: the head of its 200 answer (counted as served),
@@ -256,9 +262,11 @@ func (p *plane) handOff(ctx context.Context, e *endpoint, path string, request [
 	id, auth string) ([]byte, fallback) {
 	answer := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(answer)
+	started := time.Now()
 	if !p.call(ctx, e, path, request, id, auth, answer) {
 		return nil, "prefill_failed"
 	}
+	p.metrics.stage.observe("prefill", time.Since(started))
 	fields, err := topLevel(answer.Bytes())
 	if err != nil {
 		return nil, "prefill_failed"

@@ -232,6 +232,14 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	if p.stats.renderPD.Load() != 1 {
 		t.Fatalf("render_pd %d", p.stats.renderPD.Load())
 	}
+	for _, h := range p.metrics.snapshot()["stages"].([]histogramJSON) {
+		if observed([]histogramJSON{h}) != 1 { // render, prefill and derender, once each
+			t.Fatalf("stage %v observed %d times", h.Labels, observed([]histogramJSON{h}))
+		}
+	}
+	if n := len(p.metrics.stage.snapshot()); n != 3 {
+		t.Fatalf("%d stages measured, want render, prefill and derender", n)
+	}
 	// A stream with stop strings goes to the Python gateway (it cuts them across chunks).
 	tbl.streamHandOver = map[string]bool{"stop": true}
 	streamed := `{"model":"qwen","messages":[],"stream":true,"stop":["x"]}`
@@ -291,6 +299,13 @@ func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T
 	}
 	if byStage["render"] != 1 || byStage["derender"] != 2 {
 		t.Fatalf("render calls %v", byStage)
+	}
+	stages := map[string]int64{}
+	for _, h := range measured["stages"].([]histogramJSON) {
+		stages[h.Labels[0]] += observed([]histogramJSON{h})
+	}
+	if len(stages) != 2 || stages["render"] != 1 || stages["derender"] != 2 { // no prefill: decode route
+		t.Fatalf("stages %v", stages)
 	}
 }
 

@@ -19,6 +19,7 @@ LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BY_ROUTE = ("route",)
 BY_RENDER_CALL = (RENDER_POD_LABEL, "stage")
+BY_STAGE = ("stage",)
 
 
 class GatewayMetrics:
@@ -68,9 +69,9 @@ class GatewayMetrics:
         self.stage = Histogram(
             "pdserve_gateway_stage_seconds",
             "Latency per stage (render, prefill, kv_handoff, decode_first_token, derender)",
-            ["stage"],
+            BY_STAGE,
             buckets=LATENCY,
-            registry=r,
+            registry=None,
         )
         # Per render replica (pod name): what the gateway sees of parser load, queueing in the
         # render server included. The operator's Builtin render autoscaler and the Prometheus
@@ -93,6 +94,7 @@ class GatewayMetrics:
             for name, histogram, labels in (
                 ("e2e", self.e2e, BY_ROUTE), ("ttft", self.ttft, BY_ROUTE),
                 ("itl", self.itl, BY_ROUTE), ("renderCalls", self.render_call, BY_RENDER_CALL),
+                ("stages", self.stage, BY_STAGE),
             )
         }  # fmt: skip
         self._data_plane_requests = DataPlaneCounts(self.requests)
@@ -186,6 +188,7 @@ class GatewayMetrics:
     def fold_data_plane(self, measured: Mapping[str, Any], render_pods: Mapping[str, str]) -> None:
         """What the data plane measured (its /stats `metrics`), into these series: its routes
         named as this gateway names them, its render servers by pod (`render_pods`: URL -> pod)."""
+        named = {"renderCalls": render_pods, "stages": {}}  # the others by route
         for name, series in self.with_data_plane.items():
-            series.fold(measured.get(name) or [], render_pods if name == "renderCalls" else ROUTES)
+            series.fold(measured.get(name) or [], named.get(name, ROUTES))
         self._data_plane_requests.fold(measured.get("requests") or [])

@@ -80,7 +80,8 @@ def eventually(what: str, probe: Callable[[], bool], timeout: float = 15) -> Non
 
 def measured(url: str) -> dict[str, dict[str, float]]:
     """What the gateway's /metrics count of the requests served: by route and outcome, latency
-    and first-token observations by route, render calls by stage (whoever served them)."""
+    and first-token observations by route, render calls, render and prefill stages (whoever
+    served them; streams' derender calls vary with how chunks merge)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     found: dict[str, dict[str, float]] = {}
     series = {
@@ -89,6 +90,7 @@ def measured(url: str) -> dict[str, dict[str, float]]:
         "ttft": r'^pdserve_gateway_ttft_seconds_count{route="([^"]+)"} (\S+)$',
         "renderCalls": r'^pdserve_gateway_render_call_seconds_count{render_pod="[^"]+",'
                        r'stage="(render)"} (\S+)$',
+        "stages": r'^pdserve_gateway_stage_seconds_count{stage="(render|prefill)"} (\S+)$',
     }  # fmt: skip
     for name, pattern in series.items():
         for *labels, value in re.findall(pattern, text, re.M):
@@ -140,6 +142,7 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
         eventually("the same requests, latencies and first tokens in /metrics",
                    lambda: measured(gateway.url) == counted)  # fmt: skip
         assert counted["requests"] == {"ok openai_pd": 3}
+        assert counted["stages"] == {"prefill": 3}
 
 
 RENDERED = [
