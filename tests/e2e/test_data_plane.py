@@ -74,6 +74,16 @@ def served_by_data_plane(base: str, route: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+GATEWAY_ROUTE = {"pd": "openai_pd", "render_pd": "render_pd"}
+"""The gateway's own `route` label for what the data plane serves on each route."""
+
+
+def requests_ok(base: str, route: str) -> float:
+    name = "pdserve_gateway_requests_total"
+    found = re.search(rf'^{name}{{outcome="ok",route="{route}"}} (\S+)$', metrics_of(base), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def fallbacks(base: str) -> list[str]:
     """The data plane's hand-overs to the Python gateway, by reason (what a failure shows)."""
     return [line for line in metrics_of(base).splitlines()
@@ -125,9 +135,26 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
                    interval=1)  # fmt: skip
     except ControlPlaneError as error:
         raise AssertionError(f"{error}; hand-overs: {fallbacks(base)}") from None
-    # Then streamed and not, each served by it.
+    # Then streamed and not, each served by it, and counted in the gateway's own request
+    # metrics too, as the Python gateway counts what it serves.
     before = served_by_data_plane(base, route)
+    counted = requests_ok(base, GATEWAY_ROUTE[route])
     chat()
     stream()
     wait_until("the data plane's count of both",
                lambda: served_by_data_plane(base, route) >= before + 2, timeout=20)  # fmt: skip
+    wait_until("both in pdserve_gateway_requests_total", lambda: requests_ok(
+        base, GATEWAY_ROUTE[route]) >= counted + 2, timeout=20)  # fmt: skip
+    # A document waits for its long-prefill slot in the data plane's own queue.
+    admission = httpx.get(f"{base}/status", timeout=10).json()["admission"]
+    assert admission["dataPlaneAdmits"] == "here", admission
+    before = served_by_data_plane(base, route)
+    answer = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Summarize"}], max_tokens=4,
+        extra_headers={"X-PDServe-Class": "document"},
+    )  # fmt: skip
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens > 0
+    wait_until("the document served by the data plane",
+               lambda: served_by_data_plane(base, route) >= before + 1, timeout=20)  # fmt: skip
+    assert httpx.get(f"{base}/admission", timeout=10).json()["longInFlight"] == 0
