@@ -250,7 +250,7 @@ func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []by
 // post sends one upstream request (the request id the engine names its work by, and the
 // client's credentials when the table passes them on).
 func (p *plane) post(ctx context.Context, e *endpoint, path string, body []byte,
-	id, auth string) (*http.Response, error) {
+	id, auth string) (*upBody, error) {
 	return p.upstream.post(ctx, e.at, path, body, id, auth)
 }
 
@@ -267,12 +267,12 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	if response == nil {
 		return "decode_failed"
 	}
-	defer response.Body.Close()
+	defer response.Close()
 	if !stream {
 		read := p.buffers.Get().(*bytes.Buffer)
 		read.Reset()
 		defer p.buffers.Put(read)
-		if _, err := read.ReadFrom(response.Body); err != nil {
+		if _, err := read.ReadFrom(response); err != nil {
 			return "decode_failed"
 		}
 		answer := read.Bytes()
@@ -299,10 +299,10 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	flusher, _ := w.(http.Flusher)
 	chunk := p.chunks.Get().(*[]byte)
 	defer p.chunks.Put(chunk)
-	idle := time.AfterFunc(p.timeouts.idle, func() { response.Body.Close() })
+	idle := time.AfterFunc(p.timeouts.idle, func() { response.Close() })
 	defer idle.Stop()
 	for {
-		n, err := response.Body.Read(*chunk)
+		n, err := response.Read(*chunk)
 		idle.Reset(p.timeouts.idle)
 		if n > 0 {
 			if _, werr := w.Write((*chunk)[:n]); werr != nil {
@@ -514,6 +514,7 @@ func main() {
 	controlMux.HandleFunc("GET /stats", p.getStats)
 	controlMux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	controlMux.HandleFunc("GET /debug/pprof/profile", pprof.Profile) // loopback only, like the rest
+	controlMux.Handle("GET /debug/pprof/allocs", pprof.Handler("allocs"))
 	var server *http.Server
 	controlMux.HandleFunc("POST /drain", func(w http.ResponseWriter, _ *http.Request) {
 		server.SetKeepAlivesEnabled(false) // each answer closes its connection: clients move on

@@ -202,8 +202,8 @@ func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte,
 	if response == nil {
 		return false
 	}
-	defer response.Body.Close()
-	_, err := into.ReadFrom(response.Body)
+	defer response.Close()
+	_, err := into.ReadFrom(response)
 	return err == nil
 }
 
@@ -225,13 +225,13 @@ func (p *plane) renderCall(ctx context.Context, e *endpoint, stage, path string,
 // open posts to an engine or render server: the head of its 200 answer (counted as served),
 // the body still to read; nil when it failed or answered anything else.
 func (p *plane) open(ctx context.Context, e *endpoint, path string, body []byte,
-	id, auth string) *http.Response {
+	id, auth string) *upBody {
 	response, err := p.post(ctx, e, path, body, id, auth)
 	if err != nil {
 		return nil
 	}
-	if response.StatusCode != http.StatusOK {
-		response.Body.Close()
+	if response.status != http.StatusOK {
+		response.Close()
 		return nil
 	}
 	e.served.Add(1)

@@ -271,7 +271,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	if response == nil {
 		return "decode_failed"
 	}
-	defer response.Body.Close()
+	defer response.Close()
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, rs.id)
 	w.Header().Set("Content-Type", "text/event-stream")
@@ -290,14 +290,14 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	idle := fmt.Sprintf("no event for %g s", p.timeouts.idle.Seconds())
 	timer := time.AfterFunc(p.upstream.firstByte, func() {
 		quiet.Store(waiting.Load())
-		response.Body.Close()
+		response.Close()
 	})
 	defer timer.Stop()
 	pipelines := []*derenderPipeline{}
 	byIndex := map[string]*derenderPipeline{}
 	var usage []byte
 	done, broke := false, ""
-	reader := bufio.NewReaderSize(response.Body, 32*1024)
+	reader := bufio.NewReaderSize(response, 32*1024)
 	var line []byte
 	for !done && broke == "" {
 		var err error

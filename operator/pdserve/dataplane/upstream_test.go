@@ -33,13 +33,13 @@ func engine(t *testing.T, handler http.HandlerFunc) (endpointURL, *atomic.Int64)
 	return at, &opened
 }
 
-func read(t *testing.T, response *http.Response) string {
+func read(t *testing.T, response *upBody) string {
 	t.Helper()
-	text, err := io.ReadAll(response.Body)
+	text, err := io.ReadAll(response)
 	if err != nil {
 		t.Fatal(err)
 	}
-	response.Body.Close()
+	response.Close()
 	return string(text)
 }
 
@@ -88,7 +88,7 @@ func TestAnAnswerNotReadToItsEndClosesItsConnection(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		response.Body.Close() // a client that left mid-answer
+		response.Close() // a client that left mid-answer
 	}
 	if opened.Load() != 2 {
 		t.Fatalf("%d connections, want 2: a half-read connection is never reused", opened.Load())
@@ -181,5 +181,135 @@ func TestOnlyPlainHTTPEnginesAreAccepted(t *testing.T) {
 		if _, err := parseEndpoint(raw); err == nil {
 			t.Errorf("%s was accepted", raw)
 		}
+	}
+}
+
+type scripted struct {
+	answer string
+	close  bool // the engine closes the connection after this answer
+}
+
+// scriptedEngine answers each request it reads with the next of its scripted answers, written
+// as they are: the framings and heads net/http's server would never send.
+func scriptedEngine(t *testing.T, answers ...scripted) (endpointURL, *atomic.Int64) {
+	t.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { listener.Close() })
+	var accepted atomic.Int64
+	next := make(chan scripted, len(answers))
+	for _, answer := range answers {
+		next <- answer
+	}
+	close(next)
+	go func() {
+		for {
+			conn, err := listener.Accept()
+			if err != nil {
+				return
+			}
+			accepted.Add(1)
+			go func() {
+				defer conn.Close()
+				reader := bufio.NewReader(conn)
+				for {
+					request, err := http.ReadRequest(reader)
+					if err != nil {
+						return
+					}
+					io.Copy(io.Discard, request.Body)
+					answer, ok := <-next
+					if !ok {
+						return
+					}
+					if _, err := io.WriteString(conn, answer.answer); err != nil || answer.close {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	at, _ := parseEndpoint("http://" + listener.Addr().String())
+	return at, &accepted
+}
+
+func TestEveryFramingIsReadAndOnlyAWholeKeptAliveAnswerReusesItsConnection(t *testing.T) {
+	for _, test := range []struct {
+		name       string
+		answer     scripted
+		status     int
+		body       string
+		reused     bool
+		truncation bool
+	}{
+		{"content length", scripted{answer: "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"},
+			200, "hello", true, false},
+		{"lowercase names, spaces around values", scripted{answer: "HTTP/1.1 200 OK\r\ncontent-length:   5 \r\nconnection: Keep-Alive\r\n\r\nhello"},
+			200, "hello", true, false},
+		{"chunked with extensions and a trailer", scripted{answer: "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" +
+			"3;ext=1\r\nhel\r\n2\r\nlo\r\n0\r\nX-Trailer: t\r\n\r\n"}, 200, "hello", true, false},
+		{"an interim 100 first", scripted{answer: "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"},
+			200, "ok", true, false},
+		{"no content", scripted{answer: "HTTP/1.1 204 No Content\r\n\r\n"}, 204, "", true, false},
+		{"an error status, its body kept", scripted{answer: "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy"},
+			503, "busy", true, false},
+		{"Connection: close", scripted{answer: "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", close: true},
+			200, "ok", false, false},
+		{"HTTP/1.0, the body to the connection's close", scripted{answer: "HTTP/1.0 200 OK\r\n\r\nuntil close", close: true},
+			200, "until close", false, false},
+		{"a body cut short", scripted{answer: "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello", close: true},
+			200, "hello", false, true},
+		{"a chunk cut short", scripted{answer: "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel", close: true},
+			200, "hel", false, true},
+	} {
+		t.Run(test.name, func(t *testing.T) {
+			at, accepted := scriptedEngine(t, test.answer,
+				scripted{answer: "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"})
+			pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+			answer, err := pool.post(context.Background(), at, "/", []byte("{}"), "id", "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, err := io.ReadAll(answer)
+			answer.Close()
+			if answer.status != test.status || string(body) != test.body {
+				t.Fatalf("status %d body %q, want %d %q", answer.status, body, test.status, test.body)
+			}
+			if test.truncation != errors.Is(err, io.ErrUnexpectedEOF) {
+				t.Fatalf("read error %v (truncated: %v)", err, test.truncation)
+			}
+			answer, err = pool.post(context.Background(), at, "/", []byte("{}"), "id", "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := read(t, answer); got != "next" {
+				t.Fatalf("the next answer: %q", got)
+			}
+			if want := map[bool]int64{true: 1, false: 2}[test.reused]; accepted.Load() != want {
+				t.Fatalf("%d connections, want %d", accepted.Load(), want)
+			}
+		})
+	}
+}
+
+func TestAMalformedAnswerHeadIsAnErrorNamingIt(t *testing.T) {
+	for name, head := range map[string]string{
+		"status line":                          "HTTP/2 200 OK\r\n\r\n",
+		"header line":                          "HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+		"obs-fold":                             "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n folded\r\n\r\nok",
+		"Content-Length":                       "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok",
+		"Transfer-Encoding other than chunked": "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+		"head line too long":                   "HTTP/1.1 200 OK\r\nX-Long: " + strings.Repeat("x", 20000) + "\r\n\r\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			at, _ := scriptedEngine(t, scripted{answer: head, close: true})
+			pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+			_, err := pool.post(context.Background(), at, "/", []byte("{}"), "id", "")
+			if !errors.Is(err, errMalformedAnswer) || !strings.Contains(err.Error(), name) {
+				t.Fatalf("error %v, want a malformed answer naming %q", err, name)
+			}
+		})
 	}
 }
