@@ -7,7 +7,8 @@ Each binary runs behind its own Python gateway and stub engines, as `pdserve ben
 vllm-router (on PATH); the same layout (every proxy pinned to CPU 0). Per repeat, each target
 takes one load point in turn: closed loop at --concurrency (streams of 64 tokens unless
 --plain), or open loop at --rate. Prints per-core figures per run, the split of CPU between
-the Python gateway and its data plane, and the medians. Build a binary to compare with
+the Python gateway and its data plane, what the data plane allocated per request and how often
+it collected (from the gateway's /metrics), and the medians. Build a binary to compare with
 `cd operator/pdserve/dataplane && go build -o /tmp/new .` (and the old one from a worktree).
 """
 
@@ -15,15 +16,58 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 from pdserve.bench import overhead
 from pdserve.bench.native import native_tools
 
 STREAM_TOKENS = 64
+RUNTIME = ("allocated_bytes", "allocated_objects", "gc_cycles", "gc_cpu_seconds")
+SETTLE_SECONDS = 10.0  # the gateway folds the data plane's counters in once a second
+
+
+def data_plane_counters(target: overhead.Target) -> dict[str, float]:
+    """The data plane's requests served and its Go runtime's counters, from the gateway's
+    /metrics (what it last folded in from the data plane's /stats)."""
+    base = target.url.split("/v1/", 1)[0]
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = {"requests": 0.0}
+    for name, value in re.findall(r"^pdserve_gateway_dataplane_(\w+?)_total(?:{[^}]*})? (\S+)$",
+                                  text, re.M):  # fmt: skip
+        key = name if name in RUNTIME else "requests" if name == "requests" else None
+        if key:
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def settled(target: overhead.Target, served_before: float, served: int) -> dict[str, float]:
+    """The counters once the gateway has folded in the window's last request (polled)."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        counters = data_plane_counters(target)
+        if counters["requests"] - served_before >= served or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.2)
+
+
+def runtime_per_request(before: dict[str, float], after: dict[str, float]) -> str:
+    served = after["requests"] - before["requests"]
+    if served <= 0 or "allocated_bytes" not in after:
+        return ""
+    per = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / served for k in RUNTIME}
+    collections = f"a collection per {1 / per['gc_cycles']:.0f}" if per["gc_cycles"] else "none"
+    return (
+        f", data plane per request: {per['allocated_bytes']:.0f} B in "
+        f"{per['allocated_objects']:.1f} objects, collections: {collections} requests "
+        f"(GC CPU {1e6 * per['gc_cpu_seconds']:.2f} µs per request)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,6 +123,8 @@ def main(argv: list[str]) -> int:
         for _ in range(args.repeats):
             for name, target in runs:
                 assert target.pid is not None
+                data_plane = name != "vllm-router"
+                counted = data_plane_counters(target) if data_plane else {}
                 before = {
                     pid: overhead.tree_cpu_seconds(pid) for pid in overhead.tree_pids(target.pid)
                 }
@@ -97,10 +143,15 @@ def main(argv: list[str]) -> int:
                 figure = load.requests * unit / load.cpu_seconds if load.cpu_seconds else 0.0
                 per_core.setdefault(name, []).append(figure)
                 latency = load.latency_ms
+                runtime = ""
+                if data_plane:
+                    after = settled(target, counted["requests"], load.requests)
+                    runtime = runtime_per_request(counted, after)
                 print(
                     f"{name}: {load.rate:.0f}/s, {figure:.0f} per core, CPU s by process "
                     f"(parent first, its tree included) {split}, p50/p99 "
-                    f"{latency.get('p50')}/{latency.get('p99')} ms, errors {load.errors}",
+                    f"{latency.get('p50')}/{latency.get('p99')} ms, errors {load.errors}"
+                    f"{runtime}",
                     flush=True,
                 )
     what = "requests" if args.plain else "streamed tokens"

@@ -432,6 +432,7 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		"fallbacks":  fallbacks,
 		"unreadable": p.stats.unreadable.Load(),
 		"inflight":   p.inflight.Load(),
+		"runtime":    runtimeStats(),
 	}
 	admission := p.queue.state()
 	if t := p.current.Load(); t != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"runtime"
 	"testing"
 	"time"
 )
@@ -30,5 +31,31 @@ func TestLatencyBucketsMustBeAscendingPositiveSeconds(t *testing.T) {
 		if _, err := parseBounds(bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
+	}
+}
+
+var kept [][]byte
+
+func TestTheRuntimeCountersReportWhatWasAllocatedAndCollected(t *testing.T) {
+	before := runtimeStats()
+	for name := range runtimeCounters {
+		if _, ok := before[name]; !ok {
+			t.Fatalf("runtime %q missing from %v", name, before)
+		}
+	}
+	for i := 0; i < 1000; i++ {
+		kept = append(kept, make([]byte, 1024))
+	}
+	kept = nil
+	runtime.GC()
+	after := runtimeStats()
+	if grew := after["allocated_bytes"] - before["allocated_bytes"]; grew < 1000*1024 {
+		t.Fatalf("allocated_bytes grew by %g after 1000 KiB were allocated", grew)
+	}
+	if after["allocated_objects"]-before["allocated_objects"] < 1000 {
+		t.Fatalf("allocated_objects %g -> %g after 1000 allocations", before["allocated_objects"], after["allocated_objects"])
+	}
+	if after["gc_cycles"] <= before["gc_cycles"] {
+		t.Fatalf("gc_cycles %g -> %g across runtime.GC()", before["gc_cycles"], after["gc_cycles"])
 	}
 }

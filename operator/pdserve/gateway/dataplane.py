@@ -171,15 +171,19 @@ class DataPlane:
         totals = {f"route:{route}": float(count) for route, count in routes.items()}
         totals["route:unreadable_body"] = float(stats.get("unreadable", 0))
         totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
+        totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
         for key, total in totals.items():
             delta = total - self.seen.get(key, 0.0)
             if delta <= 0:
                 continue
             kind, _, name = key.partition(":")
-            counter = self.metrics.dataplane_requests if kind == "route" else (
-                self.metrics.dataplane_fallbacks
-            )  # fmt: skip
-            counter.labels(name).inc(delta)
+            if kind == "runtime":
+                if name in self.metrics.dataplane_runtime:
+                    self.metrics.dataplane_runtime[name].inc(delta)
+            elif kind == "route":
+                self.metrics.dataplane_requests.labels(name).inc(delta)
+            else:
+                self.metrics.dataplane_fallbacks.labels(name).inc(delta)
             self.seen[key] = total
 
     async def run(self, session: aiohttp.ClientSession) -> None:

@@ -20,6 +20,13 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BY_ROUTE = ("route",)
 BY_RENDER_CALL = (RENDER_POD_LABEL, "stage")
 BY_STAGE = ("stage",)
+DATA_PLANE_RUNTIME = {
+    "allocated_bytes": "Bytes the data plane allocated",
+    "allocated_objects": "Objects the data plane allocated",
+    "gc_cycles": "Garbage collections the data plane ran",
+    "gc_cpu_seconds": "CPU seconds the data plane's garbage collector used",
+}
+"""The data plane's /stats `runtime` keys (dataplane/runtimestats.go) -> each counter's help."""
 
 
 class GatewayMetrics:
@@ -45,6 +52,12 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # The data plane's Go runtime (its /stats `runtime`, by the key it gives each): what a
+        # tail latency owes to its garbage collector.
+        self.dataplane_runtime = {
+            key: Counter(f"pdserve_gateway_dataplane_{key}", help, registry=r)
+            for key, help in DATA_PLANE_RUNTIME.items()
+        }
         self.inflight = Gauge("pdserve_gateway_inflight_requests", "Requests in flight", registry=r)
         # These and render_call are collected with what the data plane measured added (with
         # `--data-plane`; dataplane_metrics.py), so they count every request.

@@ -143,6 +143,12 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
                    lambda: measured(gateway.url) == counted)  # fmt: skip
         assert counted["requests"] == {"ok openai_pd": 3}
         assert counted["stages"] == {"prefill": 3}
+        # Its Go runtime's allocations and collections are in /metrics too.
+        eventually("the data plane's allocations in /metrics", lambda: metric(
+            gateway.url, "pdserve_gateway_dataplane_allocated_bytes_total") > 0)  # fmt: skip
+        for name in ("allocated_objects", "gc_cycles", "gc_cpu_seconds"):
+            assert f"pdserve_gateway_dataplane_{name}_total " in httpx.get(
+                f"{gateway.url}/metrics", timeout=10).text, name  # fmt: skip
 
 
 RENDERED = [
