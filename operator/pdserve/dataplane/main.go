@@ -488,7 +488,7 @@ func main() {
 	python.FlushInterval = -1 // streams pass through event by event
 	python.ErrorHandler = pythonUnavailable
 	p := &plane{python: python, maxBody: *maxBody,
-		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 4*time.Second),
+		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 90*time.Second),
 		maxInflight: *maxInflight, engines: map[string]*endpoint{}, queue: newFairQueue()}
 	// The token tells the Python gateway its own data plane from anyone else on loopback; a
 	// slot it asked for is held at most as long as its prefill call may wait for an answer.

@@ -148,6 +148,33 @@ func (op *rawOp) write(fd uintptr) bool {
 	return true
 }
 
+// peerClosed: whether the peer of an idle connection closed it (or sent something nobody asked
+// for, which makes it as unusable): one non-blocking peek that consumes nothing.
+func peerClosed(conn net.Conn) bool {
+	withFd, ok := conn.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	raw, err := withFd.SyscallConn()
+	if err != nil {
+		return true
+	}
+	var one [1]byte
+	var errno syscall.Errno
+	if err := raw.Read(func(fd uintptr) bool {
+		for {
+			_, _, errno = syscall.RawSyscall6(syscall.SYS_RECVFROM, fd,
+				uintptr(unsafe.Pointer(&one[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
+			if errno != syscall.EINTR {
+				return true // never wait: an open, idle connection has nothing to read
+			}
+		}
+	}); err != nil {
+		return true
+	}
+	return errno != syscall.EAGAIN
+}
+
 // failed is the error net's own connection gives for a failed system call, so callers'
 // errors.Is (ECONNRESET, EPIPE) and net.Error checks read it the same.
 func (c *rawConn) failed(op string, errno syscall.Errno) error {

@@ -25,12 +25,20 @@ import (
 	"time"
 )
 
+// An idle connection is reused as long as its engine keeps it open: one idle for longer than
+// probeAfter is first checked for the engine's close (vLLM closes idle connections after about
+// 5 s; a Go or Rust server keeps them), so a burst after a lull reuses what is still open
+// instead of closing every connection and opening new ones while requests wait.
+const probeAfter = time.Second
+
 type upstreamPool struct {
 	dialer    net.Dialer
 	firstByte time.Duration // the answer's head must arrive within this
-	idleFor   time.Duration // kept-alive connections older than this are closed, not reused
+	keepFor   time.Duration // idle connections older than this are closed, open or not
 	mu        sync.Mutex
-	idle      map[string][]*upConn // by host:port
+	// By host:port, each in the order it was given back: the last is the most recently used
+	// (reused first, so the fewest connections stay busy) and the first the longest idle.
+	idle map[string][]*upConn
 }
 
 type upConn struct {
@@ -44,27 +52,23 @@ type upConn struct {
 
 var longAgo = time.Unix(1, 0)
 
-func newUpstreamPool(connect, firstByte, idleFor time.Duration) *upstreamPool {
+func newUpstreamPool(connect, firstByte, keepFor time.Duration) *upstreamPool {
 	return &upstreamPool{
 		dialer:    net.Dialer{Timeout: connect, KeepAlive: 30 * time.Second},
-		firstByte: firstByte, idleFor: idleFor, idle: map[string][]*upConn{},
+		firstByte: firstByte, keepFor: keepFor, idle: map[string][]*upConn{},
 	}
 }
 
 func (p *upstreamPool) get(ctx context.Context, host string) (*upConn, error) {
 	now := time.Now()
-	p.mu.Lock()
-	for conns := p.idle[host]; len(conns) > 0; conns = p.idle[host] {
-		c := conns[len(conns)-1]
-		p.idle[host] = conns[:len(conns)-1]
-		if now.Sub(c.lastUsed) < p.idleFor {
-			p.mu.Unlock()
+	for c := p.pop(host); c != nil; c = p.pop(host) {
+		idle := now.Sub(c.lastUsed)
+		if idle < probeAfter || idle < p.keepFor && !peerClosed(c.conn) {
 			c.reused = true
 			return c, nil
 		}
-		c.conn.Close() // the engine may be closing it already (vLLM: after ~5 s)
+		c.conn.Close() // outside the lock: a burst's requests wait for no one's close
 	}
-	p.mu.Unlock()
 	conn, err := p.dialer.DialContext(ctx, "tcp", host)
 	if err != nil {
 		return nil, err
@@ -73,11 +77,36 @@ func (p *upstreamPool) get(ctx context.Context, host string) (*upConn, error) {
 	return &upConn{conn: conn, reader: bufio.NewReaderSize(conn, 16*1024), host: host}, nil
 }
 
+// pop takes the most recently used idle connection to host, nil when there is none.
+func (p *upstreamPool) pop(host string) *upConn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	conns := p.idle[host]
+	if len(conns) == 0 {
+		return nil
+	}
+	c := conns[len(conns)-1]
+	conns[len(conns)-1] = nil
+	p.idle[host] = conns[:len(conns)-1]
+	return c
+}
+
+// put gives a connection back and closes the longest idle one if it outlived keepFor: what a
+// burst opened goes once the load that needed it has been gone that long.
 func (p *upstreamPool) put(c *upConn) {
 	c.lastUsed = time.Now()
+	var expired *upConn
 	p.mu.Lock()
-	p.idle[c.host] = append(p.idle[c.host], c)
+	conns := append(p.idle[c.host], c)
+	if c.lastUsed.Sub(conns[0].lastUsed) > p.keepFor {
+		expired = conns[0]
+		conns = conns[1:]
+	}
+	p.idle[c.host] = conns
 	p.mu.Unlock()
+	if expired != nil {
+		expired.conn.Close()
+	}
 }
 
 // endpointURL is an engine's address, parsed once.

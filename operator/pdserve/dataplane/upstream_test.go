@@ -313,3 +313,82 @@ func TestAMalformedAnswerHeadIsAnErrorNamingIt(t *testing.T) {
 		})
 	}
 }
+
+// backdate makes every idle connection to host look idle for `by` longer.
+func backdate(pool *upstreamPool, host string, by time.Duration) {
+	pool.mu.Lock()
+	defer pool.mu.Unlock()
+	for _, c := range pool.idle[host] {
+		c.lastUsed = c.lastUsed.Add(-by)
+	}
+}
+
+// A connection idle for a while is reused as long as its engine keeps it open, and given up
+// before anything is sent on it once the engine has closed it (vLLM does after ~5 s idle):
+// a burst after a lull neither reopens every connection nor fails a first attempt on each.
+func TestAnIdleConnectionIsReusedUntilItsEngineClosesIt(t *testing.T) {
+	var opened atomic.Int64
+	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprint(w, "ok")
+	}))
+	server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateNew {
+			opened.Add(1)
+		}
+	}
+	server.Start()
+	t.Cleanup(server.Close)
+	at, _ := parseEndpoint(server.URL)
+	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+	for i := range 2 {
+		response, err := pool.post(context.Background(), at, "/", nil, "id", "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		read(t, response)
+		backdate(pool, at.host, 2*probeAfter)
+		if opened.Load() != 1 {
+			t.Fatalf("request %d: %d connections, want 1: the idle one is still open", i, opened.Load())
+		}
+	}
+	idle := pool.idle[at.host][0]
+	server.CloseClientConnections()
+	for deadline := time.Now().Add(5 * time.Second); !peerClosed(idle.conn); {
+		if time.Now().After(deadline) {
+			t.Fatal("the engine's close never reached the idle connection")
+		}
+		time.Sleep(10 * time.Millisecond) // polling for the FIN, with a deadline
+	}
+	next, err := pool.get(context.Background(), at.host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.conn.Close()
+	if next == idle || next.reused {
+		t.Fatal("the connection the engine closed was handed out again")
+	}
+}
+
+// What a burst opened is closed once it has been idle for keepFor, when another connection to
+// the same engine is given back.
+func TestAConnectionIdleLongerThanKeepForIsClosed(t *testing.T) {
+	at, _ := engine(t, func(http.ResponseWriter, *http.Request) {})
+	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+	first, err := pool.get(context.Background(), at.host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := pool.get(context.Background(), at.host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool.put(first)
+	backdate(pool, at.host, 2*time.Minute)
+	pool.put(second)
+	if idle := pool.idle[at.host]; len(idle) != 1 || idle[0] != second {
+		t.Fatalf("%d idle connections, want only the one just given back", len(idle))
+	}
+	if _, err := first.conn.Read(make([]byte, 1)); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("reading the expired connection: %v, want it closed", err)
+	}
+}
