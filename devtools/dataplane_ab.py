@@ -6,7 +6,8 @@ Each binary runs behind its own Python gateway and stub engines, as `pdserve ben
 `pdserve-dataplane` target does (`--render`: its render-route target), optionally beside
 vllm-router (on PATH); the same layout (every proxy pinned to CPU 0). Per repeat, each target
 takes one load point in turn: closed loop at --concurrency (streams of 64 tokens unless
---plain), or open loop at --rate. Prints per-core figures per run, the split of CPU between
+--plain), or open loop at --rate (or, with --half-load, at half of each target's own closed-loop
+rate, measured first). Prints per-core figures per run, the split of CPU between
 the Python gateway and its data plane, what the data plane allocated per request and how often
 it collected (from the gateway's /metrics), and the medians. Build a binary to compare with
 `cd operator/pdserve/dataplane && go build -o /tmp/new .` (and the old one from a worktree).
@@ -79,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="2KB", choices=list(overhead.PROMPTS))
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--rate", type=float, help="open loop at this many requests/s instead")
+    p.add_argument(
+        "--half-load",
+        action="store_true",
+        help="open loop at half of each target's own closed-loop rate (measured first, at "
+        "--concurrency), the issue's half load; prints each target's median p99 over the repeats",
+    )
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
     return p
@@ -94,7 +101,12 @@ def main(argv: list[str]) -> int:
     layout = overhead.Layout.pinned(0)
     route = "pdserve-dataplane-render" if args.render else "pdserve-dataplane"
     unit = 1 if args.plain else STREAM_TOKENS
+    if args.half_load and args.rate:
+        print("error: --half-load sets each target's rate itself: drop --rate", file=sys.stderr)
+        return 2
     per_core: dict[str, list[float]] = {}
+    p99s: dict[str, list[float]] = {}
+    rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as stack:
         driver = overhead.Driver(tools, layout, Path(work))
         body = driver.body(
@@ -120,6 +132,14 @@ def main(argv: list[str]) -> int:
                 )
                 return 2
             runs.append(("vllm-router", started[1]))
+        if args.half_load:
+            for name, target in runs:
+                full = driver.run(
+                    target, body, args.seconds, concurrency=args.concurrency, stream=not args.plain
+                )
+                rates[name] = full.rate / 2
+                print(f"{name}: {full.rate:.0f}/s at c={args.concurrency}, half load "
+                      f"{rates[name]:.0f}/s", flush=True)  # fmt: skip
         for _ in range(args.repeats):
             for name, target in runs:
                 assert target.pid is not None
@@ -133,7 +153,7 @@ def main(argv: list[str]) -> int:
                     body,
                     args.seconds,
                     concurrency=args.concurrency,
-                    rate=args.rate,
+                    rate=rates.get(name, args.rate),
                     stream=not args.plain,
                 )
                 split = {
@@ -143,6 +163,8 @@ def main(argv: list[str]) -> int:
                 figure = load.requests * unit / load.cpu_seconds if load.cpu_seconds else 0.0
                 per_core.setdefault(name, []).append(figure)
                 latency = load.latency_ms
+                if "p99" in latency:
+                    p99s.setdefault(name, []).append(latency["p99"])
                 runtime = ""
                 if data_plane:
                     after = settled(target, counted["requests"], load.requests)
@@ -157,6 +179,10 @@ def main(argv: list[str]) -> int:
     what = "requests" if args.plain else "streamed tokens"
     for name, figures in per_core.items():
         print(f"median {what} per core, {name}: {statistics.median(figures):.0f}")
+    if args.half_load or args.rate:
+        for name, tails in p99s.items():
+            middle = statistics.median(tails)
+            print(f"median p99 ms over {len(tails)} windows, {name}: {middle:.2f}")
     return 0
 
 
