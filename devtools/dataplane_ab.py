@@ -97,13 +97,13 @@ def main(argv: list[str]) -> int:
     if missing:
         print(f"error: no such data plane binary: {', '.join(missing)}", file=sys.stderr)
         return 2
+    if args.half_load and args.rate:
+        print("error: --half-load sets each target's rate itself: drop --rate", file=sys.stderr)
+        return 2
     tools = native_tools(None)
     layout = overhead.Layout.pinned(0)
     route = "pdserve-dataplane-render" if args.render else "pdserve-dataplane"
     unit = 1 if args.plain else STREAM_TOKENS
-    if args.half_load and args.rate:
-        print("error: --half-load sets each target's rate itself: drop --rate", file=sys.stderr)
-        return 2
     per_core: dict[str, list[float]] = {}
     p99s: dict[str, list[float]] = {}
     rates: dict[str, float] = {}
