@@ -98,31 +98,8 @@ func TestAnAnswerNotReadToItsEndClosesItsConnection(t *testing.T) {
 // An engine that answers one request per connection and then closes it, the way an engine
 // closes an idle kept-alive connection: the next request on it must go to a new connection.
 func TestAConnectionTheEngineClosedWhileIdleIsRetriedOnANewOne(t *testing.T) {
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { listener.Close() })
-	var accepted atomic.Int64
-	go func() {
-		for {
-			conn, err := listener.Accept()
-			if err != nil {
-				return
-			}
-			accepted.Add(1)
-			go func() {
-				defer conn.Close()
-				request, err := http.ReadRequest(bufio.NewReader(conn))
-				if err != nil {
-					return
-				}
-				io.Copy(io.Discard, request.Body)
-				fmt.Fprint(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-			}()
-		}
-	}()
-	at, _ := parseEndpoint("http://" + listener.Addr().String())
+	once := scripted{"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", true}
+	at, accepted := scriptedEngine(t, once, once, once)
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
 	for i := range 3 {
 		response, err := pool.post(context.Background(), at, "/", []byte("{}"), "id", "")
