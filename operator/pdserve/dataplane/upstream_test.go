@@ -17,6 +17,13 @@ import (
 
 func engine(t *testing.T, handler http.HandlerFunc) (endpointURL, *atomic.Int64) {
 	t.Helper()
+	_, at, opened := engineServer(t, handler)
+	return at, opened
+}
+
+// engineServer is engine with its server, for a test that closes the server's connections.
+func engineServer(t *testing.T, handler http.HandlerFunc) (*httptest.Server, endpointURL, *atomic.Int64) {
+	t.Helper()
 	var opened atomic.Int64
 	server := httptest.NewUnstartedServer(handler)
 	server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
@@ -30,7 +37,7 @@ func engine(t *testing.T, handler http.HandlerFunc) (endpointURL, *atomic.Int64)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return at, &opened
+	return server, at, &opened
 }
 
 func read(t *testing.T, response *upBody) string {
@@ -304,18 +311,9 @@ func backdate(pool *upstreamPool, host string, by time.Duration) {
 // before anything is sent on it once the engine has closed it (vLLM does after ~5 s idle):
 // a burst after a lull neither reopens every connection nor fails a first attempt on each.
 func TestAnIdleConnectionIsReusedUntilItsEngineClosesIt(t *testing.T) {
-	var opened atomic.Int64
-	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	server, at, opened := engineServer(t, func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprint(w, "ok")
-	}))
-	server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
-		if state == http.StateNew {
-			opened.Add(1)
-		}
-	}
-	server.Start()
-	t.Cleanup(server.Close)
-	at, _ := parseEndpoint(server.URL)
+	})
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
 	for i := range 2 {
 		response, err := pool.post(context.Background(), at, "/", nil, "id", "")
