@@ -367,3 +367,72 @@ func TestAConnectionIdleLongerThanKeepForIsClosed(t *testing.T) {
 		t.Fatalf("reading the expired connection: %v, want it closed", err)
 	}
 }
+
+// answerOver is an answer read from one end of a pipe: the test writes the engine's side.
+func answerOver(t *testing.T) (*upBody, net.Conn) {
+	t.Helper()
+	ours, engine := net.Pipe()
+	t.Cleanup(func() { ours.Close(); engine.Close() })
+	c := &upConn{conn: ours, reader: bufio.NewReaderSize(ours, 16*1024)}
+	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+	return &upBody{pool: pool, conn: c, stop: func() bool { return true }}, engine
+}
+
+const chunkedHead = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+// A stream's events that arrived together reach the client in one write, the stream's end
+// with them, and the connection goes back to the pool.
+func TestChunksThatArrivedTogetherAreReadInOneCall(t *testing.T) {
+	answer, engine := answerOver(t)
+	go io.WriteString(engine, chunkedHead+"6\r\ndata 1\r\n6\r\ndata 2\r\n6\r\ndata 3\r\n0\r\n\r\n")
+	if err := answer.readHead(answer.conn.reader); err != nil {
+		t.Fatal(err)
+	}
+	into := make([]byte, 1024)
+	n, err := answer.Read(into)
+	if string(into[:n]) != "data 1data 2data 3" || err != io.EOF {
+		t.Fatalf("one read gave %q, %v; want the three events and the end", into[:n], err)
+	}
+	if idle := answer.pool.idle[""]; len(idle) != 1 || idle[0] != answer.conn {
+		t.Fatal("the connection was not given back after the stream's end")
+	}
+}
+
+// An event whose framing has not all arrived is not waited for: what did arrive goes now.
+func TestAChunkNotYetArrivedIsNotWaitedFor(t *testing.T) {
+	answer, engine := answerOver(t)
+	release := make(chan struct{})
+	go func() {
+		io.WriteString(engine, chunkedHead+"6\r\ndata 1\r\n6") // the next size line cut
+		<-release
+		io.WriteString(engine, "\r\ndata 2\r\n0\r\n\r\n")
+	}()
+	if err := answer.readHead(answer.conn.reader); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		text string
+		err  error
+	}
+	read := func() chan result {
+		done := make(chan result, 1)
+		go func() {
+			into := make([]byte, 1024)
+			n, err := answer.Read(into)
+			done <- result{string(into[:n]), err}
+		}()
+		return done
+	}
+	select {
+	case got := <-read():
+		if got.text != "data 1" || got.err != nil {
+			t.Fatalf("the first read gave %q, %v; want the first event", got.text, got.err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the first event waited for the next one's framing")
+	}
+	close(release)
+	if got := <-read(); got.text != "data 2" || got.err != io.EOF {
+		t.Fatalf("the second read gave %q, %v; want the second event and the end", got.text, got.err)
+	}
+}
