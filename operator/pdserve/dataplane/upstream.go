@@ -465,11 +465,7 @@ func chunkFramingBuffered(reader *bufio.Reader) bool {
 	if sizeEnd < 0 {
 		return false
 	}
-	size := rest[:sizeEnd]
-	if semicolon := bytes.IndexByte(size, ';'); semicolon >= 0 {
-		size = size[:semicolon]
-	}
-	if len(bytes.Trim(size, "0\r \t")) > 0 || len(size) == 0 {
+	if size, ok := chunkSize(bytes.TrimSuffix(rest[:sizeEnd], []byte("\r"))); size > 0 || !ok {
 		return true // a chunk with data follows (or a malformed size line nextChunk names)
 	}
 	after := rest[sizeEnd+1:]
@@ -492,11 +488,8 @@ func (b *upBody) nextChunk(reader *bufio.Reader) error {
 	if err != nil {
 		return unexpected(err)
 	}
-	if semicolon := bytes.IndexByte(line, ';'); semicolon >= 0 {
-		line = line[:semicolon] // chunk extensions
-	}
-	size, err := strconv.ParseUint(string(bytes.TrimRight(line, " \t")), 16, 62)
-	if err != nil || len(line) == 0 {
+	size, ok := chunkSize(line)
+	if !ok {
 		return malformed("chunk size", line)
 	}
 	if size > 0 {
@@ -515,6 +508,15 @@ func (b *upBody) nextChunk(reader *bufio.Reader) error {
 			return malformed("trailer too large", line)
 		}
 	}
+}
+
+// chunkSize is a chunk size line's size (its extensions ignored); false when it is not one.
+func chunkSize(line []byte) (uint64, bool) {
+	if semicolon := bytes.IndexByte(line, ';'); semicolon >= 0 {
+		line = line[:semicolon]
+	}
+	size, err := strconv.ParseUint(string(bytes.TrimRight(line, " \t")), 16, 62)
+	return size, err == nil && len(line) > 0
 }
 
 func unexpected(err error) error {
