@@ -17,6 +17,7 @@ from aiohttp import web
 from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
+from pdserve.gateway.dataplane import build_binary
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
@@ -102,10 +103,21 @@ class Stack:
         self.renders.append(server)
         return await self.start(server)
 
-    async def gateway(self, config: dict[str, Any], **settings: Any) -> httpx.AsyncClient:
+    async def gateway(
+        self, config: dict[str, Any], *, data_plane: bool = False, **settings: Any
+    ) -> httpx.AsyncClient:
+        """A gateway over `config`; with `data_plane`, behind the compiled data plane (as
+        `pdserve gateway --data-plane` runs it): the client is the data plane's."""
         gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
         self.gateway_server = gateway
-        url = await self.start(gateway)
+        if data_plane:
+            port = free_port()
+            gateway.use_data_plane(build_binary(), "127.0.0.1:0", f"http://127.0.0.1:{port}")
+            await self.start(gateway, port)
+            assert gateway.data_plane is not None and gateway.data_plane.address is not None
+            url = f"http://{gateway.data_plane.address}"
+        else:
+            url = await self.start(gateway)
         return await self.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
 
 

@@ -66,6 +66,8 @@ class DataPlane:
         self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
         self.process: asyncio.subprocess.Process | None = None
         self.control: str | None = None
+        # Where clients connect, as the data plane bound it (`listen` may name port 0).
+        self.address: str | None = None
         self.pushed: dict[str, Any] | None = None
         self.version = 0
         self.seen: dict[str, float] = {}
@@ -103,7 +105,8 @@ class DataPlane:
         assert self.process.stdout is not None
         try:
             line = await asyncio.wait_for(self.process.stdout.readline(), STARTUP_SECONDS)
-            self.control = "http://" + json.loads(line)["control"]
+            bound = json.loads(line)
+            self.control, self.address = "http://" + bound["control"], bound["listen"]
         except (TimeoutError, ValueError, KeyError):
             code = self.process.returncode
             raise DataPlaneError(

@@ -27,6 +27,22 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
         terminalreporter.write_line(TALLY.table())
 
 
+REQUEST_PATHS = ("python", "dataplane")
+"""The gateway's request paths: the Python gateway alone, and behind the compiled data plane
+(`pdserve gateway --data-plane`). A client must not see which one served it."""
+
+
+@pytest.fixture(params=REQUEST_PATHS)
+def request_path(request: pytest.FixtureRequest) -> str:
+    """Parametrises a test by request path; `Stack.gateway(..., data_plane=request_path ==
+    "dataplane")` (or `behind_data_plane(request_path)`) puts the gateway on it."""
+    return str(request.param)
+
+
+def behind_data_plane(request_path: str) -> bool:
+    return request_path == "dataplane"
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """The whole gateway on the fake upstream, one for all of a module's examples."""
