@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.engine_connections import EngineConnector
 from pdserve.gateway.errors import GatewayError, LeaseExpiring, UpstreamFailed, upstream_message
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
@@ -64,7 +65,7 @@ class UpstreamClient:
         if self._session is None:
             s = self.settings
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=s.keepalive_expiry),
+                connector=EngineConnector(limit=0, keepalive_timeout=s.keepalive_expiry),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
             )
         return self._session
