@@ -66,6 +66,7 @@ from pdserve.gateway.replica_contract import (
     session_fetch,
 )
 from pdserve.gateway.request_log import RequestLog
+from pdserve.gateway.server import CLIENT_KEEPALIVE
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
@@ -171,6 +172,7 @@ class Gateway:
             # refuse a coding or a body it cannot decode itself, in text/plain.
             handler_args={"auto_decompress": False},
         )
+        app[CLIENT_KEEPALIVE] = self.settings.keepalive_timeout
         app.on_response_prepare.append(echo_request_id)
         expect = expect_continue
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)

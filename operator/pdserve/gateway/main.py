@@ -141,6 +141,11 @@ TIMEOUT_FLAGS = (
     ("--idle-timeout-seconds", "idle_timeout", "between two events of an engine stream"),
     ("--body-timeout-seconds", "body_timeout", "receiving a client's request body (then 408)"),
     (
+        "--keepalive-timeout-seconds",
+        "keepalive_timeout",
+        "a client connection idle, or its next request's head incomplete (then closed)",
+    ),
+    (
         "--request-timeout-seconds",
         "request_timeout",
         "a whole request (then 504, or an error event in a stream)",

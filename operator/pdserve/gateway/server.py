@@ -19,7 +19,7 @@ import logging
 import signal
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -68,10 +68,21 @@ class _Server(web.Server):
         return _Connection(self, loop=self._loop, **self._kwargs)
 
 
+CLIENT_KEEPALIVE = web.AppKey("client_keepalive_seconds", float)
+"""The app's keep-alive bound on its clients' connections (GatewaySettings.keepalive_timeout)."""
+
+
 class GatewayRunner(web.AppRunner):
-    """web.AppRunner whose connections answer aiohttp's refusals in the OpenAI shape."""
+    """web.AppRunner whose connections answer aiohttp's refusals in the OpenAI shape, and are
+    closed once idle (or their next request's head incomplete) for the app's CLIENT_KEEPALIVE:
+    aiohttp's own default keeps them an hour."""
 
     __slots__ = ()
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        if CLIENT_KEEPALIVE in app:
+            kwargs.setdefault("keepalive_timeout", app[CLIENT_KEEPALIVE])
+        super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()

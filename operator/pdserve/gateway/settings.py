@@ -30,6 +30,12 @@ class GatewaySettings:
     idle_timeout: float = 60.0
     # Receiving the client's request body (before it takes an in-flight slot): 408 after.
     body_timeout: float = 30.0
+    # A client's connection idle between requests (or since it opened), and its next request's
+    # head still incomplete, is closed after this: an idle connection costs a file descriptor
+    # and a buffer, and slow headers held one open forever. Above what load balancers keep
+    # connections to a backend open for (AWS ALB and GCP's 60 s idle, nginx's 60 s), so they
+    # close first and never send to one this side is closing.
+    keepalive_timeout: float = 75.0
     # The whole request, from its first byte to its last (a non-streamed decode, whose first
     # byte is the whole answer, is bounded by this alone): 504, or an error event in a stream.
     request_timeout: float = 600.0
