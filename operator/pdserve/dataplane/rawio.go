@@ -149,30 +149,50 @@ func (op *rawOp) write(fd uintptr) bool {
 }
 
 // peerClosed: whether the peer of an idle connection closed it (or sent something nobody asked
-// for, which makes it as unusable): one non-blocking peek that consumes nothing.
+// for, which makes it as unusable): one non-blocking peek that consumes nothing. It runs before
+// every reuse of an engine connection, so it allocates nothing (a raw connection's syscall
+// handle and the peek's state are kept, not made per call).
 func peerClosed(conn net.Conn) bool {
-	withFd, ok := conn.(syscall.Conn)
-	if !ok {
+	var raw syscall.RawConn
+	if c, ok := conn.(*rawConn); ok {
+		raw = c.raw
+	} else if withFd, ok := conn.(syscall.Conn); ok {
+		var err error
+		if raw, err = withFd.SyscallConn(); err != nil {
+			return true
+		}
+	} else {
 		return false
 	}
-	raw, err := withFd.SyscallConn()
-	if err != nil {
+	op := peekOps.Get().(*peekOp)
+	defer peekOps.Put(op)
+	if err := raw.Read(op.peekFn); err != nil {
 		return true
 	}
-	var one [1]byte
-	var errno syscall.Errno
-	if err := raw.Read(func(fd uintptr) bool {
-		for {
-			_, _, errno = syscall.RawSyscall6(syscall.SYS_RECVFROM, fd,
-				uintptr(unsafe.Pointer(&one[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
-			if errno != syscall.EINTR {
-				return true // never wait: an open, idle connection has nothing to read
-			}
+	return op.errno != syscall.EAGAIN
+}
+
+// peekOp is one peerClosed's state, its function for the poller bound to it once.
+type peekOp struct {
+	one    [1]byte
+	errno  syscall.Errno
+	peekFn func(fd uintptr) bool
+}
+
+var peekOps = sync.Pool{New: func() any {
+	op := &peekOp{}
+	op.peekFn = op.peek
+	return op
+}}
+
+func (op *peekOp) peek(fd uintptr) bool {
+	for {
+		_, _, op.errno = syscall.RawSyscall6(syscall.SYS_RECVFROM, fd,
+			uintptr(unsafe.Pointer(&op.one[0])), 1, syscall.MSG_PEEK|syscall.MSG_DONTWAIT, 0, 0)
+		if op.errno != syscall.EINTR {
+			return true // never wait: an open, idle connection has nothing to read
 		}
-	}); err != nil {
-		return true
 	}
-	return errno != syscall.EAGAIN
 }
 
 // failed is the error net's own connection gives for a failed system call, so callers'

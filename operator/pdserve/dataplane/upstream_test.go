@@ -11,18 +11,19 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
 
-func engine(t *testing.T, handler http.HandlerFunc) (endpointURL, *atomic.Int64) {
+func engine(t testing.TB, handler http.HandlerFunc) (endpointURL, *atomic.Int64) {
 	t.Helper()
 	_, at, opened := engineServer(t, handler)
 	return at, opened
 }
 
 // engineServer is engine with its server, for a test that closes the server's connections.
-func engineServer(t *testing.T, handler http.HandlerFunc) (*httptest.Server, endpointURL, *atomic.Int64) {
+func engineServer(t testing.TB, handler http.HandlerFunc) (*httptest.Server, endpointURL, *atomic.Int64) {
 	t.Helper()
 	var opened atomic.Int64
 	server := httptest.NewUnstartedServer(handler)
@@ -321,7 +322,7 @@ func TestAnIdleConnectionIsReusedUntilItsEngineClosesIt(t *testing.T) {
 			t.Fatal(err)
 		}
 		read(t, response)
-		backdate(pool, at.host, 2*probeAfter)
+		backdate(pool, at.host, 2*time.Second)
 		if opened.Load() != 1 {
 			t.Fatalf("request %d: %d connections, want 1: the idle one is still open", i, opened.Load())
 		}
@@ -434,5 +435,135 @@ func TestAChunkNotYetArrivedIsNotWaitedFor(t *testing.T) {
 	close(release)
 	if got := <-read(); got.text != "data 2" || got.err != io.EOF {
 		t.Fatalf("the second read gave %q, %v; want the second event and the end", got.text, got.err)
+	}
+}
+
+// forgingEngine answers its first request, then, once the test closes `forge`, writes a second
+// whole answer nobody asked for on the same connection (`forged`: written); every other
+// request, on that connection or a new one, is answered "real".
+func forgingEngine(t *testing.T, first string, forge <-chan struct{}, forged chan<- struct{}) endpointURL {
+	t.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { listener.Close() })
+	var once atomic.Bool
+	go func() {
+		for {
+			conn, err := listener.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				reader := bufio.NewReader(conn)
+				for {
+					request, err := http.ReadRequest(reader)
+					if err != nil {
+						return
+					}
+					io.Copy(io.Discard, request.Body)
+					if !once.CompareAndSwap(false, true) {
+						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
+						continue
+					}
+					io.WriteString(conn, first)
+					<-forge
+					io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
+					close(forged)
+				}
+			}()
+		}
+	}()
+	at, _ := parseEndpoint("http://" + listener.Addr().String())
+	return at
+}
+
+// untilReadable waits (in the network poller, consuming nothing) until conn has bytes or its
+// peer's close to read.
+func untilReadable(t *testing.T, conn net.Conn) {
+	t.Helper()
+	raw, err := conn.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	defer conn.SetReadDeadline(time.Time{})
+	var one [1]byte
+	if err := raw.Read(func(fd uintptr) bool {
+		_, _, err := syscall.Recvfrom(int(fd), one[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		return err != syscall.EAGAIN
+	}); err != nil {
+		t.Fatalf("nothing arrived on the idle connection: %v", err)
+	}
+}
+
+// An engine that writes past the end of an answer (a buggy or hostile one, or a proxy in
+// front of it) must never have those bytes read as the next request's answer: whether they
+// came with the answer or a moment after it, the connection is not used again.
+func TestBytesAnEngineSentPastItsAnswerAreNeverTheNextAnswer(t *testing.T) {
+	const answer = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+	for _, test := range []struct {
+		name  string
+		first string
+		later bool // the forged answer is written after the first was read
+	}{
+		{"a moment after the answer", answer, true},
+		{"with the answer, in one write", answer + "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged", false},
+	} {
+		t.Run(test.name, func(t *testing.T) {
+			forge, forged := make(chan struct{}), make(chan struct{})
+			at := forgingEngine(t, test.first, forge, forged)
+			if !test.later {
+				close(forge) // and the engine's later write is one more nobody reads
+			}
+			pool := newUpstreamPool(time.Second, 5*time.Second, time.Minute)
+			response, err := pool.post(context.Background(), at, "/", []byte("{}"), "id-1", "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := read(t, response); got != "first" {
+				t.Fatalf("the first answer: %q", got)
+			}
+			if test.later {
+				idle := pool.idle[at.host]
+				if len(idle) != 1 {
+					t.Fatalf("%d idle connections after a whole answer, want 1", len(idle))
+				}
+				close(forge)
+				<-forged
+				untilReadable(t, idle[0].conn)
+			}
+			for i := range 2 {
+				response, err := pool.post(context.Background(), at, "/", []byte("{}"), "id-2", "")
+				if err != nil {
+					t.Fatalf("request %d after the forged answer: %v", i, err)
+				}
+				if got := read(t, response); got != "real" {
+					t.Fatalf("request %d after the forged answer was answered %q", i, got)
+				}
+			}
+		})
+	}
+}
+
+// What checking a pooled connection before reusing it costs: one non-blocking peek.
+func BenchmarkReusingAPooledConnection(b *testing.B) {
+	at, _ := engine(b, func(http.ResponseWriter, *http.Request) {})
+	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+	c, err := pool.get(context.Background(), at.host)
+	if err != nil {
+		b.Fatal(err)
+	}
+	pool.put(c)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		c, err := pool.get(context.Background(), at.host)
+		if err != nil || !c.reused {
+			b.Fatal("the idle connection was not reused", err)
+		}
+		pool.put(c)
 	}
 }
