@@ -53,6 +53,9 @@ PLAIN: dict[str, Any] = {
     "max_tokens": 200,
 }
 
+PEER_KEY = "the-replicas-peer-key"
+"""What gateway_replicas' replicas present to each other."""
+
 LONG = {**PLAIN, "messages": [{"role": "user", "content": " ".join(["hello world"] * 400)}],
         "max_tokens": 20}  # fmt: skip
 
@@ -114,7 +117,8 @@ class Stack:
             port = free_port()
             gateway.use_data_plane(build_binary(), "127.0.0.1:0", f"http://127.0.0.1:{port}")
             await self.start(gateway, port)
-            assert gateway.data_plane is not None and gateway.data_plane.address is not None
+            assert gateway.data_plane is not None
+            assert gateway.data_plane.address is not None
             url = f"http://{gateway.data_plane.address}"
         else:
             url = await self.start(gateway)
@@ -245,7 +249,10 @@ async def gateway_replicas(
 ) -> Replicas:
     """Two gateway replicas over one prefill replica with a long-prefill limit of 1, each
     knowing the other (and its own URL), the prefill engine hanging the next `hang` requests;
-    `settings`: more GatewaySettings of both (keys)."""
+    `settings`: more GatewaySettings of both (keys; a peer key, PEER_KEY, unless they name
+    one: a hold takes one)."""
+    settings.setdefault("peer_keys", (PEER_KEY,))
+    peer_auth = {} if settings.get("api_keys") else {"Authorization": f"Bearer {PEER_KEY}"}
     render = await stack.render()
     prefill = await stack.engine("prefill", engine("prefill"))
     decode = await stack.engine("decode", engine("decode"))
@@ -267,7 +274,10 @@ async def gateway_replicas(
         await stack.start(gateway, int(mine.rsplit(":", 1)[1]))
         gateways.append(gateway)
         clients.append(
-            await stack.exits.enter_async_context(httpx.AsyncClient(base_url=mine, timeout=60))
+            await stack.exits.enter_async_context(
+                # Without API keys the peer key reads /status and /admission (and /v1 is open).
+                httpx.AsyncClient(base_url=mine, timeout=60, headers=peer_auth)
+            )
         )
     async with httpx.AsyncClient() as admin:
         await admin.post(f"{prefill}/sim/faults", json={"hang": hang})

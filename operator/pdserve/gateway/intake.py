@@ -5,8 +5,11 @@ upstream.
 Who may call what, when keys are set (`authorize`, run by `middleware` before every handler):
 `/health` and `/ready` (probes) and `/metrics` (Prometheus, as vLLM's own: counts and latencies
 by route, stage, reason and pod name, never a request's content or an address) are open;
-`/v1/*`, and any path not named here, needs an API key; `/status` and the peer admission
-endpoints (`/admission*`) take an API key or the peer key (the gateway replicas)."""
+`/v1/*`, and any path not named here, needs an API key; `/status` and `GET /admission` take an
+API key or the peer key (the gateway replicas). `POST /admission/hold` holds a prefill slot for a
+peer, so it takes a key whether or not clients need one: with neither keys nor a peer key
+configured nobody may call it. A request with more than one Authorization header is refused:
+which one a check reads and which one an engine would read is anyone's guess."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 operator's transport monitor), and say nothing a key protects."""
 PEER_PATHS = frozenset({"/status", "/admission", "/admission/hold"})
 """Operational and peer endpoints: an API key or the peer key."""
+HOLD_PATH = "/admission/hold"
+"""The peer endpoint that takes something (a prefill slot): never open."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,12 +65,21 @@ class Intake:
         self._api = [_digest(k.encode()) for k in settings.api_keys]
         self._peer = [_digest(k.encode()) for k in settings.peer_keys]
 
-    def authorize(self, request: web.Request, *, peer: bool = False) -> None:
+    def authorize(self, request: web.Request, *, peer: bool = False, hold: bool = False) -> None:
         """401 unless the request carries a key it may use: an API key, or with `peer` (the
         operational and admission endpoints) also the peer key; nothing when no such key is
-        configured."""
+        configured, except with `hold` (a peer's prefill slot), which is then refused."""
+        if len(request.headers.getall("Authorization", ())) > 1:
+            raise GatewayError(400, "the request has more than one Authorization header; send one")
         keys = [*self._api, *self._peer] if peer else self._api
         if not keys:
+            if hold:
+                raise GatewayError(
+                    401,
+                    "POST /admission/hold is for this gateway's replicas, which send "
+                    "Authorization: Bearer <peer key>, and this gateway has no peer key: give "
+                    "every replica the same --peer-key-file (or PDSERVE_PEER_KEY)",
+                )
             return
         token = bearer_token(request)
         digest = _digest(token or b"")
@@ -84,7 +98,7 @@ class Intake:
         path = request.path
         if path not in OPEN_PATHS:
             try:
-                self.authorize(request, peer=path in PEER_PATHS)
+                self.authorize(request, peer=path in PEER_PATHS, hold=path == HOLD_PATH)
             except GatewayError as error:
                 return error_response(error)
         return await handler(request)

@@ -15,6 +15,7 @@ from aiohttp import web
 from tests.support.serving import serving
 from tests.support.sim_gateway import (
     LONG,
+    PEER_KEY,
     PLAIN,
     Stack,
     engine,
@@ -172,10 +173,11 @@ async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
 
 
 async def test_a_malformed_hold_request_is_refused_naming_the_field(stack: Stack) -> None:
-    client = await pd_stack(stack)
+    client = await pd_stack(stack, peer_keys=(PEER_KEY,))
+    peer = {"Authorization": f"Bearer {PEER_KEY}"}
     bodies: list[Any] = [{}, {"replicas": "http://p0"}, {"replicas": []}, {"replicas": [3]}, [1]]
     for body in bodies:
-        answer = await client.post("/admission/hold", json=body)
+        answer = await client.post("/admission/hold", json=body, headers=peer)
         assert answer.status_code == 400, body
         assert answer.json()["error"]["param"] == "replicas"
     assert stack.gateway_server.admission.long_in_flight == 0
@@ -223,7 +225,8 @@ async def test_only_the_leader_grants_holds_and_only_to_its_own_replicas(stack: 
     replicas = await gateway_replicas(stack, hang=0)
     follower = replicas.clients[replicas.follower]
     body = {"replicas": ["http://p0"]}
-    refused = await follower.post("/admission/hold", json=body)
+    peer = {"Authorization": f"Bearer {PEER_KEY}"}
+    refused = await follower.post("/admission/hold", json=body, headers=peer)
     assert refused.status_code == 409
     assert replicas.urls[replicas.leader] in refused.json()["error"]["message"]
 

@@ -132,7 +132,8 @@ async def test_keyed_replicas_find_each_other_and_admit_through_the_leader(stack
 async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack) -> None:
     """A peer has at most max_inflight holds open (queued or granted): more would be admitted
     anyway once they age, overrunning the limit for every replica's documents."""
-    client = await pd_stack(stack, max_inflight=2)
+    client = await pd_stack(stack, max_inflight=2, peer_keys=("peer-key",))
+    client.headers.update(PEER)
     gateway = stack.gateway_server
     async with contextlib.AsyncExitStack() as holds:
         lines = []  # each hold's line iterator, kept open with its connection
@@ -155,7 +156,8 @@ async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack) -> None:
 async def test_a_hold_ends_at_its_deadline(stack: Stack) -> None:
     """A holder that never closes its connection loses the slot after the hold's deadline (its
     prefill call's own timeout), which the grant names."""
-    client = await pd_stack(stack, first_byte_timeout=0.5)
+    client = await pd_stack(stack, first_byte_timeout=0.5, peer_keys=("peer-key",))
+    client.headers.update(PEER)
     gateway = stack.gateway_server
     async with client.stream("POST", "/admission/hold", json={"replicas": ["http://p0"]}) as held:
         assert held.headers["X-PDServe-Hold-Seconds"] == "0.5"

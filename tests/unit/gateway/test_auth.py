@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from multidict import CIMultiDict
 
 from pdserve.gateway.errors import GatewayError
 from pdserve.gateway.exchange import client_request_id
@@ -22,7 +23,7 @@ def intake(**settings: tuple[str, ...]) -> Intake:
 def request(authorization: str | None = None, request_id: str | None = None) -> object:
     """What the checks read of a request: its headers, as aiohttp decodes them (bytes that are
     not UTF-8 as surrogate escapes)."""
-    headers = {}
+    headers: CIMultiDict[str] = CIMultiDict()
     if authorization is not None:
         headers["Authorization"] = authorization
     if request_id is not None:

@@ -24,7 +24,7 @@ from tests.support.sim_gateway import PLAIN, Stack, engine, ep, routing, until
 
 # Small bounds (a sim answers in milliseconds on loopback), yet wide enough that a busy 2-core
 # CI machine never makes a healthy stage look hung; the slow fault stays far within.
-BOUNDS: dict[str, float] = {
+BOUNDS: dict[str, Any] = {
     "connect_timeout": 1.5,
     "first_byte_timeout": 2.0,
     "idle_timeout": 1.0,
