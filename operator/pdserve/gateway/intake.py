@@ -7,8 +7,9 @@ Who may call what, when keys are set (`authorize`, run by `middleware` before ev
 by route, stage, reason and pod name, never a request's content or an address) are open;
 `/v1/*`, and any path not named here, needs an API key; `/status` and `GET /admission` take an
 API key or the peer key (the gateway replicas). `POST /admission/hold` holds a prefill slot for a
-peer, so it takes a key whether or not clients need one: with neither keys nor a peer key
-configured nobody may call it. A request with more than one Authorization header is refused:
+peer, so it takes the peer key (or an API key) whether or not clients need a key: with neither
+configured nobody may call it. Without API keys `/status` and `GET /admission` stay open, peer
+key or not: they only read. A request with more than one Authorization header is refused:
 which one a check reads and which one an engine would read is anyone's guess."""
 
 from __future__ import annotations
@@ -67,20 +68,21 @@ class Intake:
 
     def authorize(self, request: web.Request, *, peer: bool = False, hold: bool = False) -> None:
         """401 unless the request carries a key it may use: an API key, or with `peer` (the
-        operational and admission endpoints) also the peer key; nothing when no such key is
-        configured, except with `hold` (a peer's prefill slot), which is then refused."""
+        operational and admission endpoints) also the peer key. Only a `hold` (a peer's prefill
+        slot) is guarded when no API key is configured: by the peer key, and refused without
+        one."""
         if len(request.headers.getall("Authorization", ())) > 1:
             raise GatewayError(400, "the request has more than one Authorization header; send one")
+        if not (self._api or hold):
+            return
         keys = [*self._api, *self._peer] if peer else self._api
         if not keys:
-            if hold:
-                raise GatewayError(
-                    401,
-                    "POST /admission/hold is for this gateway's replicas, which send "
-                    "Authorization: Bearer <peer key>, and this gateway has no peer key: give "
-                    "every replica the same --peer-key-file (or PDSERVE_PEER_KEY)",
-                )
-            return
+            raise GatewayError(
+                401,
+                "POST /admission/hold is for this gateway's replicas, which send "
+                "Authorization: Bearer <peer key>, and this gateway has no peer key: give "
+                "every replica the same --peer-key-file (or PDSERVE_PEER_KEY)",
+            )
         token = bearer_token(request)
         digest = _digest(token or b"")
         # Compare against every key so the time taken says nothing about which one is close.

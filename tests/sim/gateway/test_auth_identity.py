@@ -99,12 +99,19 @@ async def test_a_non_utf8_authorization_header_is_refused_as_unauthorized(stack:
         assert_unauthorized(garbled)
 
 
-async def test_a_peer_key_alone_guards_the_peer_endpoints_only(stack: Stack) -> None:
+async def test_a_peer_key_alone_guards_the_hold_only(stack: Stack) -> None:
+    """Without API keys the model and the read-only operational endpoints stay open; holding a
+    prefill slot takes the peer key."""
     client = await aggregated(stack, peer_keys=("peer-key",))
     assert (await call(client, "POST", "/v1/chat/completions")).status_code == 200
     for method, path in PEER_ROUTES:
-        assert_unauthorized(await call(client, method, path))
-        assert (await call(client, method, path, PEER)).status_code == 200
+        assert (await call(client, method, path)).status_code == 200
+    assert_unauthorized(await call(client, "POST", "/admission/hold"))
+    assert_unauthorized(await call(client, "POST", "/admission/hold", API))
+    async with client.stream(
+        "POST", "/admission/hold", json={"replicas": ["http://p0"]}, headers=PEER
+    ) as held:
+        assert held.status_code == 200
 
 
 async def test_keyed_replicas_find_each_other_and_admit_through_the_leader(stack: Stack) -> None:

@@ -59,13 +59,17 @@ def test_any_key_matches_and_the_scheme_is_case_insensitive() -> None:
         gate.authorize(request("Bearer peer"))  # type: ignore[arg-type]
 
 
-def test_without_keys_everyone_passes_and_a_peer_key_guards_only_peer_calls() -> None:
+def test_without_api_keys_everyone_passes_but_a_hold_needs_the_peer_key() -> None:
     intake().authorize(request())  # type: ignore[arg-type]
     intake().authorize(request(), peer=True)  # type: ignore[arg-type]
+    with pytest.raises(GatewayError, match="--peer-key-file"):
+        intake().authorize(request("Bearer x"), peer=True, hold=True)  # type: ignore[arg-type]
     peer_only = intake(peer_keys=("peer",))
     peer_only.authorize(request())  # type: ignore[arg-type]
+    peer_only.authorize(request(), peer=True)  # type: ignore[arg-type]
     with pytest.raises(GatewayError):
-        peer_only.authorize(request(), peer=True)  # type: ignore[arg-type]
+        peer_only.authorize(request(), peer=True, hold=True)  # type: ignore[arg-type]
+    peer_only.authorize(request("Bearer peer"), peer=True, hold=True)  # type: ignore[arg-type]
 
 
 # ---- loading keys (main.py) --------------------------------------------------------------------
