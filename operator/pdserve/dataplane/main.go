@@ -532,11 +532,22 @@ func main() {
 	// The Python gateway reads where the control API and the client port landed.
 	fmt.Printf(`{"control":%q,"listen":%q}`+"\n", controlListener.Addr().String(), clientListener.Addr().String())
 
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/chat/completions", p.serveCompletion)
-	mux.HandleFunc("POST /v1/completions", p.serveCompletion)
-	mux.Handle("/", python)
-	server = &http.Server{Handler: mux, ReadHeaderTimeout: 30 * time.Second}
+	// Completions by exact method and path, everything else to the Python gateway as sent: a
+	// ServeMux cleans paths and redirects (`/v1/chat/completions/../completions`, POST
+	// included) where the Python gateway answers the path as sent (404).
+	client := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// Go's server answers Expect: 100-continue itself (framing.go refused any other
+		// value): the Python gateway must not send a second 100 Continue through the proxy.
+		delete(r.Header, "Expect")
+		if r.Method == http.MethodPost && (r.URL.Path == "/v1/chat/completions" || r.URL.Path == "/v1/completions") {
+			p.serveCompletion(w, r)
+			return
+		}
+		python.ServeHTTP(w, r)
+	})
+	server = &http.Server{Handler: client, ReadHeaderTimeout: 30 * time.Second,
+		// framing.go's checks are the limits; `OPTIONS *` is the Python gateway's (404).
+		MaxHeaderBytes: maxHeaderBytes, ConnState: trackServerState, DisableGeneralOptionsHandler: true}
 	go func() { log.Fatal(http.Serve(controlListener, controlMux)) }()
 	stop := make(chan os.Signal, 2)
 	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
@@ -556,7 +567,7 @@ func main() {
 		_ = server.Shutdown(ctx)
 		close(stopped)
 	}()
-	if err := server.Serve(rawListener{clientListener}); !errors.Is(err, http.ErrServerClosed) {
+	if err := server.Serve(framedListener{rawListener{clientListener}, *maxBody}); !errors.Is(err, http.ErrServerClosed) {
 		log.Fatal(err)
 	}
 	<-stopped
