@@ -39,7 +39,9 @@ class GatewaySpec(ApiModel):
     """The OpenAI-compatible gateway in front of the pools."""
 
     replicas: Annotated[int, Field(ge=1, le=100)] = 2
-    """Gateway replicas."""
+    """Gateway replicas. Two or more share the long-prefill limit by holding slots on each
+    other with a peer key, which the operator derives into the Secret <name>-gateway-peer-key,
+    owned by the model (one replica gets none without apiKeySecretRef)."""
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     """Port of the gateway Service."""
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"

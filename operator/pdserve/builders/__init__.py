@@ -46,7 +46,8 @@ def build_all(
     `plan`: replicas of Builtin-autoscaled pools (None: their starting counts). `peer_key`: the
     gateways' own key, which the controller derives (used only by a model that
     wants_peer_key); None: no peer-key Secret, and the gateway replicas send their first API
-    key to each other (`pdserve manifests`, which never writes a key into a file).
+    key to each other, or without one have their holds refused and each admits long prefills
+    alone (`pdserve manifests`, which never writes a key into a file).
     `rollout`: engine StatefulSets held mid engine upgrade (None: none)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []

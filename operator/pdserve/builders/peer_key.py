@@ -18,9 +18,16 @@ PEER_KEY_FILE = f"{PEER_KEY_DIR}/{PEER_KEY_SECRET_KEY}"
 
 
 def wants_peer_key(dm: DisaggregatedModel) -> bool:
-    """Only a gateway behind API keys gets one: without keys its peer endpoints are as open as
-    /v1, and a peer key would close /status to operational readers for nothing."""
-    return dm.spec.gateway.api_key_secret_ref is not None
+    """A gateway with peers, or behind API keys. Its replicas hold long-prefill slots on each
+    other (POST /admission/hold), which a gateway refuses unless the peer key (or an API key)
+    comes with it: left open, anyone could hold every slot. A single replica holds on no peer,
+    so without API keys it needs none (nor the master). Behind API keys, one whatever the
+    replicas: the replicas never send each other a client's key, and operational readers may
+    read /status with it instead of one. No autoscaler scales the gateway: its replicas are the
+    spec's, so the pass that scales it to two also mounts the key, in the same Deployment
+    write."""
+    gateway = dm.spec.gateway
+    return gateway.api_key_secret_ref is not None or gateway.replicas > 1
 
 
 def peer_key_secret(dm: DisaggregatedModel, key: str) -> dict[str, Any]:

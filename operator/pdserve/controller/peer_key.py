@@ -104,9 +104,9 @@ async def load_master(kube: Kube, namespace: str) -> bytes:
 
 class PeerMaster:
     """The master key, read once per operator process and cached: a reconcile never reads a
-    Secret. Lazy, so an operator serving no model with API keys never needs it. A new master
-    (its Secret deleted, then the operator restarted) changes every model's key and rolls all
-    gateways."""
+    Secret. Lazy, so an operator serving only single-replica gateways without API keys never
+    needs it. A new master (its Secret deleted, then the operator restarted) changes every
+    model's key and rolls all gateways."""
 
     def __init__(self, kube: Kube, namespace: str | None) -> None:
         self.kube = kube
@@ -119,8 +119,9 @@ class PeerMaster:
             if self._master is None:
                 if self.namespace is None:
                     raise PeerMasterError(
-                        "the operator's namespace is unknown (PDSERVE_OPERATOR_NAMESPACE): "
-                        "models with apiKeySecretRef need the peer master key kept there"
+                        "the operator's namespace, which keeps the gateways' peer master key, "
+                        "is unknown: set PDSERVE_OPERATOR_NAMESPACE in the operator's "
+                        "environment to the namespace it runs in"
                     )
                 self._master = await load_master(self.kube, self.namespace)
             return self._master
@@ -132,13 +133,33 @@ class PeerMaster:
         return model_peer_key(await self.master(), dm.namespace, dm.name, uid)
 
 
-async def peer_key_for(dm: DisaggregatedModel, master: PeerMaster | None) -> str | None:
-    """The key the model's gateways use; None when the model wants none."""
+async def peer_key_for(
+    dm: DisaggregatedModel, master: PeerMaster | None
+) -> tuple[str | None, list[str]]:
+    """The key the model's gateways use (None: the model wants none, or cannot have one) and
+    what its status warns of. Behind API keys a master that cannot be had fails the pass, as
+    it always has: the replicas would fall back to sending each other a client's key. Without
+    API keys the key only guards the replicas' holds on each other: the model still serves
+    without it, each replica admitting long prefills alone, so it is served and warned of
+    rather than left unreconciled."""
     if not wants_peer_key(dm):
-        return None
-    if master is None:
-        raise PeerMasterError("no peer master key: models with apiKeySecretRef need one")
-    return await master.peer_key(dm)
+        return None, []
+    gateway = dm.spec.gateway
+    try:
+        if master is None:
+            raise PeerMasterError(
+                "the operator has no peer master key: run it with PDSERVE_OPERATOR_NAMESPACE "
+                "set to its namespace"
+            )
+        return await master.peer_key(dm), []
+    except PeerMasterError as error:
+        if gateway.api_key_secret_ref is not None:
+            raise
+        return None, [
+            f"spec.gateway.replicas: {gateway.replicas} gateway replicas and no peer key: "
+            "each refuses the others' long-prefill holds, so they cannot share the "
+            f"long-prefill limit and each admits alone; {error}"
+        ]
 
 
 def had_peer_key(dm: DisaggregatedModel, live: Mapping[ChildKey, Mapping[str, Any]]) -> bool:

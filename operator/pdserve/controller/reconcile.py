@@ -232,6 +232,15 @@ async def model_pods(
     return await kube.list(POD, namespace, label_selector=children_selector(name))
 
 
+def warn_once(warned: set[str] | None, dm: DisaggregatedModel, text: str) -> None:
+    """Logged once per model and operator process (every pass without `warned`)."""
+    seen = f"{dm.namespace}/{dm.name} {text}"
+    if warned is None or seen not in warned:
+        log.warning("%s/%s: %s", dm.namespace, dm.name, text)
+        if warned is not None:
+            warned.add(seen)
+
+
 class PassFailed(Exception):
     """A pass that failed part-way: what it found and did until then (`outcome`: the events to
     post, since a retry finds nothing left to repair and would never tell them) and the error
@@ -261,10 +270,11 @@ async def reconcile(
     measured). `autoscaler`: the Builtin autoscaling loop (None: Builtin pools keep their live
     replicas). `warned`: kinds the operator may not list that it already warned about (see
     list_children). `peer_master`: the operator's cached master key, from which a model with API
-    keys gets its gateways' peer key (None: such a model's pass fails). `cache`: what the
-    operator's watches hold, read instead of the API server where it can be and told of every
-    write (None: every read is a request). A pass that fails part-way raises PassFailed with
-    what it did until then."""
+    keys or several gateway replicas gets its gateways' peer key (None: a model with API keys
+    fails its pass, one without is Degraded: its replicas cannot share the long-prefill limit).
+    `cache`: what the operator's watches hold, read instead of the API server where it can be
+    and told of every write (None: every read is a request). A pass that fails part-way raises
+    PassFailed with what it did until then."""
     outcome = Outcome()
     try:
         await _converge(
@@ -309,10 +319,7 @@ async def _converge(
 
     for field_warning in newer:
         # Once per field and operator process: it stays until the operator is upgraded.
-        if warned is None or f"{dm.namespace}/{dm.name} {field_warning}" not in warned:
-            log.warning("%s/%s: %s", dm.namespace, dm.name, field_warning)
-            if warned is not None:
-                warned.add(f"{dm.namespace}/{dm.name} {field_warning}")
+        warn_once(warned, dm, field_warning)
     digest, warnings = await chat_template_digest(kube, dm)
     pods_before = await model_pods(kube, cache, dm.namespace, dm.name)
     optional = set() if network is not None else {NETWORK_POLICY}
@@ -330,7 +337,12 @@ async def _converge(
         for decision in decisions:
             reason = "ScaledUp" if decision.direction == "up" else "ScaledDown"
             outcome.event("Normal", reason, decision.reason)
-    gateway_key = await peer_key_for(dm, peer_master)
+    gateway_key, key_warnings = await peer_key_for(dm, peer_master)
+    for key_warning in key_warnings:
+        # Its fix is the operator's environment: logged for whoever runs the operator, who may
+        # read no model's status.
+        warn_once(warned, dm, key_warning)
+    warnings += key_warnings
     statefulsets = {k[2]: o for k, o in live.items() if k[1] == "StatefulSet"}
     rollout = engine_rollout(dm, plan, statefulsets, pods_before)
     for step in rollout_steps(rollout, statefulsets):

@@ -55,7 +55,7 @@ class Reconciler:
             self.cache = ClusterCache(kube, settings.namespaces, on_model=self._heard)
         # Kinds the operator may not list that it warned about: once per kind while it runs.
         self.warned_forbidden: set[str] = set()
-        # Read once, at the first model with API keys, and kept: no pass reads a Secret.
+        # Read once, at the first model that needs a peer key, and kept: no pass reads a Secret.
         self.peer_master = PeerMaster(kube, settings.operator_namespace)
         self.health: TransportMonitor | None = None
         if settings.engine_metrics_seconds > 0:

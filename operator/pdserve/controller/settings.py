@@ -47,7 +47,8 @@ class OperatorSettings:
     operator_namespace: str | None = None
     """The operator's own namespace, which keeps the gateways' peer master key (env
     PDSERVE_OPERATOR_NAMESPACE, else the in-cluster service account's); None: unknown, and
-    models with API keys cannot be served."""
+    models with API keys cannot be served, and the gateway replicas of others cannot share the
+    long-prefill limit."""
     leader_election: LeaderElectionSettings | None = None
     """Reconcile only while holding the leader Lease (several replicas); None: always (one
     replica)."""

@@ -1,7 +1,8 @@
 """The gateways' peer key through reconcile passes on an in-memory API server: derived from the
 operator's master key and the model's identity into a Secret the model owns, the same on every
-pass (a resync writes nothing), mounted into the gateway pods, pruned with the API keys, never
-in a log line, the status or an Event; and no Secret but the master is ever read."""
+pass (a resync writes nothing), mounted into the gateway pods of a model with API keys or more
+than one gateway replica, pruned when it has neither, never in a log line, the status or an
+Event; and no Secret but the master is ever read."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ KEYED: dict[str, Any] = {
     **SPEC,
     "gateway": {**SPEC["gateway"], "apiKeySecretRef": {"name": "clients", "key": "k"}},
 }
+# No API keys, and peers: the replicas hold long-prefill slots on each other with the peer key.
+REPLICATED: dict[str, Any] = {**SPEC, "gateway": {**SPEC["gateway"], "replicas": 2}}
+KEYED_REPLICATED: dict[str, Any] = {**KEYED, "gateway": {**KEYED["gateway"], "replicas": 2}}
 
 
 def master_of(kube: FakeKube) -> PeerMaster:
@@ -277,7 +281,7 @@ async def test_the_key_is_never_logged_nor_in_status_nor_in_events(
         assert not [w for w in kube.writes if secret in w]
 
 
-async def test_models_without_api_keys_need_no_master_and_read_no_secret() -> None:
+async def test_one_replica_without_api_keys_needs_no_master_and_reads_no_secret() -> None:
     kube = FakeKube()
     model_in(kube)
     await settled(kube, peer_master=master_of(kube))
@@ -308,11 +312,129 @@ async def test_a_failed_prune_keeps_the_mount_so_the_retry_deletes_the_secret() 
     assert SECRET not in kube.objects
 
 
+async def test_replicas_without_api_keys_get_the_key_and_the_mount() -> None:
+    kube = FakeKube()
+    master = with_master(kube)
+    model_in(kube, REPLICATED)
+    await settled(kube, peer_master=master_of(kube))
+    assert stored_key(kube) == derived(master)
+    assert kube.objects[GATEWAY]["spec"]["replicas"] == 2
+    pod = gateway_pod(kube)
+    [container] = pod["spec"]["containers"]
+    assert container["args"][container["args"].index("--peer-key-file") + 1] == PEER_KEY_FILE
+    assert "peer-key" in [v["name"] for v in pod["spec"]["volumes"]]
+    assert rolled_for(kube) == peer_key_digest(stored_key(kube))
+    assert "PDSERVE_API_KEY" not in {e["name"] for e in container["env"]}
+    assert secret_reads(kube) == [MASTER_READ]
+
+
+async def test_one_replica_without_api_keys_gets_no_key() -> None:
+    kube = FakeKube()
+    with_master(kube)
+    model_in(kube)  # SPEC: one gateway replica
+    await settled(kube, peer_master=master_of(kube))
+    assert kube.objects[GATEWAY]["spec"]["replicas"] == 1
+    assert SECRET not in kube.objects
+    assert "--peer-key-file" not in gateway_pod(kube)["spec"]["containers"][0]["args"]
+    assert [v["name"] for v in gateway_pod(kube)["spec"]["volumes"]] == ["routing"]
+    assert secret_reads(kube) == []
+
+
+async def test_the_pass_that_scales_to_two_replicas_mounts_the_key_and_one_prunes_it() -> None:
+    kube = FakeKube()
+    master = with_master(kube)
+    model_in(kube)
+    peers = master_of(kube)
+    await settled(kube, peer_master=peers)
+    set_spec(kube, REPLICATED)
+    before = len(kube.writes)
+    await one_pass(kube, peer_master=peers)
+    this_pass = kube.writes[before:]
+    # One Deployment write carries both: no replica of the new template starts without the
+    # key, and the Secret is there before it.
+    assert this_pass.count(f"apply Deployment/{GATEWAY[2]}") == 1
+    assert this_pass.index(f"apply Secret/{SECRET[2]}") < this_pass.index(
+        f"apply Deployment/{GATEWAY[2]}"
+    )
+    assert kube.objects[GATEWAY]["spec"]["replicas"] == 2
+    assert "--peer-key-file" in gateway_pod(kube)["spec"]["containers"][0]["args"]
+    assert stored_key(kube) == derived(master)
+    await settled(kube, peer_master=peers)
+    # And back to one: no peer left to hold on, so the key goes.
+    set_spec(kube, SPEC)
+    outcome = await one_pass(kube, peer_master=peers)
+    assert f"Secret/{SECRET[2]}" in outcome.pruned
+    assert SECRET not in kube.objects
+    assert kube.objects[GATEWAY]["spec"]["replicas"] == 1
+    assert "--peer-key-file" not in gateway_pod(kube)["spec"]["containers"][0]["args"]
+
+
+async def test_taking_the_api_keys_from_replicas_keeps_their_key() -> None:
+    kube = FakeKube()
+    master = with_master(kube)
+    model_in(kube, KEYED_REPLICATED)
+    peers = master_of(kube)
+    await settled(kube, peer_master=peers)
+    digest = rolled_for(kube)
+    set_spec(kube, REPLICATED)
+    outcome = await one_pass(kube, peer_master=peers)
+    assert f"Secret/{SECRET[2]}" not in outcome.pruned
+    assert not [w for w in kube.writes if w.startswith("delete Secret")]
+    assert stored_key(kube) == derived(master)
+    assert rolled_for(kube) == digest  # the same key: only the API key leaves the pods
+    env = gateway_pod(kube)["spec"]["containers"][0]["env"]
+    assert "PDSERVE_API_KEY" not in {e["name"] for e in env}
+
+
+async def test_replicas_without_api_keys_are_served_and_warned_of_when_no_master_can_be_had(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kube = FakeKube()
+    model_in(kube, REPLICATED)
+    nowhere = PeerMaster(cast(Kube, kube), None)  # the operator run outside a cluster
+    with caplog.at_level(logging.WARNING):
+        outcome = await one_pass(kube, peer_master=nowhere)
+    assert GATEWAY in kube.objects
+    assert kube.objects[GATEWAY]["spec"]["replicas"] == 2
+    assert SECRET not in kube.objects
+    assert "--peer-key-file" not in gateway_pod(kube)["spec"]["containers"][0]["args"]
+    assert secret_reads(kube) == []
+    assert outcome.status is not None
+    [degraded] = [c for c in outcome.status.conditions if c.type == "Degraded"]
+    assert degraded.status == "True"
+    for told in (degraded.message, caplog.text):
+        assert "spec.gateway.replicas" in told
+        assert "cannot share the long-prefill limit" in told
+        assert "set PDSERVE_OPERATOR_NAMESPACE" in told
+    warned = [e for e in outcome.events if e.type == "Warning" and "PDSERVE_OPERATOR_NAMESPACE"
+              in e.message]  # fmt: skip
+    assert warned, outcome.events
+    # Behind API keys the pass still fails, naming the fix.
+    set_spec(kube, KEYED_REPLICATED)
+    with pytest.raises(PassFailed) as raised:
+        await one_pass(kube, peer_master=nowhere)
+    assert "set PDSERVE_OPERATOR_NAMESPACE" in str(raised.value.error)
+
+
+async def test_an_unusable_master_leaves_keyless_replicas_served_naming_the_fix() -> None:
+    kube = FakeKube()
+    kube.put(master_secret(OPERATOR_NS, b"short"))
+    model_in(kube, REPLICATED)
+    outcome = await one_pass(kube, peer_master=master_of(kube))
+    assert GATEWAY in kube.objects
+    assert SECRET not in kube.objects
+    assert outcome.status is not None
+    [degraded] = [c for c in outcome.status.conditions if c.type == "Degraded"]
+    assert "cannot share the long-prefill limit" in degraded.message
+    assert "delete it and restart the operator" in degraded.message
+
+
 def test_the_operator_namespace_comes_from_the_chart_then_the_service_account(
     tmp_path: Path,
 ) -> None:
     account = tmp_path / "namespace"
-    assert operator_namespace({}, account) is None  # unknown: models with API keys fail
+    # Unknown: models with API keys fail, replicas without them cannot share the limit.
+    assert operator_namespace({}, account) is None
     account.write_text("ops\n")
     assert operator_namespace({}, account) == "ops"
     assert operator_namespace({"PDSERVE_OPERATOR_NAMESPACE": "pdserve-system"}, account) == (
