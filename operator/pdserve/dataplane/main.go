@@ -145,6 +145,9 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	if err != nil || duplicated(members) {
 		return "body_shape" // the Python gateway reads it as the engines would, or says why not
 	}
+	if !provablyValid(r, body, members, r.URL.Path == "/v1/chat/completions") {
+		return "validation" // not proven valid cheaply: the Python gateway validates it
+	}
 	name := lookup(members, "model")
 	if len(name) < 2 || name[0] != '"' || bytes.IndexByte(name, '\\') >= 0 {
 		return "body_shape"
