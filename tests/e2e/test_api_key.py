@@ -1,8 +1,9 @@
 """A model behind an API key, as a user sets one (a Secret, `spec.gateway.apiKeySecretRef`), on
 the real node: the deployed gateway refuses the OpenAI SDK without the key and answers with it,
-its /metrics stays scrapeable without one, the replicas get a peer key of their own (derived from
-the operator's master key, which opens /status, not /v1), and taking the key away opens the
-model again and prunes the peer key."""
+its /metrics stays scrapeable without one, the replicas' peer key (derived from the operator's
+master key) opens /status, not /v1, and taking the key away opens the model again. The example's
+gateway runs two replicas, so they have the peer key before, during and after, the same one:
+without it their holds on each other would be refused, and anyone could hold every slot."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ QUESTION = [{"role": "user", "content": "are you there?"}]
 
 
 def gateways_have_key(cluster: Cluster, keyed: bool) -> bool:
+    """Every gateway pod with the API key or without it (`keyed`), and with the peer key."""
+
     def keys_of(pod: dict[str, object]) -> tuple[bool, bool]:
         container = pod["spec"]["containers"][0]  # type: ignore[index]
         api_key = any(e["name"] == "PDSERVE_API_KEY" for e in container.get("env", []))
@@ -40,7 +43,16 @@ def gateways_have_key(cluster: Cluster, keyed: bool) -> bool:
 
     gateways = pods(cluster, MODEL_NAMESPACE, GATEWAY)
     return (
-        settled(cluster) and bool(gateways) and all(keys_of(p) == (keyed, keyed) for p in gateways)
+        settled(cluster) and bool(gateways) and all(keys_of(p) == (keyed, True) for p in gateways)
+    )
+
+
+def holds_refused_without_the_peer_key(base: str) -> bool:
+    """A hold without a key or with a wrong one: 401, API keys or not."""
+    wrong = {"Authorization": "Bearer not-the-peer-key"}
+    return all(
+        httpx.post(f"{base}/admission/hold", headers=headers, timeout=10).status_code == 401
+        for headers in ({}, wrong)
     )
 
 
@@ -74,6 +86,15 @@ def ask(model: str, api_key: str) -> str | None:
 
 
 def test_a_model_behind_an_api_key_answers_only_with_it(cluster: Cluster, model: str) -> None:
+    base = model.removesuffix("/v1")
+    # Without API keys, two replicas: the peer key already, for their holds alone.
+    wait_until("the gateways to have the peer key", lambda: gateways_have_key(cluster, False),
+               timeout=180, interval=1)  # fmt: skip
+    keyless = peer_key(cluster)
+    assert keyless
+    assert keyless == derived_key(cluster)
+    assert httpx.get(f"{base}/status", timeout=10).status_code == 200  # open without API keys
+    assert holds_refused_without_the_peer_key(base)
     cluster.kubectl("create", "secret", "generic", SECRET, "-n", MODEL_NAMESPACE,
                     f"--from-literal=key={KEY}")  # fmt: skip
     try:
@@ -86,7 +107,7 @@ def test_a_model_behind_an_api_key_answers_only_with_it(cluster: Cluster, model:
             ask(model, "not-the-key")
         assert ask(model, KEY) in ("stop", "length")
         # Prometheus and the operator scrape the gateway without the key.
-        metrics = httpx.get(model.removesuffix("/v1") + "/metrics", timeout=10)
+        metrics = httpx.get(f"{base}/metrics", timeout=10)
         assert metrics.status_code == 200
         # (through the Service, any replica answers: not necessarily the one that served)
         assert "# TYPE pdserve_gateway_requests_total counter" in metrics.text
@@ -94,14 +115,18 @@ def test_a_model_behind_an_api_key_answers_only_with_it(cluster: Cluster, model:
         peer = peer_key(cluster)
         assert peer
         assert peer != KEY
-        assert peer == derived_key(cluster)
-        base, bearer = model.removesuffix("/v1"), {"Authorization": f"Bearer {peer}"}
+        assert peer == keyless  # derived from the model's identity alone: no new key
+        bearer = {"Authorization": f"Bearer {peer}"}
+        assert httpx.get(f"{base}/status", timeout=10).status_code == 401
         assert httpx.get(f"{base}/status", headers=bearer, timeout=10).status_code == 200
         assert httpx.get(f"{model}/models", headers=bearer, timeout=10).status_code == 401
+        assert holds_refused_without_the_peer_key(base)
     finally:
         patch_dm(cluster, {"spec": {"gateway": {"apiKeySecretRef": None}}})
         wait_until("the gateways to roll without the key",
                    lambda: gateways_have_key(cluster, False), timeout=180, interval=1)  # fmt: skip
         cluster.kubectl("delete", "secret", SECRET, "-n", MODEL_NAMESPACE, check=False)
     assert ask(model, "anything") in ("stop", "length")  # open again, as before the key
-    wait_until("the peer key to be pruned", lambda: peer_key(cluster) is None, timeout=60)
+    # The replicas keep their key (two of them still hold on each other): not pruned.
+    assert peer_key(cluster) == keyless
+    assert holds_refused_without_the_peer_key(base)
