@@ -242,7 +242,7 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	}
 	// A stream with stop strings goes to the Python gateway (it cuts them across chunks).
 	tbl.streamHandOver = map[string]bool{"stop": true}
-	streamed := `{"model":"qwen","messages":[],"stream":true,"stop":["x"]}`
+	streamed := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"stop":["x"]}`
 	if reason := p.fast(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
 		tbl, []byte(streamed), &served{metrics: p.metrics}); reason != "render_stream" {
 		t.Fatalf("stream with stop strings: %q", reason)
