@@ -6,8 +6,13 @@ answer) are not an answer to anything. aiohttp's client parses them anyway and q
 the next request's response, so one client would read another's answer (or a forged one).
 Here such a connection is closed the moment those bytes arrive, and never reused.
 
+And an answer whose framing breaks once its body has begun (a malformed chunk size) fails the
+connection in aiohttp but not the body being read, which then waits for bytes that never come
+until the request's whole timeout (600 s by default), engine closed or not: here the body being
+read fails with the connection.
+
 aiohttp has no public hook for it: this module, and only it, leans on aiohttp's private parts
-(TCPConnector._factory, the ResponseHandler it builds, BaseConnector._release).
+(TCPConnector._factory, the ResponseHandler it builds and its _payload, BaseConnector._release).
 tests/unit/gateway/test_engine_connections.py fails loudly if they change."""
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ class _AnswersOnlyWhenAsked(ResponseHandler):
                 transport.close()
             return
         super().data_received(data)
+
+    def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
+        super().set_exception(exc, *cause)
+        body = self._payload
+        if body is not None and not body.is_eof():
+            # The C parser raises once; its later end of stream says nothing more.
+            body.set_exception(aiohttp.ClientPayloadError(f"the answer broke off: {exc}"))
 
 
 def _answers_only_when_asked(loop: asyncio.AbstractEventLoop) -> ResponseHandler:

@@ -72,18 +72,31 @@ def error_response(error: GatewayError) -> web.Response:
 
 
 def upstream_message(payload: bytes) -> str:
-    """The error message inside an upstream error body (vLLM's or ours), else the raw text."""
-    text = payload.decode(errors="replace")
+    """The error message inside an upstream error body (vLLM's or ours). Never the body's own
+    bytes: an engine, or what stands in front of it, that answers an error with something else
+    may be echoing another request's answer, and the client would read it."""
     try:
-        body = loads_trusted(text)
+        body = loads_trusted(payload)
     except ValueError:
-        return text[:500]
+        return f"an error answer that is not JSON ({len(payload)} bytes)"
     error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    if isinstance(body, dict) and "message" in body:
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
         return str(body["message"])
-    return text[:500]
+    return "an error answer without a message"
+
+
+def upstream_failure(error: BaseException) -> str:
+    """What broke an upstream call, for the client: the failure's kind, and its reason where
+    that is the gateway's own words. aiohttp's words for an answer it could not parse draw the
+    peer's bytes under a caret: those stay in the log."""
+    name = type(error).__name__
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return f"{name}: {error.os_error.strerror or 'cannot connect'}"
+    if isinstance(error, (aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
+        return f"{name}: the answer's HTTP framing is malformed"
+    return name
 
 
 # Engine, render and peer addresses (URLs, IPs, "host <name>:<port>") in an upstream failure's
@@ -158,17 +171,3 @@ def http_error_response(error: web.HTTPException) -> web.Response:
     kind = GatewayError(error.status, error.reason).kind
     body = error_body(error.status, error.reason, kind)
     return json_response(body, status=error.status, headers=headers)
-
-
-async def expect_continue(request: web.Request) -> web.StreamResponse | None:
-    """aiohttp's handling of `Expect` (100 Continue for `100-continue`), with its refusal of
-    any other value in the OpenAI shape (aiohttp's own is text/plain, before middlewares)."""
-    expect = request.headers.get("Expect", "")
-    if request.version != aiohttp.HttpVersion11:
-        return None
-    if expect.lower() != "100-continue":
-        message = f"unknown Expect: {expect}; only 100-continue is understood"
-        return error_response(GatewayError(417, message, kind="ExpectationFailed"))
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the response proper has not started
-    return None

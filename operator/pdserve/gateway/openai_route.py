@@ -5,6 +5,7 @@ Streams are passed through event by event."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -14,7 +15,13 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, json_response, upstream_message, without_addresses
+from pdserve.gateway.errors import (
+    GatewayError,
+    json_response,
+    upstream_failure,
+    upstream_message,
+    without_addresses,
+)
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.metrics import GatewayMetrics
@@ -29,6 +36,8 @@ from pdserve.vllm.protocol import (
     prefill_handoff_params,
 )
 from pdserve.wirejson import dumps_text, loads_trusted
+
+log = logging.getLogger("pdserve.gateway")
 
 
 class OpenAIRoute:
@@ -109,10 +118,9 @@ class OpenAIRoute:
                 kind="GatewayTimeout",
             ) from None
         except aiohttp.ClientError as error:
+            log.info("decode at %s failed: %r", endpoint.url, error)
             raise GatewayError(
-                502,
-                f"decode at {endpoint.url}: {type(error).__name__}: {error}",
-                kind="UpstreamError",
+                502, f"decode at {endpoint.url}: {upstream_failure(error)}", kind="UpstreamError"
             ) from None
         try:
             if upstream.status != 200:

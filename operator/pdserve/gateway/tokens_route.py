@@ -5,6 +5,7 @@ decode turn left on decode."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
@@ -16,7 +17,13 @@ from aiohttp import web
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import DecodeKv
 from pdserve.gateway.endpoints import Endpoint
-from pdserve.gateway.errors import GatewayError, UpstreamFailed, json_response, upstream_message
+from pdserve.gateway.errors import (
+    GatewayError,
+    UpstreamFailed,
+    json_response,
+    upstream_failure,
+    upstream_message,
+)
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.hops import Hops, has_choices
 from pdserve.gateway.metrics import GatewayMetrics
@@ -49,6 +56,8 @@ from pdserve.vllm.protocol import (
     tokens_prefill_body,
 )
 from pdserve.wirejson import loads_trusted
+
+log = logging.getLogger("pdserve.gateway")
 
 
 class TokensRoute:
@@ -249,7 +258,8 @@ class TokensRoute:
                     except aiohttp.ClientError as error:
                         tried.append(endpoint)
                         self.metrics.retries.labels("decode", "connect").inc()
-                        failure = f"decode at {endpoint.url}: {type(error).__name__}: {error}"
+                        log.info("decode at %s failed: %r", endpoint.url, error)
+                        failure = f"decode at {endpoint.url}: {upstream_failure(error)}"
                         status = 502
                         continue
                     if response.status == 200:

@@ -16,7 +16,13 @@ import aiohttp
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.engine_connections import EngineConnector
-from pdserve.gateway.errors import GatewayError, LeaseExpiring, UpstreamFailed, upstream_message
+from pdserve.gateway.errors import (
+    GatewayError,
+    LeaseExpiring,
+    UpstreamFailed,
+    upstream_failure,
+    upstream_message,
+)
 from pdserve.gateway.exchange import Exchange
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.settings import GatewaySettings
@@ -178,7 +184,14 @@ class UpstreamClient:
                 if timed_out:
                     last = f"{stage} at {endpoint.url}: no answer within {limit:g} s"
                 else:
-                    last = f"{stage} at {endpoint.url}: {type(error).__name__}: {error}"
+                    last = f"{stage} at {endpoint.url}: {upstream_failure(error)}"
+                    log.info(
+                        "%s at %s failed: %r",
+                        stage,
+                        endpoint.url,
+                        error,
+                        extra={"request_id": headers.get("X-Request-Id")},
+                    )
             else:
                 if status < 500:
                     self.metrics.stage.labels(stage).observe(time.monotonic() - begun)
