@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
 import aiohttp
@@ -16,6 +17,8 @@ from aiohttp import web
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.fairqueue import LONG, PrefillAdmission
 from pdserve.gateway.peers import GRANTED, PeerAdmission
+
+ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
 
 class AdmissionHandlers:
@@ -45,9 +48,9 @@ class AdmissionHandlers:
             return forwarded.rsplit(",", 1)[-1].strip()
         return request.remote or "unknown"
 
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/admission", self.admission_state)
-        app.router.add_post("/admission/hold", self.admission_hold)
+    def add_routes(self, app: web.Application, expect: ExpectHandler) -> None:
+        app.router.add_get("/admission", self.admission_state, expect_handler=expect)
+        app.router.add_post("/admission/hold", self.admission_hold, expect_handler=expect)
 
     async def admission_state(self, _: web.Request) -> web.Response:
         """What peers count against the shared long-prefill limit."""

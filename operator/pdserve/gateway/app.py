@@ -39,7 +39,6 @@ from pdserve.gateway.errors import (
     client_went_away,
     error_body,
     error_response,
-    expect_continue,
     http_error_response,
 )
 from pdserve.gateway.exchange import (
@@ -174,7 +173,7 @@ class Gateway:
         )
         app[CLIENT_KEEPALIVE] = self.settings.keepalive_timeout
         app.on_response_prepare.append(echo_request_id)
-        expect = expect_continue
+        expect = self.intake.expect_continue
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
         app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
         app.router.add_get("/v1/models", self.models, expect_handler=expect)
@@ -182,7 +181,7 @@ class Gateway:
         app.router.add_get("/ready", self.ready, expect_handler=expect)
         app.router.add_get("/metrics", self.metrics_endpoint, expect_handler=expect)
         app.router.add_get("/status", self.status, expect_handler=expect)
-        self.admission_handlers.add_routes(app)
+        self.admission_handlers.add_routes(app, expect)
         app.on_startup.append(self._start_background)
         app.on_cleanup.append(self._close)
         return app

@@ -20,12 +20,14 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.content_encoding import decoded
 from pdserve.gateway.errors import GatewayError, error_response
 from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
+from pdserve.gateway.server import body_will_not_come
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.wirejson import JSONDecodeError, loads
 
@@ -104,6 +106,34 @@ class Intake:
             except GatewayError as error:
                 return error_response(error)
         return await handler(request)
+
+    async def expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """aiohttp's handling of `Expect`, decided before the client sends its body: 100
+        Continue for `100-continue` only when the body would be read; else the 401 (a key
+        missing) or 413 (a declared length over the cap) the request would get after it, so the
+        client never sends it, and any other value a 417. In the OpenAI shape: aiohttp's own
+        refusals are text/plain, and come before middlewares."""
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        expect = request.headers.get("Expect", "")
+        try:
+            if expect.lower() != "100-continue":
+                message = f"unknown Expect: {expect}; only 100-continue is understood"
+                raise GatewayError(417, message, kind="ExpectationFailed")
+            if request.path not in OPEN_PATHS:
+                path = request.path
+                self.authorize(request, peer=path in PEER_PATHS, hold=path == HOLD_PATH)
+            if (request.content_length or 0) > self.settings.max_body_bytes:
+                raise self._too_large()
+        except GatewayError as error:
+            refused = error_response(error)
+            # The body may follow anyway, and cannot be told apart from a next request.
+            refused.force_close()
+            body_will_not_come(request)
+            return refused
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started
+        return None
 
     async def receive(self, request: web.Request) -> bytes:
         """The whole body, received within the body timeout and the size cap before the request

@@ -7,7 +7,8 @@ aiohttp has no public hook for those answers (aio-libs/aiohttp#3287): its Reques
 them in handle_error, so the gateway's connections are a RequestHandler subclass. aiohttp builds
 its RequestHandler in web.Server.__call__, and AppRunner builds that Server in _make_server, so
 this module, and only it, leans on aiohttp's private parts: AppRunner._make_server,
-Server._loop and Server._kwargs. tests/unit/gateway/test_server.py fails loudly if they change.
+Server._loop, Server._kwargs and RequestHandler._lingering_time.
+tests/unit/gateway/test_server.py fails loudly if they change.
 Everything that serves the gateway (`pdserve gateway`, the bench's simulated gateway, the
 tests) does it on GatewayRunner."""
 
@@ -60,6 +61,17 @@ class _Connection(web.RequestHandler):
         # What follows a refused request on its connection cannot be told apart from its body.
         response.force_close()
         return response
+
+    def skip_lingering(self) -> None:
+        """The request's body will not come (its Expect was refused before any 100 Continue):
+        close after the answer, not after aiohttp's wait (10 s) for the body to be sent."""
+        self._lingering_time = 0.0
+
+
+def body_will_not_come(request: web.BaseRequest) -> None:
+    """See _Connection.skip_lingering; nothing on a connection served another way (a test's)."""
+    if isinstance(request.protocol, _Connection):
+        request.protocol.skip_lingering()
 
 
 class _Server(web.Server):
