@@ -57,6 +57,23 @@ def bearer_token(request: web.Request) -> bytes | None:
     return token.strip().encode("utf-8", "surrogateescape")
 
 
+def framing_fault(request: web.Request) -> str | None:
+    """What aiohttp's parser lets through that the data plane refuses (dataplane/framing.go, in
+    the same words): a version that is not HTTP/1.0 or 1.1 (answered as if it were), a
+    Transfer-Encoding other than chunked (`gzip, chunked` read as chunked, the gzip ignored),
+    and chunked framing in HTTP/1.0, which has none."""
+    if request.version not in (aiohttp.HttpVersion10, aiohttp.HttpVersion11):
+        return "Invalid HTTP version: send HTTP/1.1"
+    coding = request.headers.get("Transfer-Encoding")
+    if coding is None:
+        return None
+    if request.version != aiohttp.HttpVersion11:
+        return "Transfer-Encoding in an HTTP/1.0 request; send Content-Length"
+    if coding.strip().lower() != "chunked":
+        return "Request has invalid `Transfer-Encoding`"
+    return None
+
+
 class Intake:
     def __init__(
         self, model: str, settings: GatewaySettings, *, tokens_only_engines: bool = False
@@ -99,6 +116,12 @@ class Intake:
         """Every route but the probes behind the keys, before its handler runs (so an
         unauthorized request learns nothing, not even whether the gateway is full)."""
         gateway_request_id(request)  # named from the start: logs, errors, the response header
+        if (fault := framing_fault(request)) is not None:
+            refused = error_response(
+                GatewayError(400, f"the request is not valid HTTP/1.1: {fault}")
+            )
+            refused.force_close()  # where its body ends is anyone's guess, so is what follows
+            return refused
         path = request.path
         if path not in OPEN_PATHS:
             try:
@@ -113,9 +136,9 @@ class Intake:
         missing) or 413 (a declared length over the cap) the request would get after it, so the
         client never sends it, and any other value a 417. In the OpenAI shape: aiohttp's own
         refusals are text/plain, and come before middlewares."""
-        if request.version != aiohttp.HttpVersion11:
-            return None
         expect = request.headers.get("Expect", "")
+        if request.version != aiohttp.HttpVersion11 and expect.lower() == "100-continue":
+            return None  # HTTP/1.0 has no interim answers: the body comes anyway (RFC 9110)
         try:
             if expect.lower() != "100-continue":
                 message = f"unknown Expect: {expect}; only 100-continue is understood"

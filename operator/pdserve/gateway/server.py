@@ -7,7 +7,7 @@ aiohttp has no public hook for those answers (aio-libs/aiohttp#3287): its Reques
 them in handle_error, so the gateway's connections are a RequestHandler subclass. aiohttp builds
 its RequestHandler in web.Server.__call__, and AppRunner builds that Server in _make_server, so
 this module, and only it, leans on aiohttp's private parts: AppRunner._make_server,
-Server._loop, Server._kwargs and RequestHandler._lingering_time.
+Server._loop, Server._kwargs, RequestHandler._lingering_time and RequestHandler.finish_response.
 tests/unit/gateway/test_server.py fails loudly if they change.
 Everything that serves the gateway (`pdserve gateway`, the bench's simulated gateway, the
 tests) does it on GatewayRunner."""
@@ -25,7 +25,13 @@ from typing import Any, Protocol
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from pdserve.gateway.errors import GatewayError, client_error, error_response, framing_error
+from pdserve.gateway.errors import (
+    GatewayError,
+    client_error,
+    error_response,
+    framing_error,
+    http_error_response,
+)
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -62,10 +68,32 @@ class _Connection(web.RequestHandler):
         response.force_close()
         return response
 
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            # aiohttp's own refusal past every middleware: a request for no route with an
+            # Expect other than 100-continue (its default expect handler raises).
+            resp = refusal(request, resp)
+        return await super().finish_response(request, resp, start_time)
+
     def skip_lingering(self) -> None:
         """The request's body will not come (its Expect was refused before any 100 Continue):
         close after the answer, not after aiohttp's wait (10 s) for the body to be sent."""
         self._lingering_time = 0.0
+
+
+def refusal(request: web.BaseRequest, error: web.HTTPException) -> web.Response:
+    """aiohttp's HTTPException as the gateway answers it: an Expect it does not understand in
+    the gateway's words, anything else as errors.http_error_response, the connection closed
+    when no body was read."""
+    if isinstance(error, web.HTTPExpectationFailed):
+        expect = request.headers.get("Expect", "")
+        message = f"unknown Expect: {expect}; only 100-continue is understood"
+        answer = error_response(GatewayError(417, message, kind="ExpectationFailed"))
+        answer.force_close()
+        return answer
+    return http_error_response(error)
 
 
 def body_will_not_come(request: web.BaseRequest) -> None:

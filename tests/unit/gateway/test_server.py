@@ -42,6 +42,10 @@ async def test_aiohttp_still_has_the_private_parts_server_py_leans_on() -> None:
     protocol = server()
     assert type(protocol) is web.RequestHandler
     assert protocol.max_field_size == 123
+    parameters = list(inspect.signature(web.RequestHandler.finish_response).parameters)
+    assert parameters == ["self", "request", "resp", "start_time"], (
+        f"aiohttp's RequestHandler.finish_response takes {parameters} now"
+    )
     # What _Connection.skip_lingering sets: how long a closing connection reads an unread body.
     assert getattr(protocol, "_lingering_time", None) == 10.0, (
         "aiohttp's RequestHandler keeps its lingering time elsewhere"
