@@ -1,21 +1,25 @@
 """The input fuzzers' gateway (hypothesis, deterministic): the whole gateway, tokens route and
-P/D, on a fake upstream that answers any accepted request well, and what holds for every
-answer whatever the input (tests/sim/gateway/adversarial/test_fuzz_*.py)."""
+P/D, on either request path, on a loopback fake upstream that answers any accepted request
+well, and what holds for every answer whatever the input
+(tests/sim/gateway/adversarial/test_fuzz_*.py)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 
-from tests.support.gateway_fakes import fake_gateway
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.settings import GatewaySettings
+from tests.support.gateway_fakes import config
+from tests.support.loopback_upstream import LoopbackUpstream
 from tests.support.outcomes import TALLY, Outcome, Verdict, exchange, judge_json
 from tests.support.served_gateway import ServedGateway
 
 CAP = 4096  # --max-tokens-cap
 HANG = 10.0  # seconds: only a hang detector
-LEAKS = ("http://render", "http://prefill", "http://decode")  # the fake upstream's addresses
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 FUZZ = settings(
     derandomize=True,  # the same examples every run
@@ -84,17 +88,23 @@ def decode_stream(body: dict[str, Any]) -> list[bytes]:
 
 
 class Served(ServedGateway):
-    """The whole gateway (tokens route, P/D) on the fake upstream."""
+    """The whole gateway (tokens route, P/D) on the loopback fake upstream, on `request_path`
+    (served_gateway.REQUEST_PATHS)."""
 
-    def __init__(self) -> None:
-        gateway, upstream = fake_gateway(
-            "tokens", "Disaggregated", max_tokens_cap=CAP, endpoint_wait_seconds=0
+    def __init__(self, request_path: str) -> None:
+        upstream = LoopbackUpstream(
+            {"render": render, "prefill": prefill, "decode": decode, "derender": derender},
+            stream_lines=decode_stream,
         )
-        upstream.script = {
-            "render": render, "prefill": prefill, "decode": decode, "derender": derender,
-        }  # fmt: skip
-        upstream.stream_lines = decode_stream
-        super().__init__(gateway, upstream, auto_decompress=False)
+
+        def gateway(urls: Mapping[str, str]) -> Gateway:
+            settings = GatewaySettings(
+                load_scrape_seconds=None, max_tokens_cap=CAP, endpoint_wait_seconds=0
+            )
+            return Gateway(config("tokens", "Disaggregated", urls=urls), settings)
+
+        super().__init__(gateway, upstream, request_path, auto_decompress=False)
+        self.leaks = tuple(upstream.urls.values())
 
     def post(
         self, path: str, data: bytes, headers: dict[str, str], method: str = "POST"
@@ -105,12 +115,18 @@ class Served(ServedGateway):
         async def send() -> Verdict:
             if method == "POST":
                 return await exchange(
-                    self.session, url, data, headers, chat=path == CHAT, deadline=HANG, leaks=LEAKS
-                )
+                    self.session, url, data, headers, chat=path == CHAT, deadline=HANG,
+                    leaks=self.leaks,
+                )  # fmt: skip
             async with self.session.request(method, url, data=data, headers=headers) as answer:
                 payload = await answer.read()
                 return judge_json(
-                    answer.status, answer.content_type, payload, chat=True, leaks=LEAKS, sent=data
+                    answer.status,
+                    answer.content_type,
+                    payload,
+                    chat=True,
+                    leaks=self.leaks,
+                    sent=data,
                 )
 
         return self.run(send())
@@ -118,8 +134,9 @@ class Served(ServedGateway):
 
 def check(served: Served, case_class: str, verdict: Verdict) -> Verdict:
     """What holds for every request, whatever its input: a clear answer, no 5xx, and a body
-    refused before any upstream call (an answered one went upstream)."""
-    TALLY.add(f"fuzz: {case_class}", verdict)
+    refused before any upstream call (an answered one went upstream). Tallied per request
+    path."""
+    TALLY.add(f"fuzz: {case_class} ({served.path})", verdict)
     assert verdict.acceptable, verdict
     assert verdict.status is not None
     assert verdict.status < 500, verdict

@@ -42,9 +42,15 @@ def config(
     mode: str = "Disaggregated",
     kv_transfer: dict[str, Any] | None = None,
     tokens_engines: str = "scale_out",
+    urls: Mapping[str, str] | None = None,
 ) -> GatewayConfig:
+    """`urls`: each pool's one endpoint (fake addresses unless given)."""
     pool = {"service": "x", "port": 8000}
-    urls = {"render": "http://render", "prefill": "http://prefill", "decode": "http://decode"}
+    urls = urls or {
+        "render": "http://render",
+        "prefill": "http://prefill",
+        "decode": "http://decode",
+    }
     return GatewayConfig.model_validate(
         {
             "model": MODEL,

@@ -1,5 +1,6 @@
 """The adversarial suite's outcome table, printed at the end of a run that used it, and the
-input fuzzers' gateway (test_fuzz_auth.py serves its own, with keys set)."""
+input fuzzers' gateway on each request path (test_fuzz_auth.py serves its own, with keys
+set)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from _pytest.terminal import TerminalReporter
 
 from tests.support.fuzz_gateway import Served
 from tests.support.outcomes import TALLY
+from tests.support.served_gateway import REQUEST_PATHS
 
 # Hypothesis keeps caches (the constants it found in the code) in its storage directory, by
 # default .hypothesis/ in the repository: keep them out of it (the fuzz tests set database=None).
@@ -27,11 +29,6 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
         terminalreporter.write_line(TALLY.table())
 
 
-REQUEST_PATHS = ("python", "dataplane")
-"""The gateway's request paths: the Python gateway alone, and behind the compiled data plane
-(`pdserve gateway --data-plane`). A client must not see which one served it."""
-
-
 @pytest.fixture(params=REQUEST_PATHS)
 def request_path(request: pytest.FixtureRequest) -> str:
     """Parametrises a test by request path; `Stack.gateway(..., data_plane=request_path ==
@@ -43,10 +40,11 @@ def behind_data_plane(request_path: str) -> bool:
     return request_path == "dataplane"
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    """The whole gateway on the fake upstream, one for all of a module's examples."""
-    gateway = Served()
+@pytest.fixture(scope="module", params=REQUEST_PATHS)
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The whole gateway on the loopback fake upstream, one per request path for all of a
+    module's examples: each fuzz test runs on both paths."""
+    gateway = Served(str(request.param))
     try:
         yield gateway
     finally:

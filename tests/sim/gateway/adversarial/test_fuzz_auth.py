@@ -1,6 +1,6 @@
 """Fuzzing who may call what (hypothesis, deterministic), with an API key and a peer key set:
 random Authorization headers (schemes, near-miss keys, whitespace, undecodable bytes) on every
-endpoint, against the whole gateway on the fake upstream.
+endpoint, against the whole gateway on the loopback fake upstream, on both request paths.
 
 Only the exact key the endpoint takes opens it; anything else is an OpenAI-shaped JSON 401 that
 reaches no upstream; never a 5xx. The probes and /metrics are open whatever is sent."""
@@ -8,7 +8,7 @@ reaches no upstream; never a 5xx. The probes and /metrics are open whatever is s
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -16,9 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.gateway_fakes import MODEL, fake_gateway
+from pdserve.gateway.app import Gateway
+from pdserve.gateway.settings import GatewaySettings
+from tests.support.gateway_fakes import MODEL, config
+from tests.support.loopback_upstream import LoopbackUpstream
 from tests.support.outcomes import TALLY, Outcome, Verdict
-from tests.support.served_gateway import ServedGateway
+from tests.support.served_gateway import REQUEST_PATHS, ServedGateway
 
 API_KEY, PEER_KEY = "client-key-0123", "peer-key-4567"
 FUZZ = settings(
@@ -42,17 +45,20 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 class Served(ServedGateway):
-    """The whole gateway with both keys set."""
+    """The whole gateway with both keys set, on `request_path`, on the loopback fake upstream."""
 
-    def __init__(self) -> None:
-        gateway, upstream = fake_gateway(
-            "openai", "Aggregated", endpoint_wait_seconds=0,
-            api_keys=(API_KEY,), peer_keys=(PEER_KEY,),
-        )  # fmt: skip
+    def __init__(self, request_path: str) -> None:
         answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                "finish_reason": "stop"}]}  # fmt: skip
-        upstream.script = {"decode": lambda _: answer}
-        super().__init__(gateway, upstream)
+
+        def gateway(urls: Mapping[str, str]) -> Gateway:
+            settings = GatewaySettings(
+                load_scrape_seconds=None, endpoint_wait_seconds=0,
+                api_keys=(API_KEY,), peer_keys=(PEER_KEY,),
+            )  # fmt: skip
+            return Gateway(config("openai", "Aggregated", urls=urls), settings)
+
+        super().__init__(gateway, LoopbackUpstream({"decode": lambda _: answer}), request_path)
 
     def call(self, path: str, authorization: bytes | None) -> tuple[int, str, bytes]:
         self.upstream.calls.clear()
@@ -73,9 +79,9 @@ class Served(ServedGateway):
         return self.run(send())
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    served = Served()
+@pytest.fixture(scope="module", params=REQUEST_PATHS)
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    served = Served(str(request.param))
     try:
         yield served
     finally:
@@ -117,7 +123,7 @@ def test_only_the_key_an_endpoint_takes_opens_it(
 ) -> None:
     status, content_type, payload = served.call(path, header)
     verdict = Verdict(Outcome.ANSWERED if status == 200 else Outcome.CLEAR_ERROR, status)
-    TALLY.add("fuzz: authorization headers", verdict)
+    TALLY.add(f"fuzz: authorization headers ({served.path})", verdict)
     assert status < 500, (status, payload[:200])
     if expected_open(path, header):
         assert status == 200, (path, header, status, payload[:200])
