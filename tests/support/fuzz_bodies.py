@@ -97,26 +97,50 @@ def _consistent(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+_ids = st.integers(0, 50_000)
+REQUIRED: dict[bool, dict[str, st.SearchStrategy[Any]]] = {  # chat or not: the prompt's field
+    True: {"messages": st.lists(message, min_size=1, max_size=3)},
+    False: {"prompt": st.one_of(text, st.lists(text, min_size=1, max_size=2),
+                                st.lists(_ids, min_size=1, max_size=4),
+                                st.lists(st.lists(_ids, min_size=1, max_size=3), min_size=1,
+                                         max_size=2))},
+}  # fmt: skip
+
+
 @st.composite
 def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     chat = draw(st.booleans())
-    required: dict[str, st.SearchStrategy[Any]]
-    if chat:
-        required = {"messages": st.lists(message, min_size=1, max_size=3)}
-        fields = CHAT_FIELDS
-    else:
-        ids = st.integers(0, 50_000)
-        prompts: list[st.SearchStrategy[Any]] = [
-            text,
-            st.lists(text, min_size=1, max_size=2),
-            st.lists(ids, min_size=1, max_size=4),
-            st.lists(st.lists(ids, min_size=1, max_size=3), min_size=1, max_size=2),
-        ]
-        required = {"prompt": st.one_of(prompts)}
-        fields = COMPLETION_FIELDS
-    body = draw(st.fixed_dictionaries(required, optional=fields))
+    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    body = draw(st.fixed_dictionaries(REQUIRED[chat], optional=fields))
     body = {**draw(extras), **_consistent(body)}
     return (CHAT if chat else COMPLETIONS), body
+
+
+# What the data plane proves valid and serves itself (dataplane/validate.go): the model named,
+# max_tokens within the cap, and no parameter only the Python gateway checks. Most bodies
+# valid_request draws set one of those and are handed to the Python gateway; these reach the
+# data plane's own validation and route, which the invalid field of test_fuzz_input then tests.
+PLAIN_SKIPS = {"model", "max_tokens", "logit_bias", "response_format", "tool_choice"}
+PLAIN_CHAT = {k: v for k, v in CHAT_FIELDS.items() if k not in PLAIN_SKIPS}
+PLAIN_COMPLETION = {k: v for k, v in COMPLETION_FIELDS.items() if k not in PLAIN_SKIPS}
+PLAIN_CHAT["tool_choice"] = st.sampled_from(["none", "auto", "required"])
+
+
+@st.composite
+def plain_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid body as the data plane serves it: few optional parameters, all of its own."""
+    chat = draw(st.booleans())
+    fields = PLAIN_CHAT if chat else PLAIN_COMPLETION
+    plain = draw(st.fixed_dictionaries(REQUIRED[chat]))
+    chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True))
+    plain.update({k: draw(fields[k]) for k in chosen}, model=MODEL)
+    plain["max_tokens"] = draw(st.integers(1, CAP))
+    return (CHAT if chat else COMPLETIONS), _consistent(plain)
+
+
+def request_body() -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
+    """A valid body, half of them plain ones (the data plane's own)."""
+    return valid_request() | plain_request()
 
 
 def encoded(body: Any, ascii_only: bool) -> bytes:

@@ -1,7 +1,8 @@
 """Fuzzing the gateway's request bodies (hypothesis, deterministic): bodies drawn from the OpenAI
 chat and completions schemas, valid ones with random optional parameters, vLLM's extras and
-unknown fields, and the same with one field made invalid (a wrong type, an out-of-range or huge
-number, NaN, a wrong nesting), against the whole gateway on the fake upstream.
+unknown fields, plain ones the data plane serves itself, and the same with one field made invalid
+(a wrong type, an out-of-range or huge number, NaN, a wrong nesting), against the whole gateway
+on a loopback fake upstream, on both request paths (the Python gateway, the data plane).
 
 Every answer is a 200 with a well-formed OpenAI body (or stream), or an OpenAI-shaped JSON
 error with a 4xx: never text/plain, never a 5xx, never an upstream address; a body refused
@@ -15,13 +16,13 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.fuzz_bodies import JSON_HEADERS, encoded, text, valid_request
+from tests.support.fuzz_bodies import JSON_HEADERS, encoded, request_body, text
 from tests.support.fuzz_gateway import CAP, CHAT, COMPLETIONS, FUZZ, Served, check
 from tests.support.gateway_fakes import MODEL
 from tests.support.outcomes import Outcome
 
 
-@given(request=valid_request(), ascii_only=st.booleans())
+@given(request=request_body(), ascii_only=st.booleans())
 @settings(FUZZ, max_examples=150)
 def test_valid_bodies_are_answered(
     served: Served, request: tuple[str, dict[str, Any]], ascii_only: bool
@@ -133,7 +134,7 @@ INVALID_COMPLETION: dict[str, st.SearchStrategy[Any]] = {
 @st.composite
 def invalid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], str, int]:
     """A valid body with one thing wrong: (path, body, the param its error names, status)."""
-    path, body = draw(valid_request())
+    path, body = draw(request_body())
     fields = INVALID_CHAT if path == CHAT else INVALID_COMPLETION
     special = ["model", "best_of", "prompt_missing" if path == COMPLETIONS else "top_logprobs"]
     field = draw(st.sampled_from(sorted(fields) + special))
@@ -168,3 +169,14 @@ def test_an_invalid_field_is_a_400_naming_it_before_any_upstream_call(
     named = verdict.error["param"]
     assert named is not None
     assert named == param or named.startswith((f"{param}.", f"{param}[")), (verdict, body)
+
+
+def test_the_fuzzers_reach_their_request_path(served: Served) -> None:
+    """Behind the data plane a plain valid body is served by the data plane itself, not handed
+    to the Python gateway: else the fuzzers there would judge only the Python gateway again."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    before = served.python_requests
+    verdict = served.post(CHAT, json.dumps(body).encode(), JSON_HEADERS)
+    assert verdict.outcome is Outcome.ANSWERED, verdict
+    assert served.upstream.stages() == ["render", "prefill", "decode", "derender"]
+    assert served.python_requests - before == (0 if served.path == "dataplane" else 1)

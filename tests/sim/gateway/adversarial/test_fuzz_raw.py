@@ -1,6 +1,7 @@
 """Fuzzing what is not a request body at all (hypothesis, deterministic): arbitrary JSON,
 random bytes, content types and charsets, encodings, odd headers, methods and paths, against
-the whole gateway on the fake upstream: a clear OpenAI-shaped answer every time, never a 5xx."""
+the whole gateway on a loopback fake upstream, on both request paths: a clear OpenAI-shaped
+answer every time, never a 5xx."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.fuzz_bodies import JSON_HEADERS, KNOWN, encoded, json_value, text, valid_request
+from tests.support.fuzz_bodies import JSON_HEADERS, KNOWN, encoded, json_value, request_body, text
 from tests.support.fuzz_gateway import CHAT, COMPLETIONS, FUZZ, Served, check
 from tests.support.outcomes import Outcome
 
@@ -26,7 +27,7 @@ def arbitrary_json(draw: st.DrawFn) -> tuple[str, Any]:
     """Any JSON value, or a valid body whose fields (known or not) are overwritten by any."""
     if draw(st.booleans()):
         return draw(st.sampled_from([CHAT, COMPLETIONS])), draw(json_value | any_fields)
-    path, body = draw(valid_request())
+    path, body = draw(request_body())
     return path, {**body, **draw(any_fields)}
 
 
