@@ -7,9 +7,10 @@
 //
 //	pdserve-dataplane -listen 0.0.0.0:8000 -python http://127.0.0.1:8001 -control 127.0.0.1:8002
 //
-// Control API (loopback only): PUT /table replaces the routing table, GET /stats answers the
-// counters the Python gateway folds into its own metrics, POST /drain closes each client
-// connection after its answer from then on, GET /health.
+// Control API (loopback only, every call with Authorization: Bearer $PDSERVE_DATAPLANE_TOKEN:
+// control.go): PUT /table replaces the routing table, GET /stats answers the counters the
+// Python gateway folds into its own metrics, POST /drain closes each client connection after
+// its answer from then on, GET /health.
 package main
 
 import (
@@ -24,7 +25,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
-	"net/http/pprof"
 	"net/url"
 	"os"
 	"os/signal"
@@ -43,8 +43,9 @@ type plane struct {
 	upstream    *upstreamPool
 	python      *httputil.ReverseProxy
 	maxBody     int64
-	inflight    atomic.Int64
+	inflight    atomic.Int64 // completions in flight, whichever path serves them
 	maxInflight int64
+	requireKeys bool // a table must carry API key digests: the gateway was started with keys
 	stats       counters
 	buffers     sync.Pool // *bytes.Buffer: bodies and answers
 	chunks      sync.Pool // *[]byte: stream reads
@@ -57,7 +58,7 @@ type plane struct {
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
 // bound is the upstream pool's.
 type timeouts struct {
-	idle, request time.Duration
+	idle, request, body time.Duration
 }
 
 type counters struct {
@@ -88,18 +89,25 @@ type fallback string
 func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	s := &served{metrics: p.metrics, started: time.Now(), outcome: "ok"}
 	t := p.current.Load()
-	if t == nil {
-		p.toPython(w, r, nil, "no_table")
+	// The key before the body, as the Python gateway checks it: a client without one gets its
+	// 401 at once and holds nothing, not even the connection its upload would keep busy.
+	if t != nil && !t.authorized(r.Header.Get("Authorization")) {
+		unauthorized(w)
 		return
 	}
-	if r.Header.Get("Content-Encoding") != "" || r.ContentLength > p.maxBody {
-		p.toPython(w, r, nil, "body_shape")
+	if r.ContentLength > p.maxBody {
+		p.toPython(w, r, nil, "body_shape", s) // its 413, before it would take a slot
 		return
 	}
 	buffer := p.buffers.Get().(*bytes.Buffer)
 	buffer.Reset()
 	defer p.buffers.Put(buffer)
-	if _, err := buffer.ReadFrom(io.LimitReader(r.Body, p.maxBody+1)); err != nil {
+	if err := p.receive(w, r, buffer); err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			p.metrics.count("unknown", "error_408")
+			bodyTimedOut(w, p.timeouts.body)
+			return
+		}
 		// Nothing whole to hand over: the client's connection broke mid-body, or its chunked
 		// framing did. Answered here, in the Python gateway's words.
 		p.stats.unreadable.Add(1)
@@ -110,27 +118,70 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	}
 	body := buffer.Bytes()
 	if int64(len(body)) > p.maxBody {
-		p.toPython(w, r, body, "body_shape")
+		p.toPython(w, r, body, "body_shape", s)
 		return
 	}
-	reason := p.fast(w, r, t, body, s)
-	if reason != "" && r.Context().Err() != nil {
+	// One limit per gateway: a request holds its slot whether the data plane serves it or
+	// hands it over (the Python gateway's own limit, the same number, is never reached).
+	if n := p.inflight.Add(1); n > p.maxInflight {
+		p.inflight.Add(-1)
+		p.metrics.count("unknown", "rejected")
+		atLimit(w, p.maxInflight)
+		return
+	}
+	defer p.inflight.Add(-1)
+	if t == nil {
+		p.toPython(w, r, body, "no_table", s)
+		return
+	}
+	if r.Header.Get("Content-Encoding") != "" {
+		p.toPython(w, r, body, "body_shape", s) // the Python gateway decodes it
+		return
+	}
+	// The request timeout runs from the request's start, as in the Python gateway.
+	ctx, cancel := context.WithDeadline(r.Context(), s.started.Add(p.timeouts.request))
+	defer cancel()
+	reason := p.fast(ctx, w, r, t, body, s)
+	switch {
+	case reason == "":
+		s.end()
+	case r.Context().Err() != nil:
 		s.outcome = "client_gone"
 		s.end()
-		return // the client left: nobody to serve it to (the engines' work stopped with it)
+		// the client left: nobody to serve it to (the engines' work stopped with it)
+	case ctx.Err() != nil && stages[reason] != "":
+		// Its time is up: handed over, it would start again with all of it, the engines'
+		// work done twice.
+		p.metrics.count(s.route, "error_504")
+		pastDeadline(w, stages[reason], p.timeouts.request)
+	default:
+		p.toPython(w, r, body, reason, s) // counted there
 	}
-	if reason != "" {
-		p.toPython(w, r, body, reason) // counted there
-		return
+}
+
+// receive reads the request body into `into` (at most maxBody+1 bytes) within the body
+// timeout; os.ErrDeadlineExceeded when it did not arrive in time.
+func (p *plane) receive(w http.ResponseWriter, r *http.Request, into *bytes.Buffer) error {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil
 	}
-	s.end()
+	// A deadline on the connection (not a timer around the read): a client that stalls
+	// mid-body is cut off however its bytes trickle in. Cleared once the body is read, or the
+	// server's background read of the idle connection would take it for the client leaving;
+	// kept when the read failed, so that Go's server does not wait to discard the rest of the
+	// body before it closes the connection.
+	control := http.NewResponseController(w)
+	bounded := control.SetReadDeadline(time.Now().Add(p.timeouts.body)) == nil
+	_, err := into.ReadFrom(io.LimitReader(r.Body, p.maxBody+1))
+	if bounded && err == nil {
+		_ = control.SetReadDeadline(time.Time{})
+	}
+	return err
 }
 
 // fast serves the request on the table's route, or says why it could not before answering.
-func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []byte, s *served) fallback {
-	if !t.authorized(r.Header.Get("Authorization")) {
-		return "unauthorized" // the Python gateway answers 401 in its words
-	}
+func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
+	body []byte, s *served) fallback {
 	class := classAuto
 	switch r.Header.Get("X-PDServe-Class") {
 	case "":
@@ -169,13 +220,7 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	if stream && len(m.render) > 0 && t.streamHandsOver(members) {
 		return "render_stream" // stop strings or log probabilities: the Python gateway's
 	}
-	if n := p.inflight.Add(1); n > p.maxInflight {
-		p.inflight.Add(-1)
-		return "busy"
-	}
-	defer p.inflight.Add(-1)
-	ctx, cancel := context.WithTimeout(r.Context(), p.timeouts.request)
-	defer cancel()
+	s.route = planned(m)
 	id := "pdserve-" + requestID()
 	auth := ""
 	if t.passAuth {
@@ -220,6 +265,20 @@ func (p *plane) fast(w http.ResponseWriter, r *http.Request, t *table, body []by
 	return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, stream, s)
 }
 
+// planned is the route a model's requests take, as the Python gateway names it from the start
+// (a request that ends before its answer is counted by it).
+func planned(m *model) string {
+	switch {
+	case len(m.render) > 0 && m.route == routePD:
+		return routeRenderPD
+	case len(m.render) > 0:
+		return routeRenderDecode
+	case m.route == routePD:
+		return routePD
+	}
+	return routeDecode
+}
+
 func withinCap(members []member, limit int64) bool {
 	capped := false
 	for _, key := range []string{"max_tokens", "max_completion_tokens"} {
@@ -256,8 +315,6 @@ func (p *plane) post(ctx context.Context, e *endpoint, path string, body []byte,
 	id, auth string) (*upBody, error) {
 	return p.upstream.post(ctx, e.at, path, body, id, auth)
 }
-
-var jsonType = []string{"application/json"}
 
 // decode sends the decode request and passes its answer through. Until the first byte goes
 // to the client a failure is handed to the Python gateway; after it, the stream ends with an
@@ -378,14 +435,15 @@ func pythonUnavailable(w http.ResponseWriter, _ *http.Request, err error) {
 	fmt.Fprint(w, `{"error":{"message":"the gateway is starting or stopping: retry shortly","type":"ServiceUnavailableError","param":null,"code":503}}`)
 }
 
-// toPython hands the request, its body already read, to the Python gateway.
-func (p *plane) toPython(w http.ResponseWriter, r *http.Request, body []byte, reason fallback) {
+// toPython hands the request, its body already read (unless nil), to the Python gateway, with
+// the time spent on it since s began.
+func (p *plane) toPython(w http.ResponseWriter, r *http.Request, body []byte, reason fallback, s *served) {
 	p.stats.fallback(string(reason))
 	if body != nil {
 		r.Body = io.NopCloser(bytes.NewReader(body))
 		r.ContentLength = int64(len(body))
 	}
-	p.python.ServeHTTP(w, r)
+	p.python.ServeHTTP(w, withHandOverStart(r, s.started))
 }
 
 var idCounter atomic.Uint64
@@ -408,6 +466,12 @@ func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
 	t, engines, err := build(raw, p.engines)
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusUnprocessableEntity)
+		return
+	}
+	if p.requireKeys && len(t.keys) == 0 {
+		// Pushed by anyone but the gateway (or a bug in it), it would open the gateway to all.
+		http.Error(w, "routing table: apiKeySha256 is empty, but the gateway requires API keys "+
+			"(-require-api-keys): send the SHA-256 digests of its keys", http.StatusUnprocessableEntity)
 		return
 	}
 	if old := p.current.Load(); old != nil && t.version < old.version {
@@ -467,11 +531,14 @@ func main() {
 	pythonURL := flag.String("python", "", "the Python gateway's URL (loopback)")
 	control := flag.String("control", "127.0.0.1:0", "the control API's address (loopback)")
 	maxBody := flag.Int64("max-body-bytes", 32<<20, "larger bodies go to the Python gateway (its 413)")
-	maxInflight := flag.Int64("max-inflight", 4096, "fast-path requests in flight; more go to the Python gateway")
+	maxInflight := flag.Int64("max-inflight", 4096, "completion requests in flight, served here or handed over; more are answered 429")
 	connect := flag.Float64("connect-timeout-seconds", 5, "opening a connection to an engine")
 	firstByte := flag.Float64("first-byte-timeout-seconds", 120, "an engine's answer's first byte (its headers)")
 	idle := flag.Float64("idle-timeout-seconds", 60, "between two reads of a decode stream")
 	whole := flag.Float64("request-timeout-seconds", 600, "a whole request")
+	bodyTimeout := flag.Float64("body-timeout-seconds", 30, "receiving a completion's request body (408 after)")
+	keepAlive := flag.Float64("keepalive-timeout-seconds", 75, "an idle kept-alive client connection is closed after this (and a request's head must arrive within it)")
+	requireKeys := flag.Bool("require-api-keys", false, "refuse a routing table without API key digests (the gateway checks API keys)")
 	gcPercent := flag.Int("gc-percent", 400, "the garbage collector's GOGC: the live heap is small, so collecting less often saves CPU per request (-1: only at -memory-limit-mib)")
 	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: none)")
 	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
@@ -483,19 +550,22 @@ func main() {
 		fmt.Fprintln(os.Stderr, "pdserve-dataplane: -python must be the Python gateway's URL, e.g. http://127.0.0.1:8001")
 		os.Exit(2)
 	}
+	token := os.Getenv(tokenVariable)
+	if token == "" {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane: set "+tokenVariable+": the control API answers only calls that present it (Authorization: Bearer <token>); the Python gateway sets it")
+		os.Exit(2)
+	}
 	// To the Python gateway on loopback: its answers take as long as the requests it serves.
 	transport := &http.Transport{MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024,
 		IdleConnTimeout: 30 * time.Second, DisableCompression: true}
-	python := httputil.NewSingleHostReverseProxy(target)
-	python.Transport = transport
-	python.FlushInterval = -1 // streams pass through event by event
-	python.ErrorHandler = pythonUnavailable
+	python := pythonProxy(target, token, transport)
 	p := &plane{python: python, maxBody: *maxBody,
 		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 90*time.Second),
-		maxInflight: *maxInflight, engines: map[string]*endpoint{}, queue: newFairQueue()}
+		maxInflight: *maxInflight, requireKeys: *requireKeys, engines: map[string]*endpoint{},
+		queue: newFairQueue()}
 	// The token tells the Python gateway its own data plane from anyone else on loopback; a
 	// slot it asked for is held at most as long as its prefill call may wait for an answer.
-	p.admission = newAdmissionChannel(*admission, os.Getenv("PDSERVE_DATAPLANE_TOKEN"), p.queue, seconds(*firstByte))
+	p.admission = newAdmissionChannel(*admission, token, p.queue, seconds(*firstByte))
 	if *admission != "" {
 		go p.admission.keepConnected(100 * time.Millisecond)
 	}
@@ -507,23 +577,15 @@ func main() {
 	p.metrics = newServedMetrics(bounds)
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
-	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole)}
+	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole), body: seconds(*bodyTimeout)}
 	debug.SetGCPercent(*gcPercent)
 	if *memoryLimit > 0 {
 		debug.SetMemoryLimit(*memoryLimit << 20)
 	}
 
-	controlMux := http.NewServeMux()
-	controlMux.HandleFunc("PUT /table", p.putTable)
-	controlMux.HandleFunc("GET /stats", p.getStats)
-	controlMux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
-	controlMux.HandleFunc("GET /debug/pprof/profile", pprof.Profile) // loopback only, like the rest
-	controlMux.Handle("GET /debug/pprof/allocs", pprof.Handler("allocs"))
 	var server *http.Server
-	controlMux.HandleFunc("POST /drain", func(w http.ResponseWriter, _ *http.Request) {
-		server.SetKeepAlivesEnabled(false) // each answer closes its connection: clients move on
-		w.WriteHeader(http.StatusNoContent)
-	})
+	// Draining: each answer closes its connection from then on, so clients move on.
+	controlAPI := p.controlAPI(token, func() { server.SetKeepAlivesEnabled(false) })
 	controlListener, err := net.Listen("tcp", *control)
 	if err != nil {
 		log.Fatalf("pdserve-dataplane: -control %s: %v", *control, err)
@@ -548,10 +610,10 @@ func main() {
 		}
 		python.ServeHTTP(w, r)
 	})
-	server = &http.Server{Handler: client, ReadHeaderTimeout: 30 * time.Second,
+	server = &http.Server{Handler: client, ReadHeaderTimeout: seconds(*keepAlive), IdleTimeout: seconds(*keepAlive),
 		// framing.go's checks are the limits; `OPTIONS *` is the Python gateway's (404).
 		MaxHeaderBytes: maxHeaderBytes, ConnState: trackServerState, DisableGeneralOptionsHandler: true}
-	go func() { log.Fatal(http.Serve(controlListener, controlMux)) }()
+	go func() { log.Fatal(http.Serve(controlListener, controlAPI)) }()
 	stop := make(chan os.Signal, 2)
 	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
 	if *withParent {

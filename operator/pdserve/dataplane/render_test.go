@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -243,7 +244,7 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	// A stream with stop strings goes to the Python gateway (it cuts them across chunks).
 	tbl.streamHandOver = map[string]bool{"stop": true}
 	streamed := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"stop":["x"]}`
-	if reason := p.fast(httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
+	if reason := p.fast(context.Background(), httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
 		tbl, []byte(streamed), &served{metrics: p.metrics}); reason != "render_stream" {
 		t.Fatalf("stream with stop strings: %q", reason)
 	}

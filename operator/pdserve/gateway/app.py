@@ -30,7 +30,7 @@ from pdserve.contract.names import GATEWAY_EVENT_REPORTER
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.admission import AdmissionHandlers
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
-from pdserve.gateway.dataplane import DataPlane
+from pdserve.gateway.dataplane import DataPlane, spent_in_data_plane
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints, NoEndpoints
 from pdserve.gateway.errors import (
@@ -370,7 +370,7 @@ class Gateway:
         return await self.handle(request, chat=False)
 
     async def handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        started = time.monotonic()
+        started = time.monotonic() - spent_in_data_plane(request.headers, self.data_plane)
         route = "unknown"
         try:
             data = await self.intake.receive(request)  # before a slot: slow bodies hold none

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import signal
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,10 +37,32 @@ log = logging.getLogger("pdserve.gateway")
 SOURCE = Path(__file__).resolve().parents[1] / "dataplane"
 BINARY = "dataplane"
 STARTUP_SECONDS = 10.0
+ELAPSED_HEADER = "X-PDServe-Elapsed-Ms"
+"""On a completion the data plane hands over: the milliseconds it already spent on it."""
+TOKEN_HEADER = "X-PDServe-Dataplane-Token"
+"""Beside ELAPSED_HEADER: the data plane's token, which only this gateway's own data plane has
+(it deletes clients' copies of both headers)."""
 
 
 class DataPlaneError(RuntimeError):
     """The data plane could not start: the message says why and what to pass instead."""
+
+
+def spent_in_data_plane(headers: Mapping[str, str], data_plane: DataPlane | None) -> float:
+    """The seconds this gateway's data plane already spent on a request it handed over (its
+    fast path began it, then gave up), so that the request timeout runs from the client's first
+    byte instead of starting again; 0 for any other request. Honoured only with the data
+    plane's token: a client cannot move its own deadline."""
+    if data_plane is None or ELAPSED_HEADER not in headers:
+        return 0.0
+    token = headers.get(TOKEN_HEADER, "")
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), data_plane.token.encode()):
+        return 0.0
+    try:
+        spent = float(headers[ELAPSED_HEADER]) / 1000
+    except ValueError:
+        return 0.0
+    return spent if math.isfinite(spent) and spent > 0 else 0.0
 
 
 def build_binary(go: str | None = None) -> Path:
@@ -73,7 +98,8 @@ class DataPlane:
         self.seen: dict[str, float] = {}
         self.render_pods: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        # What the data plane presents when it asks this gateway for long prompts' slots.
+        # What the data plane presents when it asks this gateway for long prompts' slots and
+        # when it hands a request over, and what this gateway presents on every control call.
         self.token = secrets.token_hex(16)
         self.admission = AdmissionChannel(
             peers, self.token, hold_seconds=settings.first_byte_timeout
@@ -91,8 +117,12 @@ class DataPlane:
             "-first-byte-timeout-seconds", str(self.settings.first_byte_timeout),
             "-idle-timeout-seconds", str(self.settings.idle_timeout),
             "-request-timeout-seconds", str(self.settings.request_timeout),
+            "-body-timeout-seconds", str(self.settings.body_timeout),
+            "-keepalive-timeout-seconds", str(self.settings.keepalive_timeout),
             "-latency-buckets", ",".join(map(str, LATENCY)),
         ]  # fmt: skip
+        if self.settings.api_keys:
+            argv.append("-require-api-keys")  # a table without the keys' digests is refused
         try:
             self.process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -148,7 +178,9 @@ class DataPlane:
         )
         if same_table(self.pushed, table):
             return
-        async with session.put(f"{self.control}/table", json=table) as answer:
+        async with session.put(
+            f"{self.control}/table", json=table, headers=self.control_headers
+        ) as answer:
             if answer.status != 204:
                 # A table the data plane refuses is a bug here: keep the last one, say why.
                 log.error("data plane refused the routing table: %s", await answer.text())
@@ -156,14 +188,19 @@ class DataPlane:
         self.version += 1
         self.pushed = table
 
+    @property
+    def control_headers(self) -> dict[str, str]:
+        """The control API answers only calls with the token the data plane was started with."""
+        return {"Authorization": f"Bearer {self.token}"}
+
     async def queue_state(self, session: aiohttp.ClientSession) -> None:
         """The data plane's fair queue as it is now (for `GET /admission`)."""
-        async with session.get(f"{self.control}/stats") as answer:
+        async with session.get(f"{self.control}/stats", headers=self.control_headers) as answer:
             self.admission.fold_state(await answer.json())
 
     async def fold_stats(self, session: aiohttp.ClientSession) -> None:
         """The data plane's counters since the last poll, into this gateway's metrics."""
-        async with session.get(f"{self.control}/stats") as answer:
+        async with session.get(f"{self.control}/stats", headers=self.control_headers) as answer:
             stats = await answer.json()
         self.admission.fold_state(stats)
         # Render servers by pod, as this gateway labels its own calls (kept for one that left).
@@ -207,7 +244,10 @@ class DataPlane:
         if self.control is None:
             return
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with aiohttp.ClientSession() as session, session.post(f"{self.control}/drain"):
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"{self.control}/drain", headers=self.control_headers),
+            ):
                 pass
 
     async def stop(self) -> None:

@@ -24,6 +24,7 @@ from pdserve.gateway.fairqueue import LONG, FairQueueSettings, PrefillAdmission
 from pdserve.gateway.peers import PeerAdmission
 
 TOKEN = "t0ken"
+CONTROL = {"Authorization": f"Bearer {TOKEN}"}  # the control API answers only its token
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +48,12 @@ class Plane:
             "admission": {"maxLongPerReplica": 1, "maxWaitSeconds": 60,
                           "leaderElsewhere": False, "others": others or {}},
         }  # fmt: skip
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=CONTROL) as client:
             answer = await client.put(f"{self.control}/table", json=table)
         assert answer.status_code == 204, answer.text
 
     async def stats(self) -> dict[str, Any]:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=CONTROL) as client:
             stats: dict[str, Any] = (await client.get(f"{self.control}/stats")).json()
         self.channel.fold_state(stats)
         return stats
