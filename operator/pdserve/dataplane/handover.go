@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -63,20 +64,20 @@ func withHandOverStart(r *http.Request, started time.Time) *http.Request {
 }
 
 // answerError writes an error in the Python gateway's shape. `closing`: the connection closes
-// after it, the rest of the request body unread: an unauthorized or stalled upload costs
-// nothing more (Go's server would otherwise wait to discard what is left of it first).
+// after it, whatever is left of the request body unread.
 func answerError(w http.ResponseWriter, status int, kind, message string, closing bool) {
 	header := w.Header()
 	header.Set("Content-Type", "application/json")
 	if closing {
 		header.Set("Connection", "close")
-		_ = http.NewResponseController(w).SetReadDeadline(longAgo)
 	}
 	if status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable {
 		header.Set("Retry-After", "1")
 	}
+	body := fmt.Sprintf(`{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`, quoted(message), kind, status)
+	header.Set("Content-Length", strconv.Itoa(len(body))) // flushed early, still not chunked
 	w.WriteHeader(status)
-	fmt.Fprintf(w, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`, quoted(message), kind, status)
+	_, _ = io.WriteString(w, body)
 }
 
 // quoted is a JSON string as the Python gateway's encoder writes it (<, > and & as they are).
@@ -93,14 +94,46 @@ func pySeconds(d time.Duration) string {
 	return strconv.FormatFloat(d.Seconds(), 'g', 6, 64)
 }
 
-func unauthorized(w http.ResponseWriter) {
+// unauthorized refuses a request before its body is read. The body is then read only to be
+// dropped, and only while it keeps coming (as aiohttp's lingering close does for the Python
+// gateway): most clients send their whole body before they read the answer, and closing the
+// connection on bytes not read would reset it, the 401 lost with it. A client that stalls is
+// cut off after lingerIdle.
+func unauthorized(w http.ResponseWriter, r *http.Request) {
 	answerError(w, http.StatusUnauthorized, "AuthenticationError",
 		"missing or invalid API key: send Authorization: Bearer <key>", true)
+	control := http.NewResponseController(w)
+	_ = control.Flush() // the answer first: the client may read it while it still sends
+	end := time.Now().Add(lingerFor)
+	var scratch [16 * 1024]byte
+	for now := time.Now(); now.Before(end); now = time.Now() {
+		if control.SetReadDeadline(now.Add(min(lingerIdle, end.Sub(now)))) != nil {
+			break
+		}
+		if _, err := r.Body.Read(scratch[:]); err != nil {
+			break
+		}
+	}
+	unread(control)
+}
+
+// How long an unauthorized request's body is dropped as it arrives (aiohttp's lingering_time),
+// and how long a pause in it ends that.
+const (
+	lingerFor  = 10 * time.Second
+	lingerIdle = time.Second
+)
+
+// unread: Go's server does not wait for what is left of the request body before it closes the
+// connection (it would read up to 256 KiB of it to keep the connection).
+func unread(control *http.ResponseController) {
+	_ = control.SetReadDeadline(longAgo)
 }
 
 func bodyTimedOut(w http.ResponseWriter, limit time.Duration) {
 	answerError(w, http.StatusRequestTimeout, "RequestTimeout",
 		"the request body did not arrive within "+pySeconds(limit)+" s", true)
+	unread(http.NewResponseController(w)) // the client stalled: nothing to wait for
 }
 
 func atLimit(w http.ResponseWriter, limit int64) {
@@ -115,7 +148,8 @@ func pastDeadline(w http.ResponseWriter, stage string, limit time.Duration) {
 		stage+" did not answer within the request's limit of "+pySeconds(limit)+" s", false)
 }
 
-// stages: the fast path's fallbacks that waited on something, and what it waited on.
-var stages = map[fallback]string{"prefill_failed": "prefill", "decode_failed": "decode",
-	"render_failed": "render", "derender_failed": "derender",
-	"admission_failed": "prefill admission"}
+// stages: the fast path's fallbacks that waited on something, and what it waited on, named as
+// the Python gateway names them to clients (an engine's address as "a replica").
+var stages = map[fallback]string{"prefill_failed": "prefill at a replica",
+	"decode_failed": "decode at a replica", "render_failed": "render at a replica",
+	"derender_failed": "derender at a replica", "admission_failed": "prefill admission"}

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -202,7 +203,7 @@ func TestARequestPastItsDeadlineIsAnswered504NotHandedOver(t *testing.T) {
 		<-r.Context().Done()        // a decode that never answers
 	}, func(p *plane) { p.timeouts.request = 300 * time.Millisecond })
 	response, body := u.post(t, chatBody)
-	want := `{"error":{"message":"decode did not answer within the request's limit of 0.3 s","type":"GatewayTimeout","param":null,"code":504}}`
+	want := `{"error":{"message":"decode at a replica did not answer within the request's limit of 0.3 s","type":"GatewayTimeout","param":null,"code":504}}`
 	if response.StatusCode != 504 || body != want {
 		t.Fatalf("%d %s, want 504 %s", response.StatusCode, body, want)
 	}
@@ -340,7 +341,7 @@ const keyedTable = `{"version":1,"apiKeySha256":["` +
 
 // A request without a valid key is answered 401 at once, in the Python gateway's words, and
 // its connection closed: its body (50 MB announced, a few bytes sent) is never waited for.
-func TestARequestWithoutItsKeyIs401AtOnceItsBodyNeverRead(t *testing.T) {
+func TestARequestWithoutItsKeyIs401AtOnceNotAfterItsBody(t *testing.T) {
 	u := newPlaneUnderTest(t, keyedTable, func(http.ResponseWriter, *http.Request) {}, nil)
 	for _, auth := range []string{"", "Authorization: Bearer wrong\r\n"} {
 		head := "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + auth +
@@ -355,6 +356,32 @@ func TestARequestWithoutItsKeyIs401AtOnceItsBodyNeverRead(t *testing.T) {
 	}
 	if seen := u.python.seen(); len(seen) != 0 {
 		t.Fatalf("handed to the Python gateway: %v", seen)
+	}
+}
+
+// A client that sends its whole body before it reads the answer, as most do, reads the 401:
+// the data plane drops the body as it comes instead of resetting the connection under it.
+func TestAKeylessUploadSentWholeBeforeTheAnswerIsReadStillReads401(t *testing.T) {
+	u := newPlaneUnderTest(t, keyedTable, func(http.ResponseWriter, *http.Request) {}, nil)
+	body := bytes.Repeat([]byte("x"), 8<<20) // more than the sockets' buffers hold
+	head := fmt.Sprintf("POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"+
+		"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n", len(body))
+	conn, err := net.Dial("tcp", strings.TrimPrefix(u.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := conn.Write(append([]byte(head), body...)); err != nil {
+		t.Fatalf("the upload was cut off: %v", err)
+	}
+	response, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("no answer after the upload: %v", err)
+	}
+	text, _ := io.ReadAll(response.Body)
+	if response.StatusCode != 401 || !strings.Contains(string(text), "missing or invalid API key") {
+		t.Fatalf("%d %s, want 401", response.StatusCode, text)
 	}
 }
 

@@ -92,7 +92,7 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	// The key before the body, as the Python gateway checks it: a client without one gets its
 	// 401 at once and holds nothing, not even the connection its upload would keep busy.
 	if t != nil && !t.authorized(r.Header.Get("Authorization")) {
-		unauthorized(w)
+		unauthorized(w, r)
 		return
 	}
 	if r.ContentLength > p.maxBody {
