@@ -322,6 +322,8 @@ def test_gateway_replicas_with_data_planes_admit_long_prompts_through_one_leader
         ports = [free_port(), free_port()]
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         pool = {"service": "x", "port": 8000}
+        peer_key = tmp_path / "peer-key"  # a hold on the leader takes it (as the operator gives)
+        peer_key.write_text("the-replicas-peer-key\n")
         gateways = [
             procs.gateway({
                 "model": MODEL, "engineApi": "openai", "routing": {"mode": "Disaggregated"},
@@ -330,7 +332,7 @@ def test_gateway_replicas_with_data_planes_admit_long_prompts_through_one_leader
                     **{role: [{"url": e.url}] for role, e in engines.items()},
                     "peers": [urls[1 - i]], "selfUrl": urls[i],
                 },
-            }, "--data-plane", str(binary), port=port)
+            }, "--data-plane", str(binary), "--peer-key-file", str(peer_key), port=port)
             for i, port in enumerate(ports)
         ]  # fmt: skip
         leader, follower = sorted(gateways, key=lambda g: g.url)  # the lowest URL leads
