@@ -128,8 +128,9 @@ func newPlaneUnderTest(t *testing.T, table string, engine http.HandlerFunc, conf
 	p := &plane{python: pythonProxy(target, testToken, http.DefaultTransport),
 		upstream: newUpstreamPool(time.Second, 10*time.Second, time.Minute),
 		maxBody:  1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
-		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second, body: 10 * time.Second},
-		queue:    newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
+		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second, body: 10 * time.Second,
+			render: 5 * time.Second},
+		queue: newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	if configure != nil {
@@ -220,12 +221,25 @@ func TestARequestPastItsDeadlineIsAnswered504NotHandedOver(t *testing.T) {
 // it, whichever route the request takes.
 func TestAHandOverCarriesTheTimeSpentAndNoClientCopiesOfItsHeaders(t *testing.T) {
 	const spent = 150 * time.Millisecond
-	u := newPlaneUnderTest(t, decodeTable, func(w http.ResponseWriter, r *http.Request) {
-		time.Sleep(spent) // a slow engine that then fails: the request is handed over
-		w.WriteHeader(http.StatusServiceUnavailable)
-	}, nil)
+	u := newPlaneUnderTest(t, decodeTable, func(http.ResponseWriter, *http.Request) {}, nil)
+	// A body that takes its time to arrive, for a model the table lacks: handed over (a
+	// request the engines began is answered here, never handed over).
+	reader, writer := io.Pipe()
+	go func() {
+		time.Sleep(spent)
+		io.WriteString(writer, `{"model":"other","messages":[]}`)
+		writer.Close()
+	}()
 	forged := []string{elapsedHeader, "0", tokenHeader, "guessed", "Connection", tokenHeader}
-	response, _ := u.post(t, chatBody, forged...)
+	slow, _ := http.NewRequest("POST", u.url+"/v1/chat/completions", reader)
+	for i := 0; i+1 < len(forged); i += 2 {
+		slow.Header.Set(forged[i], forged[i+1])
+	}
+	response, err := http.DefaultClient.Do(slow)
+	if err != nil {
+		t.Fatal(err)
+	}
+	response.Body.Close()
 	if response.StatusCode != 200 {
 		t.Fatalf("status %d, want the Python gateway's answer", response.StatusCode)
 	}
@@ -453,7 +467,7 @@ func TestIdleClientConnectionsAndStalledHeadsAreClosedAfterTheKeepAliveTimeout(t
 // gateway's words and counted where the gateway's metrics see rejections.
 func TestOneInFlightLimitCoversTheRequestsHandedOver(t *testing.T) {
 	u := newPlaneUnderTest(t, decodeTable, func(w http.ResponseWriter, _ *http.Request) {
-		io.WriteString(w, `{"served by":"engine"}`)
+		io.WriteString(w, `{"served by":"engine","choices":[{"index":0}]}`)
 	}, func(p *plane) { p.maxInflight = 2 })
 	u.python.hold = func(r *http.Request) bool { return r.Header.Get("X-Hold") != "" }
 	done := make(chan int, 2)

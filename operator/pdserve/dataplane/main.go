@@ -3,7 +3,8 @@
 // first and derender last: render.go) in front of the
 // Python gateway, which keeps every decision: it pushes the routing table (which engines,
 // which route per model, the API keys' digests, the engines' load) and serves everything the
-// table does not cover, and every request whose fast path failed before its answer began.
+// table does not cover (a request an engine was sent is answered here, failed or not:
+// failures.go).
 //
 //	pdserve-dataplane -listen 0.0.0.0:8000 -python http://127.0.0.1:8001 -control 127.0.0.1:8002
 //
@@ -30,6 +31,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -59,6 +61,7 @@ type plane struct {
 // bound is the upstream pool's.
 type timeouts struct {
 	idle, request, body time.Duration
+	render              time.Duration // one render or derender call
 }
 
 type counters struct {
@@ -66,13 +69,30 @@ type counters struct {
 	// served through render servers: render -> P/D -> derender, or render -> decode -> derender
 	renderPD, renderDecode atomic.Int64
 	streams                atomic.Int64
-	fallbacks              sync.Map // reason -> *atomic.Int64
-	unreadable             atomic.Int64
+	fallbacks              sync.Map // reason -> *atomic.Int64: handed to the Python gateway
+	// reason -> *atomic.Int64: served by local prefill on decode instead of P/D (the Python
+	// gateway's pdserve_gateway_fallbacks_total, its reasons)
+	localPrefills sync.Map
+	unreadable    atomic.Int64
 }
 
 func (c *counters) fallback(reason string) {
 	value, _ := c.fallbacks.LoadOrStore(reason, new(atomic.Int64))
 	value.(*atomic.Int64).Add(1)
+}
+
+func (c *counters) localPrefill(reason string) {
+	value, _ := c.localPrefills.LoadOrStore(reason, new(atomic.Int64))
+	value.(*atomic.Int64).Add(1)
+}
+
+func snapshot(counts *sync.Map) map[string]int64 {
+	out := map[string]int64{}
+	counts.Range(func(key, value any) bool {
+		out[key.(string)] = value.(*atomic.Int64).Load()
+		return true
+	})
+	return out
 }
 
 var handoff = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
@@ -244,11 +264,12 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	decodeBody := p.buffers.Get().(*bytes.Buffer)
 	decodeBody.Reset()
 	defer p.buffers.Put(decodeBody)
+	var kv []byte
 	if prefill != nil {
-		kv, reason := p.prefill(ctx, prefill, r.URL.Path, body, members, id, auth)
-		release() // the slot is for prefill's work, as in the Python gateway
-		if reason != "" {
-			return reason
+		var f *failure
+		kv, decode, f = p.prefill(ctx, m, prefill, decode, r.URL.Path, body, members, id, auth, release)
+		if f != nil {
+			return p.failed(w, s, f)
 		}
 		extra := []field{}
 		if kv != nil {
@@ -262,7 +283,51 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		p.stats.decode.Add(1)
 		s.route = routeDecode
 	}
-	return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, stream, s)
+	if stream {
+		return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, s)
+	}
+	answer := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(answer)
+	local := func(into *bytes.Buffer) []byte { // without prefill's KV: decode prefills itself
+		into.Reset()
+		splice(into, body, members, decodeDrops, nil)
+		return into.Bytes()
+	}
+	if kv == nil {
+		local = nil
+	}
+	if f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer); f != nil {
+		return p.failed(w, s, f)
+	}
+	written := answer.Bytes()
+	fields, err := topLevel(written)
+	if err != nil || !allObjects(lookup(fields, "choices")) {
+		return p.failed(w, s, noChoices)
+	}
+	if lookup(fields, "kv_transfer_params") != nil {
+		trimmed := p.buffers.Get().(*bytes.Buffer)
+		trimmed.Reset()
+		defer p.buffers.Put(trimmed)
+		splice(trimmed, written, fields, decodeDrops, nil)
+		written = trimmed.Bytes()
+	}
+	nameResponse(w.Header(), r, id)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(written)))
+	if _, err := w.Write(written); err != nil {
+		s.outcome = "client_gone"
+	}
+	return ""
+}
+
+// failed answers a failure after engine work began, as the Python gateway would (counted by s).
+func (p *plane) failed(w http.ResponseWriter, s *served, f *failure) fallback {
+	if f == errClientLeft {
+		s.outcome = "client_gone"
+		return ""
+	}
+	answerFailure(w, s, f)
+	return ""
 }
 
 // planned is the route a model's requests take, as the Python gateway names it from the start
@@ -295,8 +360,13 @@ func withinCap(members []member, limit int64) bool {
 	return capped // without either the Python gateway fills in the cap
 }
 
-func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []byte,
-	members []member, id, auth string) ([]byte, fallback) {
+// prefill runs the P/D prefill (hops.py prefill): its kv_transfer_params and the decode
+// replica that can pull them. When no prefill replica could serve it, or one answered without
+// kv_transfer_params, kv is nil: decode prefills locally, the fallback counted as the Python
+// gateway counts it. A failure comes back only when the client must get it (an engine's 4xx,
+// the request's deadline). `release` gives the admission slot back once prefill is done.
+func (p *plane) prefill(ctx context.Context, m *model, e, decode *endpoint, path string, body []byte,
+	members []member, id, auth string, release func()) ([]byte, *endpoint, *failure) {
 	buffer := p.buffers.Get().(*bytes.Buffer)
 	buffer.Reset()
 	defer p.buffers.Put(buffer)
@@ -306,8 +376,81 @@ func (p *plane) prefill(ctx context.Context, e *endpoint, path string, body []by
 	}
 	extra = append(extra, field{"kv_transfer_params", handoff})
 	splice(buffer, body, members, prefillDrops, extra)
-	return p.handOff(ctx, e, path, buffer.Bytes(), id, auth)
+	return p.prefillCall(ctx, m, e, decode, path, buffer.Bytes(), id, auth, release)
 }
+
+// prefillCall posts a prefill request to `first`, then to the model's other prefill replicas,
+// as post_json does, and reads where decode pulls the KV from.
+func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoint, path string,
+	request []byte, id, auth string, release func()) ([]byte, *endpoint, *failure) {
+	answer := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(answer)
+	started := time.Now()
+	served, f := p.callJSON(ctx, "prefill", []*endpoint{first}, path, request, id, auth,
+		p.upstream.firstByte, true, answer)
+	if f != nil && !f.final && !f.kv {
+		if others := m.rankedPrefill(first)[1:]; len(others) > 0 {
+			served, f = p.callJSON(ctx, "prefill", others, path, request, id, auth,
+				p.upstream.firstByte, true, answer)
+		}
+	}
+	release() // the slot is for prefill's work, as in the Python gateway
+	switch {
+	case f != nil && f.final:
+		return nil, nil, f
+	case f != nil:
+		p.stats.localPrefill("prefill_failed")
+		return nil, decode, nil
+	}
+	p.metrics.stage.observe("prefill", time.Since(started))
+	if served != first {
+		decode = m.decodeFor(served)
+	}
+	fields, err := topLevel(answer.Bytes())
+	kv := lookup(fields, "kv_transfer_params")
+	if err != nil || len(kv) == 0 || kv[0] != '{' {
+		p.stats.localPrefill("no_kv_params")
+		return nil, decode, nil
+	}
+	return append([]byte(nil), kv...), decode, nil
+}
+
+// decodeOnce is hops.py decode_once: the decode call whose answer comes whole, on `first`, then
+// the model's other decode replicas; `local` (nil without prefill's KV) writes the request
+// without it, for the retry when the replicas given the KV failed (or could not load it). The
+// answer is read into `into`; else what the client gets.
+func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path string, body []byte,
+	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer) *failure {
+	limit := p.timeouts.request
+	_, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, into)
+	if f != nil && !f.final {
+		others := m.otherDecodes(first)
+		if f.kv && len(others) == 0 {
+			others = []*endpoint{first} // it answered: it may prefill the request itself
+		}
+		if local != nil && f.kv {
+			p.stats.localPrefill("kv_load_failed")
+		}
+		if len(others) > 0 && (local != nil || !f.kv) {
+			retry := body
+			if local != nil {
+				request := p.buffers.Get().(*bytes.Buffer)
+				defer p.buffers.Put(request)
+				retry = local(request)
+			}
+			_, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, into)
+		}
+	}
+	if f != nil && !f.final { // decode_once answers what no replica could serve as a 502
+		f.status, f.kind = http.StatusBadGateway, "UpstreamError"
+	}
+	return f
+}
+
+// noChoices: a decode answer with nothing to derender or pass on (a broken engine, or what
+// stands in front of it), checked by the caller as it reads the answer.
+var noChoices = &failure{status: http.StatusBadGateway, kind: "UpstreamError",
+	message: "decode answered without choices", final: true}
 
 // post sends one upstream request (the request id the engine names its work by, and the
 // client's credentials when the table passes them on).
@@ -316,41 +459,22 @@ func (p *plane) post(ctx context.Context, e *endpoint, path string, body []byte,
 	return p.upstream.post(ctx, e.at, path, body, id, auth)
 }
 
-// decode sends the decode request and passes its answer through. Until the first byte goes
-// to the client a failure is handed to the Python gateway; after it, the stream ends with an
-// error event as the Python gateway's would.
+// decode opens decode's stream and passes its events through as the Python gateway's
+// _proxy_stream does: each event checked (a malformed one, or the stream cut, timed out or
+// ended without every choice's finish_reason, ends it with an error event), decode's own error
+// events passed on without the addresses they name; [DONE] last either way.
 func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Request, e *endpoint,
-	body []byte, id, auth string, stream bool, s *served) fallback {
+	body []byte, id, auth string, s *served) fallback {
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
-	response := p.open(ctx, e, r.URL.Path, body, id, auth)
-	if response == nil {
-		return "decode_failed"
+	response, f := p.openStream(ctx, e, r.URL.Path, body, id, auth)
+	if f != nil {
+		if f.answered != "" {
+			f.message = f.answered // _proxy_stream passes on the engine's words alone
+		}
+		return p.failed(w, s, f)
 	}
 	defer response.Close()
-	if !stream {
-		read := p.buffers.Get().(*bytes.Buffer)
-		read.Reset()
-		defer p.buffers.Put(read)
-		if _, err := read.ReadFrom(response); err != nil {
-			return "decode_failed"
-		}
-		answer := read.Bytes()
-		if fields, err := topLevel(answer); err == nil && lookup(fields, "kv_transfer_params") != nil {
-			trimmed := p.buffers.Get().(*bytes.Buffer)
-			trimmed.Reset()
-			defer p.buffers.Put(trimmed)
-			splice(trimmed, answer, fields, decodeDrops, nil)
-			answer = trimmed.Bytes()
-		}
-		nameResponse(w.Header(), r, id)
-		w.Header().Set("Content-Type", "application/json")
-		w.Header().Set("Content-Length", strconv.Itoa(len(answer)))
-		if _, err := w.Write(answer); err != nil {
-			s.outcome = "client_gone"
-		}
-		return ""
-	}
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "text/event-stream")
@@ -359,44 +483,158 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	flusher, _ := w.(http.Flusher)
 	chunk := p.chunks.Get().(*[]byte)
 	defer p.chunks.Put(chunk)
-	idle := time.AfterFunc(p.timeouts.idle, func() { response.Close() })
-	defer idle.Stop()
-	for {
-		n, err := response.Read(*chunk)
-		idle.Reset(p.timeouts.idle)
-		if n > 0 {
-			if _, werr := w.Write((*chunk)[:n]); werr != nil {
-				s.outcome = "client_gone"
-				return "" // the client left: closing decode's connection aborts its work
+	timer := time.AfterFunc(p.upstream.firstByte, response.expire)
+	defer timer.Stop()
+	first := true
+	var events eventCheck
+	pending := (*chunk)[:0]
+	done, broke, gone, reported := false, "", false, false
+	for !done && broke == "" && !gone {
+		if len(pending) == cap(pending) { // a line longer than the buffer: rare, grown
+			pending = append(pending, 0)[:len(pending)]
+		}
+		n, err := response.Read(pending[len(pending):cap(pending)])
+		pending = pending[:len(pending)+n]
+		start, at := 0, 0
+		for !done && broke == "" {
+			end := bytes.IndexByte(pending[at:], '\n')
+			if end < 0 {
+				break
 			}
-			s.chunk()
-			// With the stream's end (or its error event) to follow, the server's last write
-			// carries these bytes too: one system call, not two.
-			if flusher != nil && err == nil {
-				flusher.Flush()
+			line, next := pending[at:at+end], at+end+1
+			data, isData := bytes.CutPrefix(bytes.TrimSuffix(line, []byte("\r")), []byte("data: "))
+			if isData {
+				first = false
+				timer.Reset(p.timeouts.idle)
+				switch verdict := events.check(data); verdict {
+				case eventDone:
+					done = true
+					next = len(pending) // nothing after decode's [DONE] is passed on
+				case eventMalformed:
+					broke = "decode sent a malformed event (" + events.why + ")"
+				case eventError:
+					reported = true
+					if scrubbed := scrubbedEvent(data); scrubbed != nil {
+						gone = gone || write(w, pending[start:at]) != nil ||
+							write(w, fmt.Appendf(nil, "data: %s\n\n", scrubbed)) != nil
+						start = next
+					}
+				}
+				if done || broke != "" {
+					pending = pending[:at]
+					break
+				}
+			}
+			at = next
+		}
+		if at > start && !gone {
+			if write(w, pending[start:at]) != nil {
+				gone = true
+			} else {
+				s.chunk()
+				if flusher != nil && err == nil && !done {
+					flusher.Flush()
+				}
 			}
 		}
+		pending = pending[:copy(pending, pending[min(at, len(pending)):])]
 		if err == io.EOF {
-			return ""
+			break
 		}
-		if err != nil {
-			message := fmt.Sprintf(`{"error":{"message":"decode stream ended before the answer was complete: decode stream broke (%s)","type":"UpstreamError","code":502}}`, errorKind(ctx, err))
-			_, _ = fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", message)
-			s.outcome = "error_502"
-			return ""
+		if err != nil && broke == "" && !done {
+			if r.Context().Err() != nil {
+				gone = true
+			} else if response.expired.Load() {
+				broke = "decode stream timed out: " + quietFor(first, p.timeouts.idle)
+			} else {
+				broke = streamBroke(ctx)
+			}
 		}
 	}
+	if gone || r.Context().Err() != nil {
+		s.outcome = "client_gone" // closing decode's connection aborts its work
+		return ""
+	}
+	switch {
+	case reported:
+		s.outcome = "error_502"
+	case !done || !events.complete() || broke != "":
+		status := http.StatusBadGateway
+		if response.expired.Load() || ctx.Err() != nil {
+			status = http.StatusGatewayTimeout
+		}
+		if broke == "" {
+			broke = "decode closed it"
+			if done {
+				broke = "decode sent [DONE] before a finish_reason"
+			}
+		}
+		s.outcome = "error_" + strconv.Itoa(status)
+		_, _ = fmt.Fprintf(w, "data: %s\n\n", streamError(status, "decode stream ended before the answer was complete: "+broke))
+	}
+	_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	return ""
 }
 
-func errorKind(ctx context.Context, err error) string {
-	if ctx.Err() != nil {
-		return "the request timed out"
+// quietFor: what a stream the timer closed waited for (sse_data's words).
+func quietFor(first bool, idle time.Duration) string {
+	if first {
+		return "no first event"
 	}
-	var netErr net.Error
-	if errors.As(err, &netErr) && netErr.Timeout() {
-		return "idle timeout"
+	return "no event for " + pySeconds(idle) + " s"
+}
+
+// streamBroke: why a stream's read failed, as the Python gateway words it (aiohttp's error
+// for a stream cut short is a ClientPayloadError).
+func streamBroke(ctx context.Context) string {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return "decode stream timed out: the request's deadline passed"
 	}
-	return "connection closed"
+	return "decode stream broke (ClientPayloadError)"
+}
+
+func write(w http.ResponseWriter, data []byte) error {
+	if len(data) == 0 {
+		return nil
+	}
+	_, err := w.Write(data)
+	return err
+}
+
+// openStream opens a streamed decode call (UpstreamClient.post_stream and what _proxy_stream
+// answers when it fails): its head within the first-byte timeout.
+func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body []byte,
+	id, auth string) (*upBody, *failure) {
+	if at, ok := ctx.Deadline(); ok && !time.Now().Before(at) {
+		return nil, p.pastDeadlineFailure("decode", e)
+	}
+	response, err := p.post(ctx, e, path, body, id, auth)
+	if err != nil {
+		if errors.Is(ctx.Err(), context.Canceled) {
+			return nil, errClientLeft
+		}
+		if ctx.Err() != nil || timedOut(err) {
+			return nil, &failure{status: http.StatusGatewayTimeout, kind: "GatewayTimeout", final: ctx.Err() != nil, timedOut: true,
+				message: "decode at " + e.url + ": no answer within " + pySeconds(p.upstream.firstByte) + " s"}
+		}
+		return nil, upstreamFailed("decode at "+e.url+": "+callFailure(err), false)
+	}
+	if response.status != http.StatusOK {
+		defer response.Close()
+		payload, _ := io.ReadAll(io.LimitReader(response, 1<<20))
+		f := gatewayError(http.StatusBadGateway, "UpstreamError", upstreamMessage(payload))
+		if response.status < 500 {
+			f.status = response.status
+		} else {
+			f.final = false // another replica may serve it (tokens route)
+			f.kv = strings.Contains(f.message, "KV transfer")
+			f.answered = f.message
+			f.message = fmt.Sprintf("decode at %s: HTTP %d: %s", e.url, response.status, f.message)
+		}
+		return nil, f
+	}
+	e.served.Add(1)
+	return response, nil
 }
 
 // admit waits for a long-prefill slot on one of the model's prefill replicas (the least loaded
@@ -485,21 +723,18 @@ func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
 }
 
 func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
-	fallbacks := map[string]int64{}
-	p.stats.fallbacks.Range(func(key, value any) bool {
-		fallbacks[key.(string)] = value.(*atomic.Int64).Load()
-		return true
-	})
 	out := map[string]any{
 		// Served by route: the Python gateway's metric labels, named here only.
 		"routes": map[string]int64{routePD: p.stats.pd.Load(), routeDecode: p.stats.decode.Load(),
 			routeRenderPD: p.stats.renderPD.Load(), routeRenderDecode: p.stats.renderDecode.Load()},
-		"metrics":    p.metrics.snapshot(),
-		"streams":    p.stats.streams.Load(),
-		"fallbacks":  fallbacks,
-		"unreadable": p.stats.unreadable.Load(),
-		"inflight":   p.inflight.Load(),
-		"runtime":    runtimeStats(),
+		"metrics":   p.metrics.snapshot(),
+		"streams":   p.stats.streams.Load(),
+		"fallbacks": snapshot(&p.stats.fallbacks),
+		// Requests served by local prefill, by the Python gateway's reason: its own fallbacks.
+		"localPrefill": snapshot(&p.stats.localPrefills),
+		"unreadable":   p.stats.unreadable.Load(),
+		"inflight":     p.inflight.Load(),
+		"runtime":      runtimeStats(),
 	}
 	admission := p.queue.state()
 	if t := p.current.Load(); t != nil {
@@ -536,6 +771,7 @@ func main() {
 	firstByte := flag.Float64("first-byte-timeout-seconds", 120, "an engine's answer's first byte (its headers)")
 	idle := flag.Float64("idle-timeout-seconds", 60, "between two reads of a decode stream")
 	whole := flag.Float64("request-timeout-seconds", 600, "a whole request")
+	renderTimeout := flag.Float64("render-timeout-seconds", 30, "one render or derender call")
 	bodyTimeout := flag.Float64("body-timeout-seconds", 30, "receiving a completion's request body (408 after)")
 	keepAlive := flag.Float64("keepalive-timeout-seconds", 75, "an idle kept-alive client connection is closed after this (and a request's head must arrive within it)")
 	requireKeys := flag.Bool("require-api-keys", false, "refuse a routing table without API key digests (the gateway checks API keys)")
@@ -577,7 +813,8 @@ func main() {
 	p.metrics = newServedMetrics(bounds)
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
-	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole), body: seconds(*bodyTimeout)}
+	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole), body: seconds(*bodyTimeout),
+		render: seconds(*renderTimeout)}
 	debug.SetGCPercent(*gcPercent)
 	if *memoryLimit > 0 {
 		debug.SetMemoryLimit(*memoryLimit << 20)

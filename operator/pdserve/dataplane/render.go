@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"time"
 )
 
 const generatePath = "/inference/v1/generate"
@@ -60,31 +59,30 @@ func (c requestClass) long(auto bool) bool {
 	return c == classLong || (c == classAuto && auto)
 }
 
-// rendered serves one request on a model behind render servers. Until its answer
-// is written any failure goes to the Python gateway, which serves the request from the start
-// with its retries and fallbacks.
+// rendered serves one request on a model behind render servers. Once render has it, nothing
+// is handed over: its failures are answered here with the Python gateway's retries,
+// fallbacks and words (tokens_route.py; failures.go).
 func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
 	m *model, body []byte, members []member, class requestClass, id, auth string, stream bool,
 	s *served) fallback {
 	chat := r.URL.Path == "/v1/chat/completions"
-	renderer := least(m.render)
 	renderAnswer := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(renderAnswer)
-	if !p.renderCall(ctx, renderer, "render", renderPath(chat), body, id, auth, renderAnswer) {
-		return "render_failed"
+	renderer, f := p.renderJSON(ctx, m, "render", renderPath(chat), body, id, auth, renderAnswer)
+	if f != nil {
+		return p.failed(w, s, f)
 	}
 	generate, ok := onePrompt(renderAnswer.Bytes())
 	if !ok {
-		return "body_shape" // several prompts: the Python gateway says to send one
+		f := gatewayError(http.StatusBadRequest, "BadRequestError", "send one prompt per request")
+		f.param = "prompt"
+		return p.failed(w, s, f)
 	}
 	fields, err := topLevel(generate)
-	if err != nil {
-		return "render_failed"
-	}
 	tokens, params := lookup(fields, "token_ids"), lookup(fields, "sampling_params")
-	paramFields, err := topLevel(params)
-	if len(tokens) < 2 || tokens[0] != '[' || err != nil {
-		return "render_failed" // the Python gateway answers 502: render sent no token ids
+	paramFields, paramErr := topLevel(params)
+	if err != nil || len(tokens) < 2 || tokens[0] != '[' || paramErr != nil {
+		return p.failed(w, s, gatewayError(http.StatusBadGateway, "UpstreamError", "render answered without token ids"))
 	}
 	promptTokens := countElements(tokens)
 	prefill, decode := m.pick()
@@ -100,14 +98,11 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	quotedID := strconv.AppendQuote(nil, id)
 	var kv []byte
 	if prefill != nil {
-		var reason fallback
-		kv, reason = p.prefillTokens(ctx, prefill, generate, fields, params, paramFields, quotedID, id, auth)
-		if reason != "" {
-			release()
-			return reason
+		kv, decode, f = p.prefillTokens(ctx, m, prefill, decode, generate, fields, params, paramFields, quotedID, id, auth, release)
+		if f != nil {
+			return p.failed(w, s, f)
 		}
 	}
-	release() // the slot is for prefill's work, as in the Python gateway
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
@@ -124,11 +119,19 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if prefill != nil {
 		s.route = routeRenderPD
 	}
+	local := func(into *bytes.Buffer) []byte { // without prefill's KV: decode prefills itself
+		into.Reset()
+		splice(into, generate, fields, requestIDDrops, []field{{"request_id", quotedID}})
+		return into.Bytes()
+	}
+	if kv == nil {
+		local = nil
+	}
 	if stream {
 		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,
 			auth: auth, tokens: tokens, count: promptTokens, request: body,
-			pipelining: t.derenderPipelining, renderer: renderer, includeStop: includeStop, served: s}
-		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), usageAsked(members))
+			pipelining: t.derenderPipelining, renderer: renderer, routed: m, includeStop: includeStop, served: s}
+		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), local, usageAsked(members))
 		if reason == "" {
 			p.countRendered(prefill != nil)
 		}
@@ -136,13 +139,16 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	decoded := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(decoded)
-	if !p.call(ctx, decode, generatePath, request.Bytes(), id, auth, decoded) {
-		return "decode_failed"
+	if f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded); f != nil {
+		if f == errClientLeft {
+			p.abort(decode, id, auth) // a tokens engine behind a proxy may keep working else
+		}
+		return p.failed(w, s, f)
 	}
 	answer := decoded.Bytes()
 	answerFields, err := topLevel(answer)
-	if err != nil || !hasChoices(lookup(answerFields, "choices")) {
-		return "decode_failed" // the Python gateway answers 502: nothing to derender
+	if err != nil || !allObjects(lookup(answerFields, "choices")) {
+		return p.failed(w, s, noChoices)
 	}
 	trimmed := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(trimmed)
@@ -151,12 +157,12 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	derenderBody(request, chat, lookup(members, "model"), generated, promptTokens, tokens, body)
 	derendered := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(derendered)
-	if !p.renderCall(ctx, renderer, "derender", derenderPath(chat), request.Bytes(), id, auth, derendered) {
-		return "derender_failed"
+	if _, f := p.renderJSON(ctx, m, "derender", derenderPath(chat), request.Bytes(), id, auth, derendered); f != nil {
+		return p.failed(w, s, f)
 	}
 	result, err := topLevel(derendered.Bytes())
 	if err != nil || !hasChoices(lookup(result, "choices")) {
-		return "derender_failed"
+		return p.failed(w, s, gatewayError(http.StatusBadGateway, "UpstreamError", "derender answered without choices"))
 	}
 	final := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(final)
@@ -191,59 +197,31 @@ func usageAsked(members []member) bool {
 	return err == nil && string(lookup(options, "include_usage")) == "true"
 }
 
-// call posts to an engine or render server (counted in its load meanwhile) and reads a 200
-// answer whole into `into`.
-func (p *plane) call(ctx context.Context, e *endpoint, path string, body []byte, id, auth string,
-	into *bytes.Buffer) bool {
-	into.Reset()
-	e.inflight.Add(1)
-	defer e.inflight.Add(-1)
-	response := p.open(ctx, e, path, body, id, auth)
-	if response == nil {
-		return false
+// renderJSON is post_json to the model's render servers (the least loaded first), each call's
+// time measured per server and stage (render, derender), whatever its answer: the render
+// autoscaler reads it as the server's busy time; answered, it is that stage's latency too.
+func (p *plane) renderJSON(ctx context.Context, m *model, stage, path string, body []byte,
+	id, auth string, into *bytes.Buffer) (*endpoint, *failure) {
+	first := least(m.render)
+	served, f := p.callJSON(ctx, stage, []*endpoint{first}, path, body, id, auth, p.timeouts.render, false, into)
+	if f != nil && !f.final && len(m.render) > 1 {
+		others := make([]*endpoint, 0, len(m.render)-1)
+		for _, e := range m.render {
+			if e != first {
+				others = append(others, e)
+			}
+		}
+		served, f = p.callJSON(ctx, stage, others, path, body, id, auth, p.timeouts.render, false, into)
 	}
-	defer response.Close()
-	_, err := into.ReadFrom(response)
-	return err == nil
-}
-
-// renderCall is call to a render server, its time measured per server and stage (render,
-// derender), whatever its answer: the render autoscaler reads it as the server's busy time;
-// answered, it is that stage's latency too.
-func (p *plane) renderCall(ctx context.Context, e *endpoint, stage, path string, body []byte,
-	id, auth string, into *bytes.Buffer) bool {
-	started := time.Now()
-	ok := p.call(ctx, e, path, body, id, auth, into)
-	spent := time.Since(started)
-	p.metrics.render.observe(e.url+"\t"+stage, spent)
-	if ok {
-		p.metrics.stage.observe(stage, spent)
-	}
-	return ok
-}
-
-// open posts to an engine or render server: the head of its 200 answer (counted as served),
-// the body still to read; nil when it failed or answered anything else.
-func (p *plane) open(ctx context.Context, e *endpoint, path string, body []byte,
-	id, auth string) *upBody {
-	response, err := p.post(ctx, e, path, body, id, auth)
-	if err != nil {
-		return nil
-	}
-	if response.status != http.StatusOK {
-		response.Close()
-		return nil
-	}
-	e.served.Add(1)
-	return response
+	return served, f
 }
 
 // prefillTokens runs the prefill of a rendered request: cut to one token, one choice, not
 // streamed, with the handoff's kv_transfer_params (also in sampling_params.extra_args, which
-// older engines read). Its kv_transfer_params come back; nil when it sent none (decode then
-// prefills itself, as in the Python gateway).
-func (p *plane) prefillTokens(ctx context.Context, e *endpoint, generate []byte, fields []member,
-	params []byte, paramFields []member, quotedID []byte, id, auth string) ([]byte, fallback) {
+// older engines read). Its kv_transfer_params come back; nil when decode prefills itself
+// (prefillCall).
+func (p *plane) prefillTokens(ctx context.Context, m *model, e, decode *endpoint, generate []byte, fields []member,
+	params []byte, paramFields []member, quotedID []byte, id, auth string, release func()) ([]byte, *endpoint, *failure) {
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
@@ -252,30 +230,7 @@ func (p *plane) prefillTokens(ctx context.Context, e *endpoint, generate []byte,
 	splice(request, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
 		{"stream", []byte("false")}, {"stream_options", []byte("null")},
 		{"sampling_params", cut}, {"kv_transfer_params", handoff}})
-	return p.handOff(ctx, e, generatePath, request.Bytes(), id, auth)
-}
-
-// handOff sends a prefill request and returns the kv_transfer_params of its answer: where
-// decode pulls the KV from; nil when prefill sent none (decode then prefills itself, as in
-// the Python gateway, which counts it as no_kv_params).
-func (p *plane) handOff(ctx context.Context, e *endpoint, path string, request []byte,
-	id, auth string) ([]byte, fallback) {
-	answer := p.buffers.Get().(*bytes.Buffer)
-	defer p.buffers.Put(answer)
-	started := time.Now()
-	if !p.call(ctx, e, path, request, id, auth, answer) {
-		return nil, "prefill_failed"
-	}
-	p.metrics.stage.observe("prefill", time.Since(started))
-	fields, err := topLevel(answer.Bytes())
-	if err != nil {
-		return nil, "prefill_failed"
-	}
-	kv := lookup(fields, "kv_transfer_params")
-	if len(kv) == 0 || kv[0] != '{' {
-		return nil, ""
-	}
-	return append([]byte(nil), kv...), ""
+	return p.prefillCall(ctx, m, e, decode, generatePath, request.Bytes(), id, auth, release)
 }
 
 // withExtraArg: sampling params without `drop`, with `extra`, and extra_args carrying

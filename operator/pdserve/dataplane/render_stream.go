@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -31,6 +30,7 @@ type rendering struct {
 	request     []byte // the client's body
 	pipelining  bool
 	renderer    *endpoint
+	routed      *model // its render servers, for a derender call's retry
 	includeStop bool
 	served      *served
 }
@@ -175,14 +175,14 @@ func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipel
 		}
 		body.Reset()
 		derenderChunkBody(body, rs, state, d.index, next.ids, finish)
-		if !p.renderCall(ctx, rs.renderer, "derender", derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer) {
-			return errors.New("derender failed: the render server did not answer")
+		if _, f := p.renderJSON(ctx, rs.routed, "derender", derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer); f != nil {
+			return f
 		}
 		fields, err := topLevel(answer.Bytes())
 		chunk := lookup(fields, "chunk")
 		chunkFields, chunkErr := topLevel(chunk)
 		if err != nil || chunkErr != nil {
-			return errors.New("derender failed: the render server answered without a chunk")
+			return gatewayError(http.StatusBadGateway, "UpstreamError", "derender answered without a chunk")
 		}
 		if next := lookup(fields, "stream_state"); next != nil {
 			state = append(state[:0:0], next...)
@@ -261,15 +261,35 @@ func derenderChunkBody(dst *bytes.Buffer, rs *rendering, state, index, ids, fini
 }
 
 // streamRendered sends the decode request and relays its stream through the derender
-// pipelines. A failure before the stream's head goes to the Python gateway; after it, the
-// stream ends with an error event.
+// pipelines. A failure before the stream's head is answered as open_decode_stream's (another
+// decode replica first; one that could not load prefill's KV retried with local prefill);
+// after it, the stream ends with an error event, and an unfinished one's decode is aborted.
 func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *http.Request,
-	rs *rendering, decode *endpoint, body []byte, usageAsked bool) fallback {
+	rs *rendering, decode *endpoint, body []byte, local func(*bytes.Buffer) []byte, usageAsked bool) fallback {
 	decode.inflight.Add(1)
 	defer decode.inflight.Add(-1)
-	response := p.open(ctx, decode, generatePath, body, rs.id, rs.auth)
-	if response == nil {
-		return "decode_failed"
+	response, f := p.openStream(ctx, decode, generatePath, body, rs.id, rs.auth)
+	if f != nil && !f.final {
+		// open_decode_stream: the next decode replica; one that could not load prefill's KV
+		// is retried with local prefill, itself last (it answered, so it may serve that).
+		others := rs.routed.otherDecodes(decode)
+		if f.kv && local != nil {
+			p.stats.localPrefill("kv_load_failed")
+			request := p.buffers.Get().(*bytes.Buffer)
+			defer p.buffers.Put(request)
+			body = local(request)
+			others = append(others, decode)
+		}
+		for _, e := range others {
+			if f == nil || f.final || (f.kv && local == nil) {
+				break
+			}
+			response, f = p.openStream(ctx, e, generatePath, body, rs.id, rs.auth)
+			decode = e
+		}
+	}
+	if f != nil {
+		return p.failed(w, rs.served, f)
 	}
 	defer response.Close()
 	p.stats.streams.Add(1)
@@ -303,7 +323,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		var err error
 		line, err = readLine(reader, line[:0])
 		if err != nil {
-			broke = streamBreak(ctx, err, &quiet)
+			broke = streamBreak(ctx, &quiet)
 			break
 		}
 		data, isData := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data: "))
@@ -377,17 +397,23 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 			failed = err
 		}
 	}
-	if out.gone.Load() { // (the pipelines are done: nothing else touches out.served now)
+	if out.gone.Load() || r.Context().Err() != nil { // (the pipelines are done: nothing else touches out.served now)
 		out.served.outcome = "client_gone"
-		return "" // the client left: closing decode's connection aborts its work
+		p.abort(decode, rs.id, rs.auth) // the client left: stop the engine's work for it
+		return ""
+	}
+	if !finished {
+		p.abort(decode, rs.id, rs.auth) // decode may still be generating (a stalled stream)
 	}
 	switch {
-	case failed != nil && ctx.Err() != nil:
-		out.served.outcome = "error_504"
-		out.event(streamError(504, "derender failed: the request's deadline passed"))
 	case failed != nil:
-		out.served.outcome = "error_502"
-		out.event(streamError(502, failed.Error()))
+		status := http.StatusBadGateway
+		var f *failure
+		if (errors.As(failed, &f) && f.timedOut && !f.final) || ctx.Err() != nil {
+			status = http.StatusGatewayTimeout
+		}
+		out.served.outcome = "error_" + strconv.Itoa(status)
+		out.event(streamError(status, "derender failed: "+failed.Error()))
 	case !finished:
 		status := 502
 		if quiet.Load() != nil || ctx.Err() != nil {
@@ -446,16 +472,15 @@ func streamError(status int, message string) []byte {
 	if status == 504 {
 		kind = "GatewayTimeout"
 	}
-	quoted, _ := json.Marshal(message)
 	return fmt.Appendf(nil, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`,
-		quoted, kind, status)
+		quoted(withoutAddresses(message)), kind, status)
 }
 
-func streamBreak(ctx context.Context, err error, quiet *atomic.Value) string {
+func streamBreak(ctx context.Context, quiet *atomic.Value) string {
 	if why, ok := quiet.Load().(string); ok {
 		return "decode stream timed out: " + why
 	}
-	return "decode stream broke (" + errorKind(ctx, err) + ")"
+	return streamBroke(ctx)
 }
 
 // readLine: one line of the stream, however long.

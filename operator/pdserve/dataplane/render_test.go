@@ -176,7 +176,7 @@ func renderPlane(t *testing.T, table string) (*renderStack, *plane, *table) {
 	t.Cleanup(server.Close)
 	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
 		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
-		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second},
+		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second, render: 5 * time.Second},
 		queue:    newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	built, engines, err := build([]byte(strings.ReplaceAll(table, "URL", server.URL)), nil)

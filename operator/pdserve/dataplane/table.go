@@ -1,9 +1,9 @@
 package main
 
 // The routing table: what the Python gateway (the policy) decided, pushed here whenever it
-// changes. The data plane never decides a route on its own: a model it has no route for, a
-// request it cannot serve as the table says, or any upstream failure goes to the Python
-// gateway, which is the authority on errors, retries and fallbacks.
+// changes. The data plane never decides a route on its own: a model it has no route for, or a
+// request it cannot serve as the table says, goes to the Python gateway. Upstream failures are
+// answered with the Python gateway's retries, fallbacks and words (failures.go).
 
 import (
 	"crypto/sha256"
@@ -296,4 +296,18 @@ func (m *model) decodeFor(prefill *endpoint) *endpoint {
 		}
 	}
 	return nil
+}
+
+// otherDecodes: the model's decode replicas but `e`, the least loaded first (a retry's).
+func (m *model) otherDecodes(e *endpoint) []*endpoint {
+	var others []*endpoint
+	for i := range m.groups {
+		for _, d := range m.groups[i].decode {
+			if d != e {
+				others = append(others, d)
+			}
+		}
+	}
+	sort.SliceStable(others, func(a, b int) bool { return others[a].load() < others[b].load() })
+	return others
 }

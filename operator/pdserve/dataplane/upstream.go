@@ -143,18 +143,26 @@ func parseEndpoint(raw string) (endpointURL, error) {
 // (the engine read nothing of it).
 func (p *upstreamPool) post(ctx context.Context, at endpointURL, path string, body []byte,
 	id, auth string) (*upBody, error) {
+	return p.postWithin(ctx, at, path, body, id, auth, time.Time{})
+}
+
+// postWithin is post with the whole answer, body included, due by `until` (the Python
+// gateway's total timeout of a JSON call; a read after it fails with os.ErrDeadlineExceeded),
+// not its head by the first-byte timeout.
+func (p *upstreamPool) postWithin(ctx context.Context, at endpointURL, path string, body []byte,
+	id, auth string, until time.Time) (*upBody, error) {
 	for attempt := 0; ; attempt++ {
 		c, err := p.get(ctx, at.host)
 		if err != nil {
 			return nil, err
 		}
 		c.head = requestHead(c.head[:0], at, path, len(body), id, auth)
-		answer, err := p.exchange(ctx, c, c.head, body)
+		answer, err := p.exchange(ctx, c, c.head, body, until)
 		if err == nil {
 			return answer, nil
 		}
 		c.conn.Close()
-		if !c.reused || attempt > 0 || !stale(err) || ctx.Err() != nil {
+		if !c.reused || attempt > 0 || !neverRead(err) || ctx.Err() != nil {
 			return nil, err
 		}
 	}
@@ -179,21 +187,39 @@ func requestHead(into []byte, at endpointURL, path string, length int, id, auth 
 	return append(into, "\r\n\r\n"...)
 }
 
-// stale: what writing to or reading from a connection the peer closed while idle gives.
-func stale(err error) bool {
-	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+// neverRead: the engine cannot have read the request, so sending it again does no work twice:
+// writing failed, or the request reached a socket the engine had closed (it answers with a
+// reset). A clean close after the request was written is an engine that read it and went
+// away (the Python gateway's ServerDisconnectedError): not sent again, as aiohttp does not.
+func neverRead(err error) bool {
+	var write *writeError
+	if errors.As(err, &write) {
+		err = write.err
+		return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+			errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+	}
+	return errors.Is(err, syscall.ECONNRESET)
 }
 
-func (p *upstreamPool) exchange(ctx context.Context, c *upConn, head, body []byte) (*upBody, error) {
+// writeError: sending the request failed.
+type writeError struct{ err error }
+
+func (w *writeError) Error() string { return w.err.Error() }
+func (w *writeError) Unwrap() error { return w.err }
+
+func (p *upstreamPool) exchange(ctx context.Context, c *upConn, head, body []byte, until time.Time) (*upBody, error) {
 	// The request's context (the client's, bounded by the request timeout) unblocks any read
 	// or write on the connection when it ends.
 	stop := context.AfterFunc(ctx, func() { c.conn.SetDeadline(longAgo) })
 	if err := writeHeadAndBody(c.conn, head, body); err != nil {
 		stop()
-		return nil, err
+		return nil, &writeError{err}
 	}
-	c.conn.SetReadDeadline(time.Now().Add(p.firstByte))
+	if until.IsZero() {
+		c.conn.SetReadDeadline(time.Now().Add(p.firstByte))
+	} else {
+		c.conn.SetReadDeadline(until)
+	}
 	answer := &upBody{pool: p, conn: c, stop: stop}
 	if err := answer.readHead(c.reader); err != nil {
 		stop()
@@ -202,7 +228,10 @@ func (p *upstreamPool) exchange(ctx context.Context, c *upConn, head, body []byt
 		}
 		return nil, err
 	}
-	c.conn.SetReadDeadline(time.Time{})
+	c.conn.SetReadDeadline(until)
+	if ctx.Err() != nil {
+		c.conn.SetDeadline(longAgo) // the context's own may have come before the line above
+	}
 	if answer.framing == framedByLength && answer.left == 0 {
 		answer.finish(true) // nothing to read: the connection goes back now
 	}
@@ -222,6 +251,14 @@ type upBody struct {
 	stop      func() bool
 	done      atomic.Bool // the connection was given back or closed
 	err       error       // what every later Read returns once the body ended or broke
+	expired   atomic.Bool // closed by the caller's timer: the engine went quiet
+}
+
+// expire closes the answer because the engine went quiet (a stream's timer, from its own
+// goroutine).
+func (b *upBody) expire() {
+	b.expired.Store(true)
+	b.Close()
 }
 
 type framing int

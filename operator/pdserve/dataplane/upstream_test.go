@@ -567,3 +567,23 @@ func BenchmarkReusingAPooledConnection(b *testing.B) {
 		pool.put(c)
 	}
 }
+
+// An engine that read the request on a kept-alive connection and closed it without an answer
+// (it died mid-request) may have done the work: the request is not sent again (the Python
+// gateway's aiohttp does not either), the caller answers the failure.
+func TestARequestTheEngineReadBeforeItWentAwayIsNotSentAgain(t *testing.T) {
+	ok := scripted{"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false}
+	gone := scripted{"", true}
+	at, accepted := scriptedEngine(t, ok, gone, ok)
+	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
+	response, err := pool.post(context.Background(), at, "/", []byte("{}"), "id", "")
+	if err != nil || read(t, response) != "ok" {
+		t.Fatalf("first request: %v", err)
+	}
+	if _, err := pool.post(context.Background(), at, "/", []byte("{}"), "id", ""); err == nil {
+		t.Fatal("a request the engine read and dropped was answered: sent again")
+	}
+	if accepted.Load() != 1 {
+		t.Fatalf("%d connections, want the one: nothing sent again", accepted.Load())
+	}
+}

@@ -117,6 +117,7 @@ class DataPlane:
             "-first-byte-timeout-seconds", str(self.settings.first_byte_timeout),
             "-idle-timeout-seconds", str(self.settings.idle_timeout),
             "-request-timeout-seconds", str(self.settings.request_timeout),
+            "-render-timeout-seconds", str(self.settings.render_timeout),
             "-body-timeout-seconds", str(self.settings.body_timeout),
             "-keepalive-timeout-seconds", str(self.settings.keepalive_timeout),
             "-latency-buckets", ",".join(map(str, LATENCY)),
@@ -211,6 +212,9 @@ class DataPlane:
         totals = {f"route:{route}": float(count) for route, count in routes.items()}
         totals["route:unreadable_body"] = float(stats.get("unreadable", 0))
         totals |= {f"fallback:{k}": float(v) for k, v in (stats.get("fallbacks") or {}).items()}
+        # Served by local prefill on decode: this gateway's own fallbacks, by its reasons.
+        local = stats.get("localPrefill") or {}
+        totals |= {f"local_prefill:{k}": float(v) for k, v in local.items()}
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
         for key, total in totals.items():
             delta = total - self.seen.get(key, 0.0)
@@ -222,6 +226,8 @@ class DataPlane:
                     self.metrics.dataplane_runtime[name].inc(delta)
             elif kind == "route":
                 self.metrics.dataplane_requests.labels(name).inc(delta)
+            elif kind == "local_prefill":
+                self.metrics.fallbacks.labels(name).inc(delta)
             else:
                 self.metrics.dataplane_fallbacks.labels(name).inc(delta)
             self.seen[key] = total

@@ -256,18 +256,24 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
         ))  # fmt: skip
 
 
-def test_a_failed_prefill_is_served_by_the_python_gateways_fallback(
+def test_a_failed_prefill_falls_back_to_local_prefill_in_the_data_plane(
     tmp_path: Path, binary: Path
 ) -> None:
+    """As the Python gateway would: decode prefills the request itself, the fallback counted
+    in the gateway's own series; never handed over (the engines would do its work twice)."""
     with stack("--data-plane", str(binary)) as (gateway, engines):
         engines["prefill"].process.kill()
         engines["prefill"].process.wait()
         answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"]
-        eventually("the hand-over counted as prefill_failed", lambda: re.search(
-            r'pdserve_gateway_dataplane_fallbacks_total{reason="prefill_failed"} 1.0',
+        eventually("the local prefill counted as prefill_failed", lambda: re.search(
+            r'pdserve_gateway_fallbacks_total{reason="prefill_failed"} 1.0',
             httpx.get(f"{gateway.url}/metrics").text) is not None)  # fmt: skip
+        assert (
+            "pdserve_gateway_dataplane_fallbacks_total{"
+            not in httpx.get(f"{gateway.url}/metrics").text
+        )
 
 
 def test_a_long_prompt_on_the_data_plane_holds_a_fair_admission_slot(

@@ -1,0 +1,187 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestFailuresReachTheClientInThePythonGatewaysWordsWithoutAddresses(t *testing.T) {
+	raw, err := os.ReadFile("testdata/without_addresses.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []struct{ Message, Client string }
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cases {
+		if got := withoutAddresses(c.Message); got != c.Client {
+			t.Errorf("%q\n got %q\nwant %q", c.Message, got, c.Client)
+		}
+	}
+}
+
+const pdTable = `{"version":1,"models":{"m":{"route":"pd","groups":[{"prefill":["URL"],"decode":["URL"]}]}}}`
+
+// A prefill that fails is no failure of the request: decode prefills it locally, sent the
+// client's body, and the fallback is counted under the Python gateway's reason. Handed over,
+// the engines would do its work twice.
+func TestAFailedPrefillFallsBackToLocalPrefillOnDecodeNotToThePythonGateway(t *testing.T) {
+	var decodeBodies []map[string]any
+	var mu sync.Mutex
+	u := newPlaneUnderTest(t, pdTable, func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]any
+		json.NewDecoder(r.Body).Decode(&body)
+		if body["max_tokens"] == 1.0 { // prefill
+			w.WriteHeader(http.StatusInternalServerError)
+			io.WriteString(w, `{"error":{"message":"prefill broke at http://10.0.0.1:8000"}}`)
+			return
+		}
+		mu.Lock()
+		decodeBodies = append(decodeBodies, body)
+		mu.Unlock()
+		io.WriteString(w, `{"choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}]}`)
+	}, nil)
+	response, text := u.post(t, chatBody)
+	if response.StatusCode != 200 || !strings.Contains(text, "hi") {
+		t.Fatalf("%d %s", response.StatusCode, text)
+	}
+	if len(u.python.seen()) != 0 {
+		t.Fatal("handed over after prefill failed")
+	}
+	if len(decodeBodies) != 1 || decodeBodies[0]["kv_transfer_params"] != nil {
+		t.Fatalf("decode was sent %v, want the client's body once", decodeBodies)
+	}
+	if got := snapshot(&u.p.stats.localPrefills); got["prefill_failed"] != 1 {
+		t.Fatalf("local prefills %v, want prefill_failed: 1", got)
+	}
+	if n := requests(u.p, routePD, "ok"); n != 1 {
+		t.Fatalf("pd/ok counted %d", n)
+	}
+}
+
+// A decode that fails after its work began is answered as the Python gateway answers it: 502,
+// its words without the cluster's addresses; a 4xx as the engine said it.
+func TestAFailedDecodeIsAnsweredHereInThePythonGatewaysWords(t *testing.T) {
+	for _, c := range []struct {
+		name, engine, want string
+		status             int
+		outcome            string
+	}{
+		{"5xx", `{"error":{"message":"boom at http://10.0.0.9:8000"}}`,
+			`decode at a replica: HTTP 500: boom at a replica`, 502, "error_502"},
+		{"non-JSON 200", ``, `decode at a replica answered non-JSON`, 502, "error_502"},
+		{"no choices", `{"object":"surprise"}`, `decode answered without choices`, 502, "error_502"},
+		{"4xx", `{"error":{"message":"too long"}}`, `too long`, 400, "error_400"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			u := newPlaneUnderTest(t, decodeTable, func(w http.ResponseWriter, r *http.Request) {
+				switch c.name {
+				case "5xx":
+					w.WriteHeader(500)
+				case "4xx":
+					w.WriteHeader(400)
+				case "non-JSON 200":
+					io.WriteString(w, "<html>502</html>")
+					return
+				}
+				io.WriteString(w, c.engine)
+			}, nil)
+			response, text := u.post(t, chatBody)
+			var answer struct{ Error map[string]any }
+			json.Unmarshal([]byte(text), &answer)
+			if response.StatusCode != c.status || answer.Error["message"] != c.want ||
+				answer.Error["code"] != float64(c.status) || len(answer.Error) != 4 {
+				t.Fatalf("%d %s, want %d %q", response.StatusCode, text, c.status, c.want)
+			}
+			if len(u.python.seen()) != 0 {
+				t.Fatal("handed over after decode began")
+			}
+			if n := requests(u.p, routeDecode, c.outcome); n != 1 {
+				t.Fatalf("decode/%s counted %d", c.outcome, n)
+			}
+		})
+	}
+}
+
+// A stream's events are checked before they are passed on: a malformed one ends the stream
+// with an error event ("param": null, as every error of the Python gateway's) and [DONE].
+func TestAMalformedStreamEventEndsTheStreamWithAnErrorEvent(t *testing.T) {
+	u := newPlaneUnderTest(t, decodeTable, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n")
+		io.WriteString(w, "data: {\"choices\": \"surprise\"}\n\n")
+	}, nil)
+	response, text := u.post(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`)
+	events := strings.Split(strings.TrimSpace(text), "\n\n")
+	if response.StatusCode != 200 || len(events) != 3 || strings.Contains(text, "surprise") ||
+		events[2] != "data: [DONE]" {
+		t.Fatalf("%d %q", response.StatusCode, text)
+	}
+	var failed struct{ Error map[string]any }
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(events[1], "data: ")), &failed); err != nil ||
+		failed.Error["code"] != 502.0 || len(failed.Error) != 4 {
+		t.Fatalf("error event %q", events[1])
+	}
+	if _, ok := failed.Error["param"]; !ok {
+		t.Fatalf("error event without param: %q", events[1])
+	}
+	if n := requests(u.p, routeDecode, "error_502"); n != 1 {
+		t.Fatalf("decode/error_502 counted %d", n)
+	}
+}
+
+// A client that leaves mid-stream is counted client_gone, nothing written for it; behind
+// render servers decode is told to abort the request by its engine's name for it.
+func TestAClientLeavingMidStreamIsClientGoneAndItsTokensDecodeAborted(t *testing.T) {
+	var aborted atomic.Value
+	sent := make(chan string, 4)
+	u := newPlaneUnderTest(t, `{"version":1,"models":{"m":{"route":"decode","render":["URL"],
+		"groups":[{"prefill":[],"decode":["URL"]}]}}}`, func(w http.ResponseWriter, r *http.Request) {
+		raw, _ := io.ReadAll(r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		switch r.URL.Path {
+		case "/v1/chat/completions/render":
+			io.WriteString(w, `{"token_ids":[1,2],"sampling_params":{"max_tokens":8}}`)
+		case abortPath:
+			aborted.Store(string(raw))
+		case generatePath:
+			sent <- r.Header.Get("X-Request-Id")
+			w.Header().Set("Content-Type", "text/event-stream")
+			io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"token_ids\":[7],\"finish_reason\":null}]}\n\n")
+			w.(http.Flusher).Flush()
+			<-r.Context().Done()
+		case "/v1/chat/completions/derender":
+			io.WriteString(w, `{"chunk":{"choices":[{"index":0,"delta":{"content":"t"},"finish_reason":null}]},"stream_state":null}`)
+		}
+	}, nil)
+	request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions",
+		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`))
+	response, err := http.DefaultClient.Do(request)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bufio.NewReader(response.Body).ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	id := <-sent
+	response.Body.Close() // the client leaves
+	deadline := time.Now().Add(5 * time.Second)
+	for requests(u.p, routeRenderDecode, "client_gone") != 1 || aborted.Load() == nil {
+		if time.Now().After(deadline) {
+			t.Fatalf("counted %v, aborted %v", u.p.metrics.snapshot()["requests"], aborted.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if want := `{"request_ids":["generate-tokens-` + id + `"]}`; aborted.Load() != want {
+		t.Fatalf("aborted %v, want %s", aborted.Load(), want)
+	}
+}
