@@ -94,14 +94,18 @@ func pySeconds(d time.Duration) string {
 	return strconv.FormatFloat(d.Seconds(), 'g', 6, 64)
 }
 
-// unauthorized refuses a request before its body is read. The body is then read only to be
-// dropped, and only while it keeps coming (as aiohttp's lingering close does for the Python
-// gateway): most clients send their whole body before they read the answer, and closing the
-// connection on bytes not read would reset it, the 401 lost with it. A client that stalls is
-// cut off after lingerIdle.
 func unauthorized(w http.ResponseWriter, r *http.Request) {
-	answerError(w, http.StatusUnauthorized, "AuthenticationError",
-		"missing or invalid API key: send Authorization: Bearer <key>", true)
+	refuseBeforeBody(w, r, http.StatusUnauthorized, "AuthenticationError",
+		"missing or invalid API key: send Authorization: Bearer <key>")
+}
+
+// refuseBeforeBody answers a request refused before its body is read. The body is then read
+// only to be dropped, and only while it keeps coming (as aiohttp's lingering close does for the
+// Python gateway): most clients send their whole body before they read the answer, and closing
+// the connection on bytes not read would reset it, the answer lost with it. A client that
+// stalls is cut off after lingerIdle.
+func refuseBeforeBody(w http.ResponseWriter, r *http.Request, status int, kind, message string) {
+	answerError(w, status, kind, message, true)
 	control := http.NewResponseController(w)
 	_ = control.Flush() // the answer first: the client may read it while it still sends
 	end := time.Now().Add(lingerFor)

@@ -373,6 +373,26 @@ func TestARequestWithoutItsKeyIs401AtOnceNotAfterItsBody(t *testing.T) {
 	}
 }
 
+// Two Authorization headers, the right key in either: refused before the body, as the Python
+// gateway refuses them (the check read the first, an engine might read the other).
+func TestTwoAuthorizationHeadersAreRefusedWhicheverIsRight(t *testing.T) {
+	u := newPlaneUnderTest(t, keyedTable, func(http.ResponseWriter, *http.Request) {}, nil)
+	for _, keys := range []string{"Bearer secret\r\nAuthorization: Bearer wrong",
+		"Bearer wrong\r\nAuthorization: Bearer secret"} {
+		head := "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: " + keys +
+			"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+		response, body, conn := rawRequest(t, strings.TrimPrefix(u.url, "http://"), head, `{}`)
+		want := `{"error":{"message":"the request has more than one Authorization header; send one","type":"BadRequestError","param":null,"code":400}}`
+		if response.StatusCode != 400 || body != want {
+			t.Fatalf("%q: %d %s, want 400 %s", keys, response.StatusCode, body, want)
+		}
+		closedAfter(t, conn)
+	}
+	if seen := u.python.seen(); len(seen) != 0 {
+		t.Fatalf("handed to the Python gateway: %v", seen)
+	}
+}
+
 // A client that sends its whole body before it reads the answer, as most do, reads the 401:
 // the data plane drops the body as it comes instead of resetting the connection under it.
 func TestAKeylessUploadSentWholeBeforeTheAnswerIsReadStillReads401(t *testing.T) {

@@ -109,6 +109,13 @@ type fallback string
 func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	s := &served{metrics: p.metrics, started: time.Now(), outcome: "ok"}
 	t := p.current.Load()
+	// Which of two keys a check reads and which one an engine reads is anyone's guess: refused,
+	// as the Python gateway refuses it.
+	if len(r.Header.Values("Authorization")) > 1 {
+		refuseBeforeBody(w, r, http.StatusBadRequest, "BadRequestError",
+			"the request has more than one Authorization header; send one")
+		return
+	}
 	// The key before the body, as the Python gateway checks it: a client without one gets its
 	// 401 at once and holds nothing, not even the connection its upload would keep busy.
 	if t != nil && !t.authorized(r.Header.Get("Authorization")) {

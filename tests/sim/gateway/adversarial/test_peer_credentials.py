@@ -69,5 +69,6 @@ async def test_two_authorization_headers_are_refused(
         error = assert_refused(
             await client.send(request), 400, f"two Authorization headers ({request_path})"
         )
-        assert "Authorization" in error["message"]
+        # The same words on both paths (the data plane answers a completion's itself).
+        assert error["message"] == "the request has more than one Authorization header; send one"
         assert error["type"] == "BadRequestError"
