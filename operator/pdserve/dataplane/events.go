@@ -29,13 +29,14 @@ func (c *eventCheck) check(data []byte) eventVerdict {
 		return eventDone
 	}
 	isError, ok := false, true
-	walked := eachMember(data, func(key, value []byte) {
+	walked := forMembers(data, func(key, value []byte) bool {
 		switch string(key) {
 		case "error":
 			isError = true
 		case "choices":
 			ok = ok && c.choices(value)
 		}
+		return true
 	})
 	switch {
 	case !walked:
@@ -53,15 +54,16 @@ func (c *eventCheck) choices(list []byte) bool {
 	if string(list) == "null" {
 		return true
 	}
-	ok := eachElement(list, func(choice []byte) bool {
+	ok := allItems(list, func(choice []byte) bool {
 		index, finished, valid := int64(0), false, true
-		if !eachMember(choice, func(key, value []byte) {
+		if !forMembers(choice, func(key, value []byte) bool {
 			switch string(key) {
 			case "index":
-				index, valid = integer(value)
+				index, valid = jsonInt(value)
 			case "finish_reason":
 				finished = string(value) != "null"
 			}
+			return true
 		}) || !valid || index < 0 {
 			return false
 		}
@@ -94,102 +96,11 @@ func (c *eventCheck) complete() bool {
 	return (c.seen != 0 || len(c.more) > 0) && c.seen == c.finished
 }
 
-func integer(raw []byte) (int64, bool) {
-	if len(raw) == 0 || len(raw) > 18 {
-		return 0, false
-	}
-	value := int64(0)
-	for _, digit := range raw {
-		if digit < '0' || digit > '9' {
-			return 0, false
-		}
-		value = value*10 + int64(digit-'0')
-	}
-	return value, true
-}
-
-// eachMember calls visit with each member of a JSON object (its key as written, without the
-// quotes); false when `object` is not one.
-func eachMember(object []byte, visit func(key, value []byte)) bool {
-	i := skipSpace(object, 0)
-	if i >= len(object) || object[i] != '{' {
-		return false
-	}
-	i = skipSpace(object, i+1)
-	if i < len(object) && object[i] == '}' {
-		return skipSpace(object, i+1) == len(object)
-	}
-	for {
-		if i >= len(object) || object[i] != '"' {
-			return false
-		}
-		keyEnd, err := stringEnd(object, i)
-		if err != nil {
-			return false
-		}
-		key := object[i+1 : keyEnd-1]
-		i = skipSpace(object, keyEnd)
-		if i >= len(object) || object[i] != ':' {
-			return false
-		}
-		i = skipSpace(object, i+1)
-		end, err := valueEnd(object, i)
-		if err != nil {
-			return false
-		}
-		visit(key, object[i:end])
-		i = skipSpace(object, end)
-		if i >= len(object) {
-			return false
-		}
-		if object[i] == '}' {
-			return skipSpace(object, i+1) == len(object)
-		}
-		if object[i] != ',' {
-			return false
-		}
-		i = skipSpace(object, i+1)
-	}
-}
-
-// eachElement calls visit with each element of a JSON array of objects until it answers
-// false; false when `array` is not one, or visit answered false.
-func eachElement(array []byte, visit func(element []byte) bool) bool {
-	i := skipSpace(array, 0)
-	if i >= len(array) || array[i] != '[' {
-		return false
-	}
-	i = skipSpace(array, i+1)
-	if i < len(array) && array[i] == ']' {
-		return skipSpace(array, i+1) == len(array)
-	}
-	for {
-		if i >= len(array) || array[i] != '{' {
-			return false
-		}
-		end, err := valueEnd(array, i)
-		if err != nil || !visit(array[i:end]) {
-			return false
-		}
-		i = skipSpace(array, end)
-		if i >= len(array) {
-			return false
-		}
-		if array[i] == ']' {
-			return skipSpace(array, i+1) == len(array)
-		}
-		if array[i] != ',' {
-			return false
-		}
-		i = skipSpace(array, i+1)
-	}
-}
-
 // allObjects: a non-empty array of objects, what a client's answer is made of (hasChoices,
 // without allocating).
 func allObjects(raw []byte) bool {
 	count := 0
-	return eachElement(raw, func([]byte) bool { count++; return true }) && count > 0
+	return allItems(raw, func(item []byte) bool { count++; return isObject(item) }) && count > 0
 }
 
 // scrubbedEvent is decode's error event as the client may see it: without the addresses its

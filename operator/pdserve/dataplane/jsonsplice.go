@@ -198,3 +198,77 @@ func splice(dst *bytes.Buffer, body []byte, members []member, drop map[string]bo
 	}
 	dst.WriteByte('}')
 }
+
+// forMembers calls visit with each member of the JSON object v (its key as written, without the
+// quotes) until visit answers false; false when v is not one object (white space around it
+// allowed) or visit answered false. The one walk over an object's members, allocating nothing:
+// the fast path's validation and a stream's event checks both run it on every request.
+func forMembers(v []byte, visit func(key, value []byte) bool) bool {
+	i := skipSpace(v, 0)
+	if i >= len(v) || v[i] != '{' {
+		return false
+	}
+	i = skipSpace(v, i+1)
+	if i < len(v) && v[i] == '}' {
+		return skipSpace(v, i+1) == len(v)
+	}
+	for {
+		if i >= len(v) || v[i] != '"' {
+			return false
+		}
+		keyEnd, err := stringEnd(v, i)
+		if err != nil {
+			return false
+		}
+		key := v[i+1 : keyEnd-1]
+		i = skipSpace(v, keyEnd)
+		if i >= len(v) || v[i] != ':' {
+			return false
+		}
+		i = skipSpace(v, i+1)
+		end, err := valueEnd(v, i)
+		if err != nil || !visit(key, v[i:end]) {
+			return false
+		}
+		i = skipSpace(v, end)
+		if i >= len(v) {
+			return false
+		}
+		if v[i] == '}' {
+			return skipSpace(v, i+1) == len(v)
+		}
+		if v[i] != ',' {
+			return false
+		}
+		i = skipSpace(v, i+1)
+	}
+}
+
+// allItems: v is a JSON array (white space around it allowed) whose every item passes.
+func allItems(v []byte, each func(item []byte) bool) bool {
+	i := skipSpace(v, 0)
+	if i >= len(v) || v[i] != '[' {
+		return false
+	}
+	i = skipSpace(v, i+1)
+	if i < len(v) && v[i] == ']' {
+		return skipSpace(v, i+1) == len(v)
+	}
+	for {
+		end, err := valueEnd(v, i)
+		if err != nil || !each(v[i:end]) {
+			return false
+		}
+		i = skipSpace(v, end)
+		if i >= len(v) {
+			return false
+		}
+		if v[i] == ']' {
+			return skipSpace(v, i+1) == len(v)
+		}
+		if v[i] != ',' {
+			return false
+		}
+		i = skipSpace(v, i+1)
+	}
+}

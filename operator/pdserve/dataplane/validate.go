@@ -8,6 +8,7 @@ package main
 // testdata/validation_cases.json (validate_test.go, tests/unit/gateway/test_validation_cases.py).
 
 import (
+	"bytes"
 	"encoding/binary"
 	"math"
 	"net/http"
@@ -148,7 +149,7 @@ func completionMember(key string, v []byte, required bool) (bool, bool) {
 // tool_calls: [objects]}.
 func message(v []byte) bool {
 	role := false
-	return forMembers(v, func(key, value []byte) bool {
+	return forPlainMembers(v, func(key, value []byte) bool {
 		switch string(key) {
 		case "role":
 			role = isString(value)
@@ -167,13 +168,13 @@ func message(v []byte) bool {
 // tool: {"type": string, "function": {"name": string, "description": string, "parameters": object}}.
 func tool(v []byte) bool {
 	function := false
-	return forMembers(v, func(key, value []byte) bool {
+	return forPlainMembers(v, func(key, value []byte) bool {
 		switch string(key) {
 		case "type":
 			return isString(value)
 		case "function":
 			named := false
-			function = forMembers(value, func(key, value []byte) bool {
+			function = forPlainMembers(value, func(key, value []byte) bool {
 				switch string(key) {
 				case "name":
 					named = isString(value)
@@ -192,7 +193,7 @@ func tool(v []byte) bool {
 }
 
 func streamOptions(v []byte) bool {
-	return forMembers(v, func(key, value []byte) bool {
+	return forPlainMembers(v, func(key, value []byte) bool {
 		switch string(key) {
 		case "include_usage", "continuous_usage_stats":
 			return isNull(value) || isBool(value)
@@ -384,77 +385,9 @@ func jsonNumber(v []byte) bool {
 	return i == len(v)
 }
 
-// allItems: v is an array whose every item passes.
-func allItems(v []byte, each func(item []byte) bool) bool {
-	if len(v) < 2 || v[0] != '[' {
-		return false
-	}
-	i := skipSpace(v, 1)
-	if i == len(v)-1 {
-		return true
-	}
-	for {
-		end, err := valueEnd(v, i)
-		if err != nil || !each(v[i:end]) {
-			return false
-		}
-		i = skipSpace(v, end)
-		if i >= len(v) {
-			return false
-		}
-		if v[i] == ']' {
-			return i == len(v)-1
-		}
-		if v[i] != ',' {
-			return false
-		}
-		i = skipSpace(v, i+1)
-	}
-}
-
-// forMembers: v is an object, no key given twice is checked by the caller's visit (keys
-// with escapes are not proven: false), and every member passes visit.
-func forMembers(v []byte, visit func(key, value []byte) bool) bool {
-	if len(v) < 2 || v[0] != '{' {
-		return false
-	}
-	i := skipSpace(v, 1)
-	if i == len(v)-1 {
-		return true
-	}
-	for {
-		if i >= len(v) || v[i] != '"' {
-			return false
-		}
-		keyEnd, err := stringEnd(v, i)
-		if err != nil {
-			return false
-		}
-		key := v[i+1 : keyEnd-1]
-		for _, c := range key {
-			if c == '\\' {
-				return false
-			}
-		}
-		i = skipSpace(v, keyEnd)
-		if i >= len(v) || v[i] != ':' {
-			return false
-		}
-		i = skipSpace(v, i+1)
-		end, err := valueEnd(v, i)
-		if err != nil || !visit(key, v[i:end]) {
-			return false
-		}
-		i = skipSpace(v, end)
-		if i >= len(v) {
-			return false
-		}
-		if v[i] == '}' {
-			return i == len(v)-1
-		}
-		if v[i] != ',' {
-			return false
-		}
-		i = skipSpace(v, i+1)
-	}
+// forPlainMembers: forMembers, and no key with an escape (not proven the same key as read).
+func forPlainMembers(v []byte, visit func(key, value []byte) bool) bool {
+	return forMembers(v, func(key, value []byte) bool {
+		return bytes.IndexByte(key, '\\') < 0 && visit(key, value)
+	})
 }
