@@ -178,17 +178,32 @@ type scripted struct {
 // as they are: the framings and heads net/http's server would never send.
 func scriptedEngine(t *testing.T, answers ...scripted) (endpointURL, *atomic.Int64) {
 	t.Helper()
+	next := make(chan scripted, len(answers))
+	for _, answer := range answers {
+		next <- answer
+	}
+	close(next)
+	return rawEngine(t, func(conn net.Conn) bool {
+		answer, ok := <-next
+		if !ok {
+			return false
+		}
+		_, err := io.WriteString(conn, answer.answer)
+		return err == nil && !answer.close
+	})
+}
+
+// rawEngine reads requests on every connection it accepts and lets `answer` write what it
+// likes for each, as it likes, until it answers false (the connection then closes); the
+// connections it accepted are counted.
+func rawEngine(t *testing.T, answer func(conn net.Conn) bool) (endpointURL, *atomic.Int64) {
+	t.Helper()
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { listener.Close() })
 	var accepted atomic.Int64
-	next := make(chan scripted, len(answers))
-	for _, answer := range answers {
-		next <- answer
-	}
-	close(next)
 	go func() {
 		for {
 			conn, err := listener.Accept()
@@ -205,11 +220,7 @@ func scriptedEngine(t *testing.T, answers ...scripted) (endpointURL, *atomic.Int
 						return
 					}
 					io.Copy(io.Discard, request.Body)
-					answer, ok := <-next
-					if !ok {
-						return
-					}
-					if _, err := io.WriteString(conn, answer.answer); err != nil || answer.close {
+					if !answer(conn) {
 						return
 					}
 				}
@@ -443,40 +454,18 @@ func TestAChunkNotYetArrivedIsNotWaitedFor(t *testing.T) {
 // request, on that connection or a new one, is answered "real".
 func forgingEngine(t *testing.T, first string, forge <-chan struct{}, forged chan<- struct{}) endpointURL {
 	t.Helper()
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { listener.Close() })
 	var once atomic.Bool
-	go func() {
-		for {
-			conn, err := listener.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer conn.Close()
-				reader := bufio.NewReader(conn)
-				for {
-					request, err := http.ReadRequest(reader)
-					if err != nil {
-						return
-					}
-					io.Copy(io.Discard, request.Body)
-					if !once.CompareAndSwap(false, true) {
-						io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
-						continue
-					}
-					io.WriteString(conn, first)
-					<-forge
-					io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
-					close(forged)
-				}
-			}()
+	at, _ := rawEngine(t, func(conn net.Conn) bool {
+		if !once.CompareAndSwap(false, true) {
+			io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
+			return true
 		}
-	}()
-	at, _ := parseEndpoint("http://" + listener.Addr().String())
+		io.WriteString(conn, first)
+		<-forge
+		io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
+		close(forged)
+		return true
+	})
 	return at
 }
 
