@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Awaitable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.gateway.app import Gateway
-from tests.support.sim_gateway import Stack
+from tests.support.sim_gateway import Stack, until
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -220,6 +221,14 @@ def requests_by_outcome(gateway: Gateway) -> dict[str, float]:
                 outcome = sample.labels["outcome"]
                 counts[outcome] = counts.get(outcome, 0) + sample.value
     return counts
+
+
+async def counted_as(gateway: Gateway, expected: Mapping[str, float], deadline: float) -> None:
+    """The gateway's requests by outcome come to `expected` (behind the data plane its counts
+    are folded in about once a second); else fails naming what was counted."""
+    with suppress(TimeoutError):
+        await until(lambda: requests_by_outcome(gateway) == expected, deadline)
+    assert requests_by_outcome(gateway) == expected
 
 
 def settled(stack: Stack, gateway: Gateway) -> bool:

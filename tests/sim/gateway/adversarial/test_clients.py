@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 import aiohttp
@@ -17,11 +18,13 @@ import pytest
 from pdserve.gateway.app import Gateway
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.vllm.protocol import ABORT_PATH, generate_request_id
+from tests.sim.gateway.adversarial.conftest import behind_data_plane
 from tests.support.fault_proxy import ABORT_PATHS, FaultProxy
 from tests.support.outcomes import (
     TALLY,
     Outcome,
     Verdict,
+    counted_as,
     judge_json,
     requests_by_outcome,
     settled,
@@ -73,9 +76,11 @@ SLOW: list[Callable[[asyncio.StreamWriter], Coroutine[Any, Any, None]]] = [
 
 
 async def test_slow_bodies_get_408_within_the_body_timeout_while_others_are_served(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
-    client = await pd_stack(stack, max_inflight=1, body_timeout=0.5)
+    client = await pd_stack(
+        stack, data_plane=behind_data_plane(request_path), max_inflight=1, body_timeout=0.5
+    )
     gateway = stack.gateway_server
     host, port = client.base_url.host, client.base_url.port
     assert port is not None
@@ -85,11 +90,14 @@ async def test_slow_bodies_get_408_within_the_body_timeout_while_others_are_serv
         # Meanwhile other clients are served: the slow bodies hold no in-flight slot.
         for _ in range(3):
             response = await asyncio.wait_for(client.post("/v1/chat/completions", json=PLAIN), HANG)
-            TALLY.add("slow clients: others served meanwhile", _served(response.status_code))
+            TALLY.add(
+                f"slow clients: others served meanwhile ({request_path})",
+                _served(response.status_code),
+            )
             assert response.status_code == 200, response.text
         for reader, _ in connections:
             verdict = await asyncio.wait_for(read_answer(reader), HANG)
-            TALLY.add("slow clients: body sent slowly", verdict)
+            TALLY.add(f"slow clients: body sent slowly ({request_path})", verdict)
             assert verdict.outcome is Outcome.CLEAR_ERROR, verdict
             assert verdict.status == 408, verdict
             assert verdict.error is not None
@@ -100,7 +108,7 @@ async def test_slow_bodies_get_408_within_the_body_timeout_while_others_are_serv
         for _, writer in connections:
             writer.close()
     await until(lambda: gateway.metrics.inflight._value.get() == 0, HANG)
-    assert requests_by_outcome(gateway) == {"ok": 3, "error_408": 3}
+    await counted_as(gateway, {"ok": 3, "error_408": 3}, HANG)
 
 
 def _served(status: int) -> Verdict:
@@ -112,7 +120,9 @@ ENGINES = ["tokens", "scale_out", "openai"]
 route), plain `vllm serve` (the OpenAI route)."""
 
 
-async def long_answer_stack(stack: Stack, api: str) -> tuple[Gateway, str, FaultProxy]:
+async def long_answer_stack(
+    stack: Stack, api: str, request_path: str
+) -> tuple[Gateway, str, FaultProxy]:
     """P/D whose decode engine takes seconds per answer (a long one with ignore_eos), behind a
     proxy that records the aborts it is sent. In front of a tokens engine the proxy keeps the
     engine's call going when the gateway leaves (so only an abort the engine understands stops
@@ -130,7 +140,9 @@ async def long_answer_stack(stack: Stack, api: str) -> tuple[Gateway, str, Fault
         endpoints["render"] = [ep(await stack.render())]
     route = "tokens" if tokens_route else "openai"
     config = routing(route, render=tokens_route, endpoints=endpoints)
-    client = await stack.gateway(config, load_scrape_seconds=None)
+    client = await stack.gateway(
+        config, data_plane=behind_data_plane(request_path), load_scrape_seconds=None
+    )
     return stack.gateway_server, str(client.base_url).rstrip("/"), decode
 
 
@@ -161,6 +173,8 @@ async def left(stack: Stack, gateway: Gateway, decode: FaultProxy) -> Verdict:
         await until(lambda: settled(stack, gateway), HANG)
     except TimeoutError:
         return Verdict(Outcome.HANG, None, "engine work or the in-flight slot left behind")
+    with suppress(TimeoutError):  # behind the data plane its counts come within a second
+        await until(lambda: requests_by_outcome(gateway) == {"client_gone": 1}, HANG)
     counted = requests_by_outcome(gateway)
     if counted != {"client_gone": 1}:
         return Verdict(Outcome.CORRUPTED, None, f"a request its client left counted as {counted}")
@@ -169,9 +183,9 @@ async def left(stack: Stack, gateway: Gateway, decode: FaultProxy) -> Verdict:
 
 @pytest.mark.parametrize("api", ENGINES)
 async def test_a_client_leaving_mid_stream_has_its_engine_work_aborted(
-    stack: Stack, api: str
+    stack: Stack, api: str, request_path: str
 ) -> None:
-    gateway, url, decode = await long_answer_stack(stack, api)
+    gateway, url, decode = await long_answer_stack(stack, api, request_path)
     async with aiohttp.ClientSession() as session:
         body = {**LONG_ANSWER, "stream": True}
         response = await session.post(f"{url}/v1/chat/completions", json=body)
@@ -183,16 +197,16 @@ async def test_a_client_leaving_mid_stream_has_its_engine_work_aborted(
         assert decoding(stack)
         response.close()  # the client goes away mid-stream
     verdict = await left(stack, gateway, decode)
-    TALLY.add(f"client leaves mid-stream ({api} engines)", verdict)
+    TALLY.add(f"client leaves mid-stream ({api} engines, {request_path})", verdict)
     assert verdict.outcome is Outcome.ANSWERED, verdict
     told_to_stop(decode, api)
 
 
 @pytest.mark.parametrize("api", ENGINES)
 async def test_a_client_leaving_mid_answer_has_its_engine_work_aborted(
-    stack: Stack, api: str
+    stack: Stack, api: str, request_path: str
 ) -> None:
-    gateway, url, decode = await long_answer_stack(stack, api)
+    gateway, url, decode = await long_answer_stack(stack, api, request_path)
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(session.post(f"{url}/v1/chat/completions", json=LONG_ANSWER))
         await until(lambda: decoding(stack), HANG)
@@ -200,7 +214,7 @@ async def test_a_client_leaving_mid_answer_has_its_engine_work_aborted(
         with pytest.raises(asyncio.CancelledError):
             await request
     verdict = await left(stack, gateway, decode)
-    TALLY.add(f"client leaves mid-answer ({api} engines)", verdict)
+    TALLY.add(f"client leaves mid-answer ({api} engines, {request_path})", verdict)
     assert verdict.outcome is Outcome.ANSWERED, verdict
     told_to_stop(decode, api)
 
@@ -244,9 +258,9 @@ FRAMING = [
 
 @pytest.mark.parametrize(("request_bytes", "status", "message"), FRAMING)
 async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
-    stack: Stack, request_bytes: bytes, status: int, message: str
+    stack: Stack, request_bytes: bytes, status: int, message: str, request_path: str
 ) -> None:
-    client = await pd_stack(stack)
+    client = await pd_stack(stack, data_plane=behind_data_plane(request_path))
     assert client.base_url.port is not None
     reader, writer = await asyncio.open_connection(client.base_url.host, client.base_url.port)
     try:
@@ -255,7 +269,7 @@ async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
         verdict = await asyncio.wait_for(read_answer(reader), HANG)
     finally:
         writer.close()
-    TALLY.add("framing and encodings refused, in the OpenAI shape", verdict)
+    TALLY.add(f"framing and encodings refused, in the OpenAI shape ({request_path})", verdict)
     assert verdict.outcome is Outcome.CLEAR_ERROR, verdict
     assert verdict.status == status, verdict
     assert verdict.error is not None
