@@ -26,7 +26,7 @@ func provablyValid(r *http.Request, body []byte, members []member, chat bool) bo
 	if len(r.Header.Get("X-Request-Id")) > clientIDLimit || !utf8Charset(r.Header.Get("Content-Type")) {
 		return false
 	}
-	if !utf8.Valid(body) || !validStrings(body) {
+	if !utf8.Valid(body) || !readableJSON(body) {
 		return false // Python's decode or JSON reader refuses it, naming the fault
 	}
 	n, bestOf := int64(1), int64(0)
@@ -95,6 +95,8 @@ func provablyValid(r *http.Request, body []byte, members []member, chat bool) bo
 	if bestOf != 0 && bestOf < n || topLogprobs > 0 && !logprobs {
 		return false
 	}
+	// The members' reader finds where each value ends, not whether it is JSON (`"x": A`):
+	// Python's reader refuses what is not, whichever member it is in.
 	return required // messages, or a prompt
 }
 
@@ -212,31 +214,104 @@ func utf8Charset(contentType string) bool {
 	return params == "charset=utf-8" || params == `charset="utf-8"`
 }
 
-// validStrings: every string's escapes are JSON's and it holds no control character, no
-// number is too long for Python to read and nothing is nested too deep for it (its JSON reader
-// refuses each); outside strings only whitespace may be a control character.
-func validStrings(b []byte) bool {
-	depth, digits := 0, 0
+// What a JSON reader expects next (readableJSON).
+const (
+	wantValue = iota
+	wantValueOrClose
+	wantKey
+	wantKeyOrClose
+	wantColon
+	wantCommaOrClose
+	wantNothing // the body's one value is read
+)
+
+const maxDepth = 500 // Python's reader recurses per level; deeper is a RecursionError (400)
+
+// readableJSON: the body is what Python's JSON reader reads, in one pass: JSON's grammar, every
+// string's escapes JSON's and no control character in one, no number too long for Python to
+// read, nothing nested too deep for it; outside strings only whitespace may be a control
+// character. The members' reader only finds where each value ends (`"x": A` passes it).
+func readableJSON(b []byte) bool {
+	var objects [maxDepth/64 + 1]uint64 // by depth: an object (1) or an array (0)
+	depth, want := 0, wantValue
+	afterValue := func() {
+		if depth == 0 {
+			want = wantNothing
+		} else {
+			want = wantCommaOrClose
+		}
+	}
+	inObject := func() bool { return objects[(depth-1)/64]&(1<<((depth-1)%64)) != 0 }
 	for i := 0; i < len(b); i++ {
 		c := b[i]
+		value := want == wantValue || want == wantValueOrClose
 		switch {
-		case c >= '0' && c <= '9':
-			if digits++; digits > 4000 {
-				return false
-			}
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r':
 			continue
-		case c == '[' || c == '{':
-			if depth++; depth > 500 {
+		case c == '{' || c == '[':
+			if !value || depth == maxDepth {
 				return false
 			}
-		case c == ']' || c == '}':
+			bit := uint64(1) << (depth % 64)
+			if c == '{' {
+				objects[depth/64] |= bit
+				want = wantKeyOrClose
+			} else {
+				objects[depth/64] &^= bit
+				want = wantValueOrClose
+			}
+			depth++
+			continue
+		case c == '}' || c == ']':
+			closes := want == wantCommaOrClose || c == '}' && want == wantKeyOrClose ||
+				c == ']' && want == wantValueOrClose
+			if !closes || depth == 0 || inObject() != (c == '}') {
+				return false
+			}
 			depth--
-		case c < ' ' && c != '\t' && c != '\n' && c != '\r':
-			return false
-		}
-		digits = 0
-		if c != '"' {
+			afterValue()
 			continue
+		case c == ':':
+			if want != wantColon {
+				return false
+			}
+			want = wantValue
+			continue
+		case c == ',':
+			if want != wantCommaOrClose {
+				return false
+			}
+			if inObject() {
+				want = wantKey
+			} else {
+				want = wantValue
+			}
+			continue
+		case c != '"':
+			if !value {
+				return false
+			}
+			j := i
+			for j < len(b) && !tokenStop[b[j]] {
+				j++
+			}
+			token := b[i:j]
+			literal := string(token) == "true" || string(token) == "false" || string(token) == "null"
+			if !literal && (len(token) > 4000 || !jsonNumber(token)) {
+				return false
+			}
+			i = j - 1
+			afterValue()
+			continue
+		}
+		// A string: a key, or a value.
+		switch want {
+		case wantKey, wantKeyOrClose:
+			want = wantColon
+		case wantValue, wantValueOrClose:
+			afterValue()
+		default:
+			return false
 		}
 		for i++; ; i++ {
 			// The common case, plain text, eight bytes at a time: none below ' ', no '"', no '\\'.
@@ -277,7 +352,7 @@ func validStrings(b []byte) bool {
 			}
 		}
 	}
-	return true
+	return want == wantNothing
 }
 
 const ones, highs = 0x0101010101010101, 0x8080808080808080
@@ -286,6 +361,14 @@ const ones, highs = 0x0101010101010101, 0x8080808080808080
 func below(x uint64, n uint64) uint64 {
 	return (x - ones*n) & ^x & highs
 }
+
+// tokenStop: the bytes that end a number or a literal (anything else in one makes it wrong).
+var tokenStop = func() (t [256]bool) {
+	for _, c := range []byte(" \t\n\r,:[]{}\"") {
+		t[c] = true
+	}
+	return t
+}()
 
 // stringStop: the bytes that end a run of a string's plain text.
 var stringStop = func() (t [256]bool) {

@@ -76,3 +76,31 @@ func BenchmarkProvablyValidChat2KB(b *testing.B) {
 		provablyValid(r, body, members, true)
 	}
 }
+
+// Whatever the fast path proves valid is JSON (Python's reader would read it), whatever the
+// client sent; and neither the validation nor a stream's event check ever panics on bytes from
+// a peer.
+func FuzzWhatThePeersSendIsReadSafely(f *testing.F) {
+	for _, cases := range validationCases(f) {
+		for _, c := range cases {
+			f.Add([]byte(c.Body))
+		}
+	}
+	f.Add([]byte(`{"choices":[{"index":0,"finish_reason":null,"delta":{"content":"x"}}]}`))
+	f.Add([]byte(`{"error":{"message":"m","code":500}}`))
+	f.Add([]byte(`[DONE]`))
+	r, _ := http.NewRequest(http.MethodPost, "http://x/v1/chat/completions", nil)
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var events eventCheck
+		events.check(body)
+		members, err := topLevel(body)
+		if err != nil {
+			return
+		}
+		for _, chat := range []bool{true, false} {
+			if provablyValid(r, body, members, chat) && !json.Valid(body) {
+				t.Fatalf("proven valid, yet not JSON: %q", body)
+			}
+		}
+	})
+}
