@@ -16,6 +16,7 @@ import httpx
 from aiohttp import web
 
 from tests.sim.gateway.adversarial.conftest import behind_data_plane
+from tests.support.outcomes import TALLY, judge_json
 from tests.support.serving import serving
 from tests.support.sim_gateway import MODEL, PLAIN, Stack, ep, pd_stack, routing
 
@@ -26,6 +27,12 @@ HANG = 10.0
 
 def error(status: int, kind: str, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def tally(case: str, request_path: str, status: int, body: Any) -> None:
+    """One answer in the suite's outcome table (a JSON body, as raw_answer read it)."""
+    verdict = judge_json(status, "application/json", json.dumps(body).encode(), chat=True)
+    TALLY.add(f"{case} ({request_path})", verdict)
 
 
 UNAUTHORIZED = error(
@@ -117,6 +124,7 @@ async def test_a_request_without_its_key_is_refused_before_its_body_arrives(
     )
     began = time.monotonic()
     status, body = await raw_answer(client, head + b'{"model": ')
+    tally("no key, body never sent", request_path, status, body)
     assert (status, body) == (401, UNAUTHORIZED)
     assert time.monotonic() - began < HANG
 
@@ -129,6 +137,7 @@ async def test_a_large_keyless_upload_is_answered_401_not_reset(
     response = await client.post(
         "/v1/chat/completions", content=large, headers={"Content-Type": "application/json"}
     )
+    tally("no key, 50 MB upload", request_path, response.status_code, response.json())
     assert (response.status_code, response.json()) == (401, UNAUTHORIZED)
 
 
@@ -143,6 +152,7 @@ async def test_a_body_that_does_not_arrive_in_time_is_408(stack: Stack, request_
     began = time.monotonic()
     status, body = await raw_answer(client, head + b'{"model": ')
     message = "the request body did not arrive within 1 s"
+    tally("body not in time", request_path, status, body)
     assert (status, body) == (408, error(408, "RequestTimeout", message))
     assert time.monotonic() - began >= 0.5  # the timeout, not a refusal of what did arrive
 
@@ -165,12 +175,16 @@ async def test_a_request_that_waited_out_its_timeout_is_504_and_not_served_again
         content=gzip.compress(json.dumps(chat("quick")).encode()),
         headers={**shortened, "Content-Type": "application/json", "Content-Encoding": "gzip"},
     )
+    tally(
+        "a client's own elapsed-time headers", request_path, response.status_code, response.json()
+    )
     assert response.status_code == 200, response.text
     lengthened = {"X-PDServe-Elapsed-Ms": "-60000", "X-PDServe-Dataplane-Token": "guessed"}
     began = time.monotonic()
     response = await client.post("/v1/chat/completions", json=chat("hold"), headers=lengthened)
     waited = time.monotonic() - began
     message = "decode at a replica did not answer within the request's limit of 1 s"
+    tally("deadline while decode hangs", request_path, response.status_code, response.json())
     assert (response.status_code, response.json()) == (504, error(504, "GatewayTimeout", message))
     assert waited < 2.0, f"answered after {waited:.2f} s: its timeout started again"
 
@@ -200,6 +214,7 @@ async def test_one_in_flight_limit_per_gateway_whichever_path_serves_a_request(
         raise AssertionError("the held request never reached the engine")
     response = await client.post("/v1/chat/completions", json=chat("quick"))
     message = "the gateway is at its limit of 1 requests in flight; retry shortly"
+    tally("over the in-flight limit", request_path, response.status_code, response.json())
     assert (response.status_code, response.json()) == (429, error(429, "RateLimitError", message))
     assert response.headers["Retry-After"] == "1"
     release.set()
