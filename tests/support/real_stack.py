@@ -100,7 +100,7 @@ async def data_plane_stats(gateway: GatewayUnderTest) -> dict[str, Any]:
     assert front is not None
     assert front.control is not None
     async with httpx.AsyncClient() as client:
-        answer = await client.get(f"{front.control}/stats")
+        answer = await client.get(f"{front.control}/stats", headers=front.control_headers)
     stats: dict[str, Any] = answer.json()
     return stats
 
