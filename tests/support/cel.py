@@ -1,7 +1,7 @@
 """A small evaluator for the subset of CEL the CRD's rules use, and the API server's structural
 defaulting, so unit tests can check each CEL rule without an API server (tests/cluster/test_crd.py
 checks them on a real one): `||`, `&&`, `!`, comparisons, parentheses, `self.a.b`, `has(self.a)`,
-`%`, int, bool and string literals, `.startsWith(s)` and `.size()`."""
+`%`, int, bool and string literals, `.startsWith(s)`, `.contains(s)` and `.size()`."""
 
 from __future__ import annotations
 
@@ -189,6 +189,8 @@ class _Parser:
             value, args = node(), [argument() for argument in arguments]
             if name == "startsWith" and isinstance(value, str) and len(args) == 1:
                 return value.startswith(args[0])
+            if name == "contains" and isinstance(value, str) and len(args) == 1:
+                return args[0] in value
             if name == "size" and not args:
                 return len(value)
             raise CelError(f"unsupported call {name}{tuple(args)} on {value!r}")

@@ -121,7 +121,10 @@ class KvTransferSpec(ApiModel):
     side_channel_port: Annotated[int, Field(ge=1024, le=65535)] = 5600
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT; data-parallel rank is added)."""
     ucx_net_devices: Annotated[str, Field(min_length=1)] | None = None
-    """UCX_NET_DEVICES, e.g. mlx5_0:1 or all. Default: UCX's choice."""
+    """UCX_NET_DEVICES, e.g. mlx5_0:1,mlx5_1:1 or all. It filters every UCX transport, TCP
+    included, and applies to every TP rank of a pod: a device:port pin (an RDMA NIC) needs
+    placement.rdma, and on multi-NIC nodes a single pin sends all ranks' KV through one NIC.
+    Default: unset, UCX picks the NIC nearest each GPU."""
     ucx_transports: Annotated[str, Field(min_length=1)] | None = None
     """UCX_TLS, the UCX transports NIXL may use, e.g. rc,cuda_copy,cuda_ipc (leaving out tcp
     makes a broken RDMA path fail loudly instead of falling back). Default: UCX's choice."""

@@ -72,11 +72,37 @@ SLICES_NEED_A_DOMAIN = CrossFieldRule(
 )
 
 
+def _host_network_splits_a_node_domain(placement: PlacementSpec) -> str | None:
+    rdma, domain = placement.rdma, placement.domain
+    if rdma is None or not rdma.host_network or domain is None:
+        return None
+    if domain.topology_key != HOSTNAME_KEY:
+        return None
+    return (
+        "rdma.hostNetwork puts every engine on its node's ports (8000 and the NIXL side "
+        f"channel), so a slice's prefill and decode can never share a node, yet "
+        f"domain.topologyKey {HOSTNAME_KEY} requires it: use a domain of several nodes "
+        "(a rack or zone label, or nvidia.com/gpu.clique on multi-node NVLink systems), or "
+        "set rdma.hostNetwork false (Multus secondary networks carry RDMA without it)"
+    )
+
+
+HOST_NETWORK_SPLITS_A_NODE_DOMAIN = CrossFieldRule(
+    "!has(self.rdma) || !has(self.rdma.hostNetwork) || !self.rdma.hostNetwork "
+    "|| !has(self.domain) || !has(self.domain.topologyKey) "
+    f"|| self.domain.topologyKey != '{HOSTNAME_KEY}'",
+    "rdma.hostNetwork cannot share a node between a slice's prefill and decode (both claim "
+    f"the same host ports): use a domain other than {HOSTNAME_KEY}, or hostNetwork false",
+    ".rdma.hostNetwork",
+    _host_network_splits_a_node_domain,
+)
+
+
 class PlacementSpec(ApiModel):
     """Where the GPU engine pools (prefill and decode) run; render and gateway pods have their
     own nodeSelector/tolerations."""
 
-    model_config = with_rules([SLICES_NEED_A_DOMAIN])
+    model_config = with_rules([SLICES_NEED_A_DOMAIN, HOST_NETWORK_SPLITS_A_NODE_DOMAIN])
 
     node_selector: LabelMap = Field(default_factory=dict)
     """Node labels every engine pod requires (merged with <pool>.nodeSelector)."""

@@ -54,11 +54,37 @@ CPU_BLOCK_SIZE_RULE = CrossFieldRule(
 )
 
 
+def _nic_pin_without_rdma(spec: DisaggregatedModelSpec) -> str | None:
+    devices = spec.kv_transfer.ucx_net_devices
+    if devices is None or ":" not in devices or spec.placement.rdma is not None:
+        return None
+    return (
+        f"spec.kvTransfer.ucxNetDevices {devices!r} pins an RDMA port (device:port), but "
+        "spec.placement.rdma is unset, so the engine pods get no RDMA device: UCX_NET_DEVICES "
+        "filters every transport, TCP included, so NIXL is left with no lane and the engines "
+        "fail to start. Set spec.placement.rdma (resource, networks), or remove ucxNetDevices "
+        "(UCX then picks the NIC nearest each GPU, or TCP)"
+    )
+
+
+# Here, not on KvTransferSpec: whether the pods get an RDMA device is placement's to say.
+NIC_PIN_NEEDS_RDMA = CrossFieldRule(
+    "!has(self.kvTransfer) || !has(self.kvTransfer.ucxNetDevices) "
+    "|| !self.kvTransfer.ucxNetDevices.contains(':') "
+    "|| (has(self.placement) && has(self.placement.rdma))",
+    "kvTransfer.ucxNetDevices pins an RDMA port (device:port) but placement.rdma is unset: "
+    "the pods get no RDMA device and UCX is left with no transport; set placement.rdma or "
+    "remove ucxNetDevices",
+    ".kvTransfer.ucxNetDevices",
+    _nic_pin_without_rdma,
+)
+
+
 class DisaggregatedModelSpec(ApiModel):
     """A disaggregated vLLM deployment: prefill and decode GPU pools, a CPU render pool and an
     OpenAI-compatible gateway, kept in parity."""
 
-    model_config = with_rules([CPU_BLOCK_SIZE_RULE])
+    model_config = with_rules([CPU_BLOCK_SIZE_RULE, NIC_PIN_NEEDS_RDMA])
 
     model: ModelSpec
     """The model to serve."""

@@ -16,10 +16,10 @@ from pdserve.api.base import CEL, ApiModel, CrossFieldRule, RuleViolation, rules
 from pdserve.api.crd import build_crd, structural_schema
 from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
-from pdserve.api.placement import PlacementSpec
+from pdserve.api.placement import HOST_NETWORK_SPLITS_A_NODE_DOMAIN, PlacementSpec
 from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
-from pdserve.api.spec import DisaggregatedModelSpec
+from pdserve.api.spec import NIC_PIN_NEEDS_RDMA, DisaggregatedModelSpec
 from tests.support.cel import apply_defaults, evaluate
 
 KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
@@ -34,6 +34,9 @@ CPU_BLOCK = (
 MODEL = {"model": {"name": "m"}}
 CPU = {"placement": {"acceleratorResource": ""}}
 TOKENS_ONLY = "engineApi TokensOnly needs enabled: true"
+HOST = "kubernetes.io/hostname"
+HOST_NETWORK = HOST_NETWORK_SPLITS_A_NODE_DOMAIN.message
+NIC_PIN = NIC_PIN_NEEDS_RDMA.message
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -91,6 +94,14 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
     (PlacementSpec, {"slices": 4, "domain": {"topologyKey": "kubernetes.io/hostname"}}, None),
     (PlacementSpec, {"slices": 2}, SLICES),
+    (PlacementSpec, {"rdma": {"resource": "rdma/a", "hostNetwork": True}}, None),
+    (PlacementSpec, {"rdma": {"resource": "rdma/a", "hostNetwork": True}, "domain": {}}, None),
+    (PlacementSpec, {"rdma": {"resource": "rdma/a"}, "domain": {"topologyKey": HOST}}, None),
+    (
+        PlacementSpec,
+        {"rdma": {"resource": "rdma/a", "hostNetwork": True}, "domain": {"topologyKey": HOST}},
+        HOST_NETWORK,
+    ),
     (DisaggregatedModelSpec, MODEL, None),
     (DisaggregatedModelSpec, {**MODEL, **CPU}, None),  # unset: derived (128)
     (DisaggregatedModelSpec, {**MODEL, "serving": {"blockSize": 16}}, None),
@@ -106,6 +117,26 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 16}}, CPU_BLOCK),
     (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 1}}, CPU_BLOCK),
     (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 8}}, CPU_BLOCK),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "all"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "eth0"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "mlx5_0:1"}}, NIC_PIN),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"ucxNetDevices": "mlx5_0:1"}, "placement": {}},
+        NIC_PIN,
+    ),
+    (
+        DisaggregatedModelSpec,
+        {
+            **MODEL,
+            "kvTransfer": {"ucxNetDevices": "mlx5_0:1,mlx5_1:1"},
+            "placement": {
+                "rdma": {"resource": "rdma/rdma_shared_device_a"},
+                "guaranteedQoS": False,
+            },
+        },
+        None,
+    ),
 ]
 
 
@@ -151,7 +182,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 11
+    assert len(rules) == 13
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}
