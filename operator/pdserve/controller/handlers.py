@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_stored
 from pdserve.controller.leader import LeaderElector
+from pdserve.controller.pod_security import pod_security_refusal
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube
@@ -142,14 +143,19 @@ def build_registry(
         # kopf refuses to start with admission handlers but no webhook server.
         @kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"],
                           registry=registry)  # fmt: skip
-        def validate(body: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
+        async def validate(body: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
             """Reject at apply time what the CRD schema cannot express (parity flags in extraArgs,
-            names too long for child objects, ...), naming every field; fields of a newer CRD
-            are admitted with a warning (kubectl prints it)."""
+            names too long for child objects, ...), naming every field, and a spec whose pods
+            the namespace's Pod Security level would refuse; fields of a newer CRD are admitted
+            with a warning (kubectl prints it)."""
             try:
-                unknown = parse_stored(dict(body))[1]
+                dm, unknown = parse_stored(dict(body))
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
             warnings.extend(unknown)
+            if running.reconciler is not None:
+                refusal = await pod_security_refusal(running.reconciler.kube, dm)
+                if refusal is not None:
+                    raise kopf.AdmissionError(refusal, code=422)
 
     return registry, running

@@ -58,6 +58,7 @@ from pdserve.controller.diff import is_current, merge_patch
 from pdserve.controller.drift import parity_drift
 from pdserve.controller.health import HealthVerdict, TransportMonitor, transfer_budget_seconds
 from pdserve.controller.peer_key import SECRET, PeerMaster, had_peer_key, peer_key_for
+from pdserve.controller.pod_security import pod_security_refusal
 from pdserve.controller.replica_check import replica_mismatches
 from pdserve.controller.rollout import engine_rollout, rollout_steps
 from pdserve.controller.status import (
@@ -430,7 +431,7 @@ async def _converge(
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
         health=watch_transport(health, dm, pods), replica_mismatches=mismatches,
-        rollout_notes=rollout.notes,
+        rollout_notes=rollout.notes, pod_security=await pod_security_refusal(kube, dm),
     )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()

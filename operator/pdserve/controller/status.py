@@ -44,6 +44,8 @@ class Observation:
     replica_mismatches: list[str] | None = None
     # Engine StatefulSets held so prefill and decode roll in step (controller/rollout.py).
     rollout_notes: list[str] = field(default_factory=list)
+    # Why the namespace's Pod Security level refuses the model's pods; None: it admits them.
+    pod_security: str | None = None
 
 
 def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
@@ -239,7 +241,11 @@ def compute_status(
             generation, before, now,
         ),
     ]  # fmt: skip
-    placed, reason, message = placement_condition(dm, seen.pods)
+    placed, reason, message = (
+        (False, "PodSecurity", seen.pod_security)
+        if seen.pod_security is not None
+        else placement_condition(dm, seen.pods)
+    )
     conditions.append(
         condition(ConditionType.placement, placed, reason, message, generation, before, now)
     )

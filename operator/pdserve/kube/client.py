@@ -43,6 +43,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
         Kind("v1", "Event", "events"),
+        Kind("v1", "Namespace", "namespaces", namespaced=False),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("apps/v1", "StatefulSet", "statefulsets"),

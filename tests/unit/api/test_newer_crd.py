@@ -58,12 +58,12 @@ def webhook() -> Any:
     return found
 
 
-def test_the_webhook_admits_newer_fields_with_a_warning_and_refuses_real_problems() -> None:
+async def test_the_webhook_admits_newer_fields_with_a_warning_and_refuses_real_problems() -> None:
     validate = webhook()
     warnings: list[str] = []
-    validate(body=NEWER, warnings=warnings)
+    await validate(body=NEWER, warnings=warnings)
     assert len(warnings) == 3
     assert any(w.startswith("spec.decode.futureDrain: not known") for w in warnings)
     with pytest.raises(kopf.AdmissionError) as refused:
-        validate(body=resource(decode={"extraArgs": ["--block-size", "32"]}), warnings=[])
+        await validate(body=resource(decode={"extraArgs": ["--block-size", "32"]}), warnings=[])
     assert "spec.decode.extraArgs" in str(refused.value)
