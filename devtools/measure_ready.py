@@ -64,7 +64,7 @@ def measure(count: int) -> Run:
     with tempfile.TemporaryDirectory() as tmp, running_control_plane(Path(tmp) / "plane") as plane:
         gpu_nodes = max(2, (2 * count + 7) // 8)  # 2 GPUs per resource, 8 per node
         with plane.http() as http:
-            nodes = [gpu_node(f"gpu-{i}", rack=f"rack-{i % 4}") for i in range(gpu_nodes)]
+            nodes = [gpu_node(f"gpu-{i}") for i in range(gpu_nodes)]
             nodes += [cpu_node(f"cpu-{i}") for i in range(max(2, count // 10))]
             wait_nodes_ready(http, create_nodes(http, nodes), timeout=120)
             crd = build_crd()

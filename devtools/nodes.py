@@ -1,13 +1,22 @@
 """Fake nodes for the local control plane: kwok keeps them Ready and runs their pods.
 
-GPU nodes carry the labels and extended resources real GPU clusters have (NVIDIA GPU feature
-discovery labels, an NVLink clique, zone and rack topology, an RDMA shared device), so the real
-scheduler makes the same placement decisions it would make on hardware.
+Each GPU profile is a twin of a real node: the labels GPU Feature Discovery (GFD), Node Feature
+Discovery (NFD) and the kubelet put on it, and the capacity the kubelet and the device plugins
+report, so the real scheduler makes the same placement decisions it would make on hardware. A
+label no real node carries is a bug in the twin. In particular `nvidia.com/gpu.clique` is only on
+multi-node NVLink nodes (GB200 NVL72 compute trays): GFD writes it only for GPUs attached to a
+completed NVLink fabric (NVIDIA/k8s-device-plugin internal/lm/imex.go). On HGX H100/H200 the
+NVLink domain is the node itself (kubernetes.io/hostname). No real system publishes a
+`topology.kubernetes.io/rack` label (the kubelet presets only hostname, os, arch, instance-type,
+region and zone: kubernetes.io/docs/reference/node/node-labels), so the twin has none.
+
+GPU product strings, memory and architecture come from `pdserve.api.gpu_products`, the one place
+those facts live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,58 +24,98 @@ import httpx
 
 from devtools.localplane import ControlPlaneError, wait_until
 from devtools.planecommands import KWOK_NODE_ANNOTATION
+from pdserve.api.gpu_products import (
+    CLIQUE_LABEL,
+    GB200,
+    H100_80GB_HBM3,
+    H200,
+    L40S,
+    MEMORY_LABEL,
+    PRODUCT_LABEL,
+    GpuProduct,
+    lookup,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_PRODUCT_LABEL = PRODUCT_LABEL
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
-GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
-NVLINK_CLIQUE_LABEL = "nvidia.com/gpu.clique"
+GPU_MEMORY_LABEL = MEMORY_LABEL
+NVLINK_CLIQUE_LABEL = CLIQUE_LABEL
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 ZONE_LABEL = "topology.kubernetes.io/zone"
-RACK_LABEL = "topology.kubernetes.io/rack"
+# The network operator's RDMA shared device plugin: one resource shared by up to rdmaHcaMax pods.
+# NVIDIA network-operator NicClusterPolicy examples configure
+# {"resourceName": "rdma_shared_device_a", "rdmaHcaMax": 63} with the default prefix "rdma".
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+RDMA_HCA_MAX = 63
+
+# One example driver: GB200 trays in sgl-project/sglang#11208 ran 570.172.08 with CUDA 12.8
+# runtimes; GFD writes both the deprecated and the current spellings (internal/lm/nvml.go).
+DRIVER_VERSION = "570.172.08"
+CUDA_VERSION = "12.8"
+# Example kernels (NFD's kernel-version labels), values illustrative: Ubuntu 24.04's GA kernel on
+# amd64 and Ubuntu's linux-nvidia-64k flavour on Grace (arm64).
+KERNEL_AMD64 = "6.8.0-60-generic"
+KERNEL_ARM64 = "6.8.0-1025-nvidia-64k"
 
 
 @dataclass(frozen=True)
 class FakeNode:
-    """What a node offers; ``manifest()`` turns it into a Node object kwok will manage."""
+    """What a node offers; ``manifest()`` turns it into a Node object kwok will manage.
+
+    ``allocatable`` overrides capacity entries, as the kubelet's system/kube reservations and
+    eviction threshold do on a real node (allocatable = capacity - reserved - eviction)."""
 
     name: str
     cpu: str = "32"
     memory: str = "256Gi"
+    ephemeral_storage: str = "1Ti"
     pods: int = 110
+    allocatable: Mapping[str, str] = field(default_factory=dict)
+    arch: str = "amd64"
     gpus: int = 0
-    gpu_product: str = "NVIDIA-H200"
-    gpu_memory_mib: int = 143771
+    gpu: GpuProduct | None = None
+    gpu_machine: str = "unknown"
     nvlink_clique: str | None = None
     zone: str = "zone-a"
-    rack: str | None = None
     rdma_devices: int = 0
+    mellanox_nics: bool = False
+    numa_nodes: int = 1
+    kernel: str = KERNEL_AMD64
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.gpus and self.gpu is None:
+            raise ValueError(f"node {self.name}: {self.gpus} GPUs but no GPU product")
+        if self.nvlink_clique and not (self.gpu and self.gpu.multi_node_nvlink):
+            product = self.gpu.product if self.gpu else "no GPU"
+            raise ValueError(
+                f"node {self.name}: {product} never carries {CLIQUE_LABEL} (GFD sets it only "
+                "on multi-node NVLink GPUs such as GB200 NVL72)"
+            )
+
     def manifest(self) -> dict[str, Any]:
+        # kubelet: the preset labels, the deprecated beta.* spellings included (still written).
         labels = {
-            "kubernetes.io/hostname": self.name,
+            HOSTNAME_LABEL: self.name,
             "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64",
-            "type": "kwok",
+            "kubernetes.io/arch": self.arch,
+            "beta.kubernetes.io/os": "linux",
+            "beta.kubernetes.io/arch": self.arch,
             ZONE_LABEL: self.zone,
         }
+        labels |= _nfd_labels(self)
         capacity: dict[str, str] = {
             "cpu": self.cpu,
             "memory": self.memory,
             "pods": str(self.pods),
-            "ephemeral-storage": "1Ti",
+            "ephemeral-storage": self.ephemeral_storage,
+            "hugepages-1Gi": "0",
+            "hugepages-2Mi": "0",
         }
-        if self.rack:
-            labels[RACK_LABEL] = self.rack
-        if self.gpus:
-            labels |= {
-                GPU_PRODUCT_LABEL: self.gpu_product,
-                GPU_COUNT_LABEL: str(self.gpus),
-                GPU_MEMORY_LABEL: str(self.gpu_memory_mib),
-                "nvidia.com/gpu.present": "true",
-            }
+        if self.gpus and self.gpu is not None:
+            labels |= _gfd_labels(self.gpu, self.gpus, self.gpu_machine)
             capacity[GPU_RESOURCE] = str(self.gpus)
         if self.nvlink_clique:
             labels[NVLINK_CLIQUE_LABEL] = self.nvlink_clique
@@ -79,46 +128,217 @@ class FakeNode:
             "kind": "Node",
             "metadata": {"name": self.name, "labels": labels, "annotations": {key: value}},
             "spec": {"taints": [dict(t) for t in self.taints]},
-            "status": {"capacity": capacity, "allocatable": dict(capacity)},
+            "status": {"capacity": capacity, "allocatable": capacity | dict(self.allocatable)},
         }
+
+
+def _gfd_labels(gpu: GpuProduct, count: int, machine: str) -> dict[str, str]:
+    """What GFD (with the GPU operator's gpu.present) writes for full GPUs, no sharing, no MIG:
+    NVIDIA/k8s-device-plugin internal/lm/{resource,nvml,machine-type}.go; the set matches the
+    labels printed on real H100 and L40S nodes (gpu.replicas=1, sharing-strategy=none,
+    mps.capable=false, gpu.mode=compute)."""
+    major, minor, rev = DRIVER_VERSION.split(".")
+    cuda_major, cuda_minor = CUDA_VERSION.split(".")
+    return {
+        "nvidia.com/gpu.present": "true",
+        PRODUCT_LABEL: gpu.product,
+        GPU_COUNT_LABEL: str(count),
+        MEMORY_LABEL: str(gpu.memory_mib),
+        "nvidia.com/gpu.family": gpu.family.value,
+        "nvidia.com/gpu.compute.major": str(gpu.compute_major),
+        "nvidia.com/gpu.compute.minor": str(gpu.compute_minor),
+        "nvidia.com/gpu.replicas": "1",
+        "nvidia.com/gpu.sharing-strategy": "none",
+        "nvidia.com/gpu.mode": "compute",
+        "nvidia.com/gpu.machine": machine,
+        # L40S has no MIG; Hopper and Blackwell data-centre GPUs do.
+        "nvidia.com/mig.capable": "false" if gpu is L40S else "true",
+        "nvidia.com/mps.capable": "false",
+        "nvidia.com/cuda.driver-version.full": DRIVER_VERSION,
+        "nvidia.com/cuda.driver-version.major": major,
+        "nvidia.com/cuda.driver-version.minor": minor,
+        "nvidia.com/cuda.driver-version.revision": rev,
+        "nvidia.com/cuda.driver.major": major,
+        "nvidia.com/cuda.driver.minor": minor,
+        "nvidia.com/cuda.driver.rev": rev,
+        "nvidia.com/cuda.runtime-version.full": CUDA_VERSION,
+        "nvidia.com/cuda.runtime-version.major": cuda_major,
+        "nvidia.com/cuda.runtime-version.minor": cuda_minor,
+        "nvidia.com/cuda.runtime.major": cuda_major,
+        "nvidia.com/cuda.runtime.minor": cuda_minor,
+    }
+
+
+def _nfd_labels(node: FakeNode) -> dict[str, str]:
+    """NFD's default feature labels that matter here (names as on real nodes, e.g. an EKS p4d
+    node's `kubectl describe`): PCI vendors present (10de NVIDIA, 15b3 Mellanox/NVIDIA NICs),
+    RDMA, kernel version, NUMA. CPU-model labels are left out: their values on Grace are not
+    confirmed."""
+    kernel_major, kernel_minor, rest = node.kernel.split(".", 2)
+    labels = {
+        "feature.node.kubernetes.io/kernel-version.full": node.kernel,
+        "feature.node.kubernetes.io/kernel-version.major": kernel_major,
+        "feature.node.kubernetes.io/kernel-version.minor": kernel_minor,
+        "feature.node.kubernetes.io/kernel-version.revision": rest.split("-", 1)[0],
+        "feature.node.kubernetes.io/system-os_release.ID": "ubuntu",
+        "feature.node.kubernetes.io/system-os_release.VERSION_ID": "24.04",
+    }
+    if node.gpus:
+        labels["feature.node.kubernetes.io/pci-10de.present"] = "true"
+    if node.numa_nodes > 1:
+        labels["feature.node.kubernetes.io/memory-numa"] = "true"
+    if node.mellanox_nics:
+        labels["feature.node.kubernetes.io/pci-15b3.present"] = "true"
+        labels["feature.node.kubernetes.io/rdma.capable"] = "true"
+    if node.rdma_devices:  # the network operator's driver loaded: the RDMA stack is up
+        labels["feature.node.kubernetes.io/rdma.available"] = "true"
+    return labels
+
+
+def _allocatable(cpu: int, memory_gi: int, storage_gi: int, *, pods: int) -> dict[str, str]:
+    """Allocatable a little below capacity, as kubelet reservations leave it (an EKS p4d node:
+    cpu 96 -> 95690m, memory about 8 GiB less, ephemeral-storage about 8% less)."""
+    reserved_millicores = 100 + 2 * cpu  # system/kube reserved grow with the core count
+    reserved_mi = 1024 + 4 * memory_gi  # plus the 100Mi hard eviction threshold
+    return {
+        "cpu": f"{cpu * 1000 - reserved_millicores}m",
+        "memory": f"{memory_gi * 1024 - reserved_mi - 100}Mi",
+        "ephemeral-storage": f"{storage_gi * 92 // 100}Gi",
+        "pods": str(pods),
+    }
+
+
+def hgx_h100_node(name: str, *, zone: str = "zone-a", **extra: Any) -> FakeNode:
+    """DGX/HGX H100: 8x H100 80GB SXM in one NVLink/NVSwitch domain (the node), 2x Xeon Platinum
+    8480C (2x56 cores, 224 threads), 2 TiB DDR5, 8 single-port ConnectX-7 for the compute fabric
+    (NVIDIA DGX H100 user guide, docs.nvidia.com/dgx/dgxh100-user-guide). No clique label."""
+    return _hgx_node(name, H100_80GB_HBM3, machine="DGX-H100", zone=zone, **extra)
+
+
+def hgx_h200_node(name: str, *, zone: str = "zone-a", **extra: Any) -> FakeNode:
+    """DGX/HGX H200: as the H100 board with 8x H200 141GB (the DGX H200 shares the H100's user
+    guide and its CPUs, memory and NICs). No clique label."""
+    return _hgx_node(name, H200, machine="DGX-H200", zone=zone, **extra)
+
+
+def _hgx_node(name: str, gpu: GpuProduct, *, machine: str, zone: str, **extra: Any) -> FakeNode:
+    cpu, memory_gi, storage_gi, pods = 224, 2048, 30720, 110  # 8x 3.84 TB NVMe U.2 cache
+    fields: dict[str, Any] = {
+        "name": name,
+        "cpu": str(cpu),
+        "memory": f"{memory_gi}Gi",
+        "ephemeral_storage": f"{storage_gi}Gi",
+        "pods": pods,
+        "allocatable": _allocatable(cpu, memory_gi, storage_gi, pods=pods),
+        "gpus": gpu.gpus_per_node,
+        "gpu": gpu,
+        "gpu_machine": machine,
+        "zone": zone,
+        "rdma_devices": RDMA_HCA_MAX,
+        "mellanox_nics": True,
+        "numa_nodes": 2,
+    }
+    return FakeNode(**(fields | extra))
+
+
+def gb200_nvl72_node(name: str, *, clique: str, zone: str = "zone-a", **extra: Any) -> FakeNode:
+    """One GB200 NVL72 compute tray: 2 GB200 superchips = 2 Grace CPUs (72 Arm cores each, no
+    SMT: CPU affinity 0-71 and 72-143 in sgl-project/sglang#11208) + 4 Blackwell GPUs, arm64.
+    Its GPUs share an NVLink domain with the other trays of the rack, so GFD writes
+    nvidia.com/gpu.clique = "<fabric ClusterUUID>.<CliqueId>" (imex.go; e.g.
+    7b968a6d-c8aa-45e1-9e07-e1e51be99c31.1 in GFD's README). GFD publishes no other IMEX label;
+    the NVIDIA DRA driver's ComputeDomain labels nodes only while a domain runs on them.
+    Memory: 960Gi as NVIDIA/aicr's KWOK profile of a GKE a4x (GB300) tray models it (Grace has up
+    to 480 GB LPDDR5X each); 4 ConnectX-7 NICs per tray for the compute fabric."""
+    cpu, memory_gi, storage_gi, pods = 144, 960, 7680, 110
+    fields: dict[str, Any] = {
+        "name": name,
+        "cpu": str(cpu),
+        "memory": f"{memory_gi}Gi",
+        "ephemeral_storage": f"{storage_gi}Gi",
+        "pods": pods,
+        "allocatable": _allocatable(cpu, memory_gi, storage_gi, pods=pods),
+        "arch": "arm64",
+        "kernel": KERNEL_ARM64,
+        "gpus": GB200.gpus_per_node,
+        "gpu": GB200,
+        "nvlink_clique": clique,
+        "zone": zone,
+        "rdma_devices": RDMA_HCA_MAX,
+        "mellanox_nics": True,
+        "numa_nodes": 2,
+    }
+    return FakeNode(**(fields | extra))
+
+
+def l40s_node(name: str, *, gpus: int = 4, zone: str = "zone-a", **extra: Any) -> FakeNode:
+    """A PCIe L40S server, e.g. AWS g6e.12xlarge: 4x L40S, 48 vCPU, 384 GiB (g6e.48xlarge: 8x,
+    192 vCPU, 1536 GiB). No NVLink, no RDMA NIC, no MIG."""
+    cpu, memory_gi, storage_gi, pods = 12 * gpus, 96 * gpus, 3800, 110
+    fields: dict[str, Any] = {
+        "name": name,
+        "cpu": str(cpu),
+        "memory": f"{memory_gi}Gi",
+        "ephemeral_storage": f"{storage_gi}Gi",
+        "pods": pods,
+        "allocatable": _allocatable(cpu, memory_gi, storage_gi, pods=pods),
+        "gpus": gpus,
+        "gpu": L40S,
+        "zone": zone,
+    }
+    return FakeNode(**(fields | extra))
 
 
 def gpu_node(
     name: str,
     *,
-    gpus: int = 8,
-    product: str = "NVIDIA-H200",
-    clique: str | None = "cluster-0.0",
+    product: str = H200.product,
+    clique: str | None = None,
     zone: str = "zone-a",
-    rack: str = "rack-0",
-    rdma_devices: int = 16,
     **extra: Any,
 ) -> FakeNode:
-    """An HGX-style GPU node: 8 GPUs in one NVLink clique, an RDMA shared device that up to 16
-    pods may use (the shared device plugin's rdmaHcaMax)."""
-    return FakeNode(
-        name=name,
-        gpus=gpus,
-        gpu_product=product,
-        nvlink_clique=clique,
-        zone=zone,
-        rack=rack,
-        rdma_devices=rdma_devices,
-        **extra,
-    )
+    """A node of a known GPU product, with that product's real profile: HGX H200 by default.
+    `clique` is only for products in a multi-node NVLink domain (GB200); asking for one on
+    another product is refused, since no such node exists."""
+    gpu = lookup(product)
+    if gpu is None:
+        raise ValueError(f"unknown GPU product {product!r}: add it to pdserve.api.gpu_products")
+    if gpu.multi_node_nvlink:
+        if clique is None:
+            raise ValueError(f"{product} nodes carry {CLIQUE_LABEL}: pass clique=")
+        return gb200_nvl72_node(name, clique=clique, zone=zone, **extra)
+    if clique is not None:
+        raise ValueError(f"{product} never carries {CLIQUE_LABEL} (its NVLink ends at the node)")
+    profiles: dict[str, Callable[..., FakeNode]] = {
+        H100_80GB_HBM3.product: hgx_h100_node,
+        H200.product: hgx_h200_node,
+        L40S.product: l40s_node,
+    }
+    return profiles[product](name, zone=zone, **extra)
 
 
 def cpu_node(name: str, *, cpu: str = "16", memory: str = "64Gi", zone: str = "zone-a") -> FakeNode:
-    return FakeNode(name=name, cpu=cpu, memory=memory, zone=zone)
+    return FakeNode(name=name, cpu=cpu, memory=memory, ephemeral_storage="200Gi", zone=zone)
+
+
+# Two GB200 NVL72 cliques as GFD names them (<ClusterUUID>.<CliqueId>): one fabric, two cliques.
+GB200_FABRIC = "7b968a6d-c8aa-45e1-9e07-e1e51be99c31"
+CLIQUE_0 = f"{GB200_FABRIC}.0"
+CLIQUE_1 = f"{GB200_FABRIC}.1"
 
 
 def demo_nodes() -> list[FakeNode]:
-    """Two racks of H200 nodes, each rack one NVLink clique, plus two CPU nodes."""
+    """A mixed GPU cluster: two HGX H200 nodes (each its own NVLink domain), two GB200 NVL72
+    cliques of two compute trays each (8 GPUs per multi-node NVLink domain), one L40S server and
+    two CPU nodes."""
     return [
-        gpu_node("gpu-r0-0", clique="cluster-0.0", rack="rack-0"),
-        gpu_node("gpu-r0-1", clique="cluster-0.0", rack="rack-0"),
-        gpu_node("gpu-r1-0", clique="cluster-0.1", rack="rack-1"),
-        gpu_node("gpu-r1-1", clique="cluster-0.1", rack="rack-1"),
+        hgx_h200_node("h200-0"),
+        hgx_h200_node("h200-1"),
+        gb200_nvl72_node("gb200-c0-0", clique=CLIQUE_0),
+        gb200_nvl72_node("gb200-c0-1", clique=CLIQUE_0),
+        gb200_nvl72_node("gb200-c1-0", clique=CLIQUE_1),
+        gb200_nvl72_node("gb200-c1-1", clique=CLIQUE_1),
+        l40s_node("l40s-0"),
         cpu_node("cpu-0"),
         cpu_node("cpu-1"),
     ]

@@ -25,7 +25,7 @@ from devtools.resources import (
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
 RESYNC_SECONDS = 2
-GPU_NODES = {"gpu-r0-0", "gpu-r0-1", "gpu-r1-0", "gpu-r1-1"}
+H200_NODES = {"h200-0", "h200-1"}
 
 
 # Engines pinned to H200 nodes by placement; one replica per pool keeps the tests quick.
@@ -85,7 +85,7 @@ def test_create_builds_every_child_schedules_on_gpus_and_reports_ready(
     engines = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"]
                in ("prefill", "decode")]  # fmt: skip
     assert len(engines) == 2
-    assert {p["spec"]["nodeName"] for p in engines} <= GPU_NODES
+    assert {p["spec"]["nodeName"] for p in engines} <= H200_NODES
     # The transport preflight (kvTransfer.verify defaults to Warn) probes on the engines' nodes.
     probes = [p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"]
               == "preflight"]  # fmt: skip

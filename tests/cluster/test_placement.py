@@ -1,7 +1,9 @@
 """Topology placement on the real scheduler, and the transport preflight that follows it: kwok
-H200 nodes in two NVLink domains (nvidia.com/gpu.clique cluster-0.0 = gpu-r0-*, cluster-0.1 =
-gpu-r1-*, 8 GPUs a node). kwok cannot run the probe, so the test hands each probe pod the report
-a real probe writes (see tests/sim/test_kvprobe.py for the real thing)."""
+GB200 NVL72 compute trays in two multi-node NVLink domains (nvidia.com/gpu.clique CLIQUE_0 =
+gb200-c0-*, CLIQUE_1 = gb200-c1-*, 4 GPUs a tray, 8 a domain), the only nodes that carry the
+clique label; the H200 and L40S nodes of the demo cluster carry none. kwok cannot run the probe,
+so the test hands each probe pod the report a real probe writes (see tests/sim/test_kvprobe.py
+for the real thing)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from devtools.localplane import ControlPlane, wait_until
 from devtools.nodes import NVLINK_CLIQUE_LABEL, RDMA_RESOURCE
 from devtools.operator_proc import RunningOperator, running_operator
 from devtools.resources import SMALL_PD_SPEC, apply_dm, conditions, dm_url, get, wait_ready
+from pdserve.api.gpu_products import GB200
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
@@ -75,7 +78,7 @@ SLICED: dict[str, Any] = {
     "decode": {"replicas": 1, "tensorParallelSize": 2,
                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
     "placement": {
-        "gpuProducts": ["NVIDIA-H200"],
+        "gpuProducts": [GB200.product],
         "slices": 2,
         "domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "spreadSlices": "Required"},
         "rdma": {"resource": RDMA_RESOURCE},
@@ -106,20 +109,24 @@ def test_each_slice_lands_in_one_nvlink_domain_and_slices_spread(
     assert slices["0"] != slices["1"], "spreadSlices: Required puts slices in different domains"
     placed = conditions(dm)["Placement"]
     assert (placed["status"], placed["reason"]) == ("True", "Placed")
-    assert placed["message"].startswith("slice 0 on gpu-")
+    assert placed["message"].startswith("slice 0 on gb200-")
 
 
 @pytest.mark.usefixtures("operator")
 def test_a_slice_too_big_for_its_domain_waits_and_placement_says_why(
     http_api: httpx.Client, namespace: str
 ) -> None:
-    """24 GPUs in one slice: the cluster has 32, but no NVLink domain has more than 16."""
+    """12 GB200 GPUs in one slice (three engines of 4, one tray each): the cluster has 16 GB200
+    GPUs, but no NVLink domain has more than 8."""
     gpus_free_of_other_tests(http_api, namespace)
     spec = {
         **SMALL_PD_SPEC,
-        "prefill": {"replicas": 1, "tensorParallelSize": 8},
-        "decode": {"replicas": 2, "tensorParallelSize": 8},
-        "placement": {"domain": {"topologyKey": NVLINK_CLIQUE_LABEL}},
+        "prefill": {"replicas": 1, "tensorParallelSize": 4},
+        "decode": {"replicas": 2, "tensorParallelSize": 4},
+        "placement": {
+            "gpuProducts": [GB200.product],
+            "domain": {"topologyKey": NVLINK_CLIQUE_LABEL},
+        },
     }
     apply_dm(http_api, namespace, "big", spec)
 
@@ -138,7 +145,10 @@ def test_a_slice_too_big_for_its_domain_waits_and_placement_says_why(
     assert len({clique_of(http_api)[p["spec"]["nodeName"]] for p in bound}) == 1
 
     # Preferred lets the scheduler break the domain: every pod is placed.
-    spec["placement"] = {"domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "mode": "Preferred"}}
+    spec["placement"] = {
+        "gpuProducts": [GB200.product],
+        "domain": {"topologyKey": NVLINK_CLIQUE_LABEL, "mode": "Preferred"},
+    }
     apply_dm(http_api, namespace, "big", spec)
     wait_until("Placement=True", lambda: placement().get("status") == "True", timeout=90)
 

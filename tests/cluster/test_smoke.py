@@ -164,7 +164,7 @@ def test_deployment_pods_are_created_and_bound_to_a_matching_gpu_node(
         assert node.metadata.labels[GPU_PRODUCT_LABEL] == "NVIDIA-H200"
         assert pod.status.phase == "Running"
     # Two pods of 4 GPUs each fit on one 8-GPU node or on two; either way only GPU nodes.
-    assert {p.spec.node_name for p in pods} <= {"gpu-r0-0", "gpu-r0-1", "gpu-r1-0", "gpu-r1-1"}
+    assert {p.spec.node_name for p in pods} <= {"h200-0", "h200-1"}
 
 
 def test_pod_asking_for_more_gpus_than_any_node_has_stays_pending(
@@ -303,7 +303,7 @@ def test_kubectl_of_the_same_release_waits_applies_and_reads(
     version = json.loads(kubectl("version", "-o", "json", check=True).stdout)
     assert version["clientVersion"]["minor"] == version["serverVersion"]["minor"] == "37"
 
-    kubectl("wait", "--for=condition=Ready", "node/gpu-r0-0", "--timeout=30s", check=True)
+    kubectl("wait", "--for=condition=Ready", "node/h200-0", "--timeout=30s", check=True)
 
     manifest = yaml.safe_dump(
         {

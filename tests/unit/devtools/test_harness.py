@@ -13,26 +13,70 @@ import pytest
 from devtools.clitools import ToolsError, _layer_binaries
 from devtools.localplane import ControlPlaneError, wait_until
 from devtools.nodes import (
+    GPU_MEMORY_LABEL,
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     NVLINK_CLIQUE_LABEL,
-    RACK_LABEL,
     RDMA_RESOURCE,
     cpu_node,
+    demo_nodes,
+    gb200_nvl72_node,
     gpu_node,
+    hgx_h100_node,
+    l40s_node,
 )
+from pdserve.api.gpu_products import GB200, H100_80GB_HBM3, L40S
 
 
-def test_gpu_node_offers_gpus_rdma_and_topology_labels_kwok_will_manage() -> None:
-    node = gpu_node("gpu-a", gpus=4, product="NVIDIA-H100-80GB-HBM3", clique="c.7", rack="r9")
-    manifest = node.manifest()
+def test_hgx_h100_node_is_a_twin_of_a_real_one_without_a_clique() -> None:
+    manifest = hgx_h100_node("gpu-a").manifest()
     labels = manifest["metadata"]["labels"]
     assert manifest["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
-    assert labels[GPU_PRODUCT_LABEL] == "NVIDIA-H100-80GB-HBM3"
-    assert labels[NVLINK_CLIQUE_LABEL] == "c.7"
-    assert labels[RACK_LABEL] == "r9"
-    assert manifest["status"]["capacity"][GPU_RESOURCE] == "4"
-    assert manifest["status"]["allocatable"][RDMA_RESOURCE] == "16"
+    assert labels[GPU_PRODUCT_LABEL] == H100_80GB_HBM3.product == "NVIDIA-H100-80GB-HBM3"
+    assert labels[GPU_MEMORY_LABEL] == "81559"
+    assert labels["nvidia.com/gpu.family"] == "hopper"
+    assert labels["kubernetes.io/arch"] == "amd64"
+    assert NVLINK_CLIQUE_LABEL not in labels
+    assert not any("rack" in key for key in labels)
+    capacity, allocatable = manifest["status"]["capacity"], manifest["status"]["allocatable"]
+    assert capacity[GPU_RESOURCE] == allocatable[GPU_RESOURCE] == "8"
+    assert capacity[RDMA_RESOURCE] == "63"
+    assert capacity["cpu"] == "224"
+    assert allocatable["cpu"].endswith("m")
+    assert int(allocatable["cpu"][:-1]) < 224_000
+
+
+def test_gb200_tray_is_arm64_with_four_gpus_in_a_clique() -> None:
+    labels = gb200_nvl72_node("tray", clique="uuid.3").manifest()["metadata"]["labels"]
+    assert labels[NVLINK_CLIQUE_LABEL] == "uuid.3"
+    assert labels["kubernetes.io/arch"] == "arm64"
+    assert labels[GPU_PRODUCT_LABEL] == GB200.product
+    assert labels["nvidia.com/gpu.count"] == "4"
+
+
+def test_l40s_node_has_no_rdma_no_mig_no_clique() -> None:
+    manifest = l40s_node("l40s").manifest()
+    labels = manifest["metadata"]["labels"]
+    assert labels[GPU_PRODUCT_LABEL] == L40S.product
+    assert labels["nvidia.com/mig.capable"] == "false"
+    assert RDMA_RESOURCE not in manifest["status"]["capacity"]
+    assert NVLINK_CLIQUE_LABEL not in labels
+
+
+def test_gpu_node_refuses_a_clique_on_a_product_that_never_carries_one() -> None:
+    assert NVLINK_CLIQUE_LABEL not in gpu_node("h200").manifest()["metadata"]["labels"]
+    with pytest.raises(ValueError, match="never carries"):
+        gpu_node("h100", product="NVIDIA-H100-80GB-HBM3", clique="c.7")
+    with pytest.raises(ValueError, match="pass clique"):
+        gpu_node("gb200", product="NVIDIA-GB200")
+    assert gpu_node("gb", product="NVIDIA-GB200", clique="c.1").nvlink_clique == "c.1"
+
+
+def test_demo_cliques_are_only_on_gb200_nodes() -> None:
+    for node in demo_nodes():
+        labels = node.manifest()["metadata"]["labels"]
+        if NVLINK_CLIQUE_LABEL in labels:
+            assert labels[GPU_PRODUCT_LABEL] == GB200.product, node.name
 
 
 def test_cpu_node_has_no_gpu_capacity_or_labels() -> None:
