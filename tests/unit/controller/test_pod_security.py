@@ -51,7 +51,8 @@ def test_rdma_engines_are_refused_at_baseline_naming_placement_rdma_and_the_fix(
     assert "spec.placement.rdma (capability IPC_LOCK" in message
     assert "pod-security.kubernetes.io/enforce=privileged" in message
     assert "or remove placement.rdma" in message
-    assert "render" not in message and "gateway" not in message
+    assert "render" not in message
+    assert "gateway" not in message
 
 
 def test_host_network_adds_host_namespaces_and_the_ports_the_server_gives_it() -> None:
@@ -66,7 +67,8 @@ def test_restricted_refuses_every_pool_and_says_baseline_is_enough_without_rdma(
     assert message is not None
     for pool in ("prefill", "decode", "render", "gateway"):
         assert f"{pool}: allowPrivilegeEscalation != false" in message
-    assert "runAsNonRoot != true" in message and "seccompProfile" in message
+    assert "runAsNonRoot != true" in message
+    assert "seccompProfile" in message
     assert "the vLLM images run as root" in message
     assert message.endswith(
         "Fix: label namespace llm pod-security.kubernetes.io/enforce=baseline (or exempt it)"
@@ -97,5 +99,7 @@ def test_a_pass_reports_the_refusal_as_placement_false() -> None:
     )
     [placement] = [c for c in status.conditions if c.type == "Placement"]
     assert (placement.status, placement.reason, placement.message) == (
-        "False", "PodSecurity", message
+        "False",
+        "PodSecurity",
+        message,
     )
