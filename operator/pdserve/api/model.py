@@ -8,6 +8,7 @@ from pydantic import Field
 
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import SecretKeyRef
+from pdserve.api.model_shape import ModelShape
 from pdserve.api.parity import Parity, Scope
 
 
@@ -66,3 +67,7 @@ class ModelSpec(ApiModel):
     """Where the model is loaded from."""
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     """Context length (--max-model-len). Default: the model's own."""
+    shape: ModelShape | None = None
+    """Parameter count and KV geometry, for the check that each engine pool fits the GPUs
+    placement allows. Default: known for well-known models (pdserve's table); otherwise no
+    check."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import LabelMap, PreservedObject
+from pdserve.api.gpu_products import CLIQUE_LABEL, PRODUCT_LABEL, never_in_a_clique
 from pdserve.api.requirements import GPU_RESOURCE
 
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -26,9 +27,10 @@ class TopologyDomainSpec(ApiModel):
     domain: the nodes sharing one value of a node label."""
 
     topology_key: Annotated[str, Field(pattern=LABEL_KEY, max_length=317)] = "nvidia.com/gpu.clique"
-    """Node label whose value names the domain: nvidia.com/gpu.clique (an NVLink domain, as set by
-    NVIDIA GPU feature discovery), a rack or zone label, or kubernetes.io/hostname to put the
-    prefill and decode of a slice on one node (in-node NVLink/P2P pairs)."""
+    """Node label whose value names the domain: nvidia.com/gpu.clique (a multi-node NVLink
+    domain, which NVIDIA GPU feature discovery publishes only on GB200/GB300 NVL72 systems,
+    never on HGX H100/H200), kubernetes.io/hostname (one node: the NVLink domain of HGX, KV over
+    the NIC between pods), or a zone or rack label your nodes carry."""
     mode: Strength = Strength.required
     """Required: a slice's pods wait Pending rather than leave the domain (status condition
     Placement=False says why). Preferred: the scheduler may break the domain when it must."""
@@ -136,6 +138,34 @@ class PlacementSpec(ApiModel):
     """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
     kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
     is set. Needs cpu and memory in <pool>.resources."""
+
+    @model_validator(mode="after")
+    def _clique_only_where_nodes_carry_it(self) -> PlacementSpec:
+        # Python only: which products carry the label is the catalogue's to say, not CEL's.
+        domain = self.domain
+        if domain is None or domain.topology_key != CLIQUE_LABEL:
+            return self
+        if domain.mode is not Strength.required:
+            return self
+        never = [p for p in self.products if never_in_a_clique(p)]
+        if never:
+            raise ValueError(
+                f"placement.domain.topologyKey {CLIQUE_LABEL} (mode Required) on "
+                f"{', '.join(never)}: GPU Feature Discovery sets that label only on multi-node "
+                "NVLink systems (GB200/GB300 NVL72), never on these nodes, so every engine pod "
+                "would stay Pending. Use topologyKey kubernetes.io/hostname (on HGX the NVLink "
+                "domain is one node), or take these products out of placement.gpuProducts"
+            )
+        return self
+
+    @property
+    def products(self) -> list[str]:
+        """The GPU products the engines may land on, as far as placement says: gpuProducts,
+        or the product its nodeSelector requires. Empty: any."""
+        chosen = self.node_selector.get(PRODUCT_LABEL)
+        if self.gpu_products:
+            return [p for p in self.gpu_products if chosen is None or p == chosen]
+        return [chosen] if chosen is not None else []
 
     @property
     def engines_on_cpu(self) -> bool:

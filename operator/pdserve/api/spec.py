@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from pdserve.api.autoscaling import EngineAutoscaler
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
+from pdserve.api.fit import fit_problems
 from pdserve.api.flags import check_env, check_extra_args
 from pdserve.api.gateway import GatewaySpec
 from pdserve.api.images import ImageSpec
@@ -132,6 +133,8 @@ class DisaggregatedModelSpec(ApiModel):
             if self.placement.wants_guaranteed_qos:
                 guaranteed_resources(name, engine.resources)
         self._check_engine_autoscaling()
+        if problems := fit_problems(self):
+            raise ValueError("; ".join(problems))
         return self
 
     def engine_pools(self) -> list[tuple[str, EnginePoolSpec]]:

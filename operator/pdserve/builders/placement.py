@@ -9,13 +9,13 @@ import copy
 from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
+from pdserve.api.gpu_products import PRODUCT_LABEL as GPU_PRODUCT_LABEL
 from pdserve.api.placement import Strength
 from pdserve.api.requirements import ResourceRequirements, guaranteed_resources
 from pdserve.builders.names import slice_labels
 from pdserve.builders.pods import resources
 from pdserve.contract.names import MODEL_LABEL, SLICE_LABEL, Component
 
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 MULTUS_NETWORKS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"

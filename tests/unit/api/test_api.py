@@ -191,3 +191,26 @@ def test_names_that_cannot_prefix_child_names_are_refused(name: str, expected: s
 def test_every_problem_is_reported_at_once() -> None:
     found = problems(resource(decode={"replicas": -1}, render={"workers": 0}))
     assert len(found) == 2
+
+
+def test_a_clique_domain_on_products_that_never_carry_it_is_refused_naming_them() -> None:
+    clique = {"topologyKey": "nvidia.com/gpu.clique"}
+    [problem] = problems(
+        resource(placement={"gpuProducts": ["NVIDIA-H200", "NVIDIA-GB200"], "domain": clique})
+    )
+    assert problem.startswith(
+        "spec.placement: placement.domain.topologyKey nvidia.com/gpu.clique (mode Required) on "
+        "NVIDIA-H200: GPU Feature Discovery sets that label only on multi-node NVLink systems"
+    )
+    assert "Use topologyKey kubernetes.io/hostname" in problem
+    h100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    [problem] = problems(resource(placement={"nodeSelector": h100, "domain": {}}))
+    assert "on NVIDIA-H100-80GB-HBM3:" in problem
+    # GB200 nodes carry it; Preferred may leave the domain; an unknown product is not judged.
+    for placement in (
+        {"gpuProducts": ["NVIDIA-GB200"], "domain": clique},
+        {"gpuProducts": ["NVIDIA-H200"], "domain": {**clique, "mode": "Preferred"}},
+        {"gpuProducts": ["NVIDIA-B300-SXM6-AC"], "domain": clique},
+        {"domain": clique},
+    ):
+        parse_resource(resource(placement=placement))
