@@ -80,7 +80,7 @@ class SliceTransport(ApiModel):
     """True: the probe moved data over the expected transport; False: it did not (reason
     says why); unset: the probe has not reported yet."""
     reason: str
-    """Verified, Probing, TCPFallback, NoRDMADevice, RDMALinkDown, P2PNotSupported, DataCorrupted,
+    """Verified, Probing, TCPFallback, NoRDMADevice, RDMALinkDown, DataCorrupted,
     ProbeFailed or WaitingForPlacement."""
     message: str = ""
     """What the probe saw, for humans."""

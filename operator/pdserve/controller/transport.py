@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
-from pdserve.api.placement import HOSTNAME_KEY
 from pdserve.api.status import SliceTransport
 from pdserve.builders.preflight import NodePair, job_name, wants_preflight
 from pdserve.contract.names import COMPONENT_LABEL, KV_TRANSPORT_ANNOTATION, SLICE_LABEL, Component
@@ -69,8 +68,8 @@ def judge(
     pair: NodePair | None,
     reports: Sequence[dict[str, Any]],
 ) -> SliceTransport:
-    """Whether the slice's KV path does what the spec asks: RDMA when placement.rdma is set,
-    peer-to-peer GPUs for same-node pairs, intact data in any case."""
+    """Whether the slice's KV path does what the spec asks: RDMA when placement.rdma is set
+    (same-node pairs included: the NIC loops back between pods), intact data in any case."""
     if pair is None:
         return SliceTransport(
             slice=slice_index,
@@ -119,25 +118,23 @@ def judge(
                     f"{d.get('device')}:{d.get('port')} {d.get('state')}" for d in devices
                 )
                 problems.append(("RDMALinkDown", f"{where}: no ACTIVE port ({states})"))
-        if transport != "rdma" and len(pair.nodes) == 2:
+        # On one node the probe's host memory may take shared memory, which is no fallback;
+        # TCP is one on any pair (the NIC loops back between pods on one node).
+        if transport == "tcp" or (transport != "rdma" and len(pair.nodes) == 2):
             problems.append(
                 (
                     "TCPFallback" if transport == "tcp" else "UnexpectedTransport",
                     f"placement.rdma is set but the data went over {transport}",
                 )
             )
-    domain = dm.spec.placement.domain
-    if domain is not None and domain.topology_key == HOSTNAME_KEY:
-        for report in reports:
-            p2p = report.get("p2p") or {}
-            if p2p.get("status") == "NS":
-                problems.append(
-                    (
-                        "P2PNotSupported",
-                        f"GPUs on {report.get('node')} cannot read peer-to-peer "
-                        f"({', '.join(p2p.get('notOk', []))})",
-                    )
-                )
+    if len(pair.nodes) == 1:
+        # Separate pods are separate PID namespaces, which UCX's cuda_ipc refuses
+        # (openucx/ucx#11978): whatever NVLink or P2P the node has, KV between them moves over
+        # the lanes measured here, never CUDA IPC.
+        numbers += (
+            "; prefill and decode share a node but not a pod, so KV cannot use CUDA IPC "
+            "(NVLink/P2P) between them"
+        )
     if problems:
         reason = problems[0][0]
         message = "; ".join(m for _, m in problems) + f" ({numbers})"

@@ -169,16 +169,36 @@ def test_failures_are_named(reports: list[dict[str, Any]], reason: str, words: s
     assert message.startswith("slice 0: ")
 
 
-def test_p2p_matters_for_same_node_pairs() -> None:
-    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}})
-    reports = [report("server", "gpu-a", p2p={"status": "NS", "notOk": ["NS"]}),
-               report("client", "gpu-a", transport="cuda_ipc")]  # fmt: skip
+def same_node_verdict(dm: Any, client_transport: str) -> Any:
+    reports = [report("server", "gpu-a", p2p={"status": "OK"}),
+               report("client", "gpu-a", transport=client_transport)]  # fmt: skip
     engines = [engine_pod("m-prefill-0", "prefill", 0, "gpu-a"),
                engine_pod("m-decode-0", "decode", 0, "gpu-a")]  # fmt: skip
     job = job_name(dm, 0, NodePair("gpu-a", "gpu-a"))
     probes = [probe_pod(job, n, r) for n, r in enumerate(reports)]
     [verdict] = slice_verdicts(dm, engines, probes)
-    assert (verdict.verified, verdict.reason) == (False, "P2PNotSupported")
+    return verdict
+
+
+def test_same_node_pairs_never_claim_nvlink_between_pods() -> None:
+    """A node whose GPUs all read peer-to-peer still gives two pods no CUDA IPC: the verdict
+    names the lanes measured and says so."""
+    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}})
+    verdict = same_node_verdict(dm, "tcp")
+    assert (verdict.verified, verdict.reason) == (True, "Verified")
+    assert verdict.message.startswith("tcp via ")
+    assert verdict.message.endswith(
+        "prefill and decode share a node but not a pod, so KV cannot use CUDA IPC "
+        "(NVLink/P2P) between them"
+    )
+
+
+def test_rdma_on_one_node_is_still_rdma_or_a_tcp_fallback() -> None:
+    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"},
+                          "rdma": {"resource": "rdma/rdma_shared_device_a"},
+                          "guaranteedQoS": False})  # fmt: skip
+    verdict = same_node_verdict(dm, "tcp")
+    assert (verdict.verified, verdict.reason) == (False, "TCPFallback")
 
 
 def test_pending_reports_and_bad_messages() -> None:
