@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.api import GROUP, PLURAL, VERSION, SpecError, parse_stored
-from pdserve.api.fit import fit_warnings
+from pdserve.api.advice import admission_warnings
 from pdserve.controller.leader import LeaderElector
 from pdserve.controller.pod_security import pod_security_refusal
 from pdserve.controller.runner import Reconciler
@@ -154,7 +154,7 @@ def build_registry(
             except SpecError as error:
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
             warnings.extend(unknown)
-            warnings.extend(fit_warnings(dm.spec))
+            warnings.extend(admission_warnings(dm.spec))
             if running.reconciler is not None:
                 refusal = await pod_security_refusal(running.reconciler.kube, dm)
                 if refusal is not None:

@@ -20,6 +20,7 @@ from pdserve.api import (
     SpecError,
     parse_stored,
 )
+from pdserve.api.advice import admission_warnings
 from pdserve.api.autoscaling import RenderAutoscaler
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
@@ -321,6 +322,9 @@ async def _converge(
     for field_warning in newer:
         # Once per field and operator process: it stays until the operator is upgraded.
         warn_once(warned, dm, field_warning)
+    for advice in admission_warnings(dm.spec):
+        # The webhook told whoever applied it; this tells whoever runs a cluster without it.
+        warn_once(warned, dm, advice)
     digest, warnings = await chat_template_digest(kube, dm)
     pods_before = await model_pods(kube, cache, dm.namespace, dm.name)
     optional = set() if network is not None else {NETWORK_POLICY}

@@ -1,0 +1,49 @@
+"""Admission warnings: what a spec allows but a user should hear about before pods exist (kubectl
+prints them; the operator logs them). Refusals live beside the fields they judge."""
+
+from __future__ import annotations
+
+from pdserve.api.fit import fit_warnings
+from pdserve.api.gpu_products import CLIQUE_LABEL, lookup
+from pdserve.api.placement import Strength
+from pdserve.api.spec import DisaggregatedModelSpec
+
+
+def _one_nic_for_many_gpus(spec: DisaggregatedModelSpec) -> list[str]:
+    devices = spec.kv_transfer.ucx_net_devices
+    if devices is None or devices == "all" or "," in devices or spec.placement.rdma is None:
+        return []
+    return [
+        f"spec.kvTransfer.ucxNetDevices {devices} sends the KV of all {pool.gpus} GPUs of each "
+        f"spec.{name} pod through one NIC (UCX_NET_DEVICES applies to every rank; on 8-NIC HGX "
+        "nodes each GPU has its own) and under SR-IOV the name inside the pod differs from the "
+        "host's: leave it unset (UCX picks the NIC nearest each GPU) or list every NIC"
+        for name, pool in spec.engine_pools()
+        if pool.gpus > 1
+    ]
+
+
+def _clique_domain(spec: DisaggregatedModelSpec) -> list[str]:
+    domain = spec.placement.domain
+    if domain is None or domain.topology_key != CLIQUE_LABEL:
+        return []
+    products = [lookup(p) for p in spec.placement.products]
+    if not products:
+        strength = "wait Pending" if domain.mode is Strength.required else "ignore the domain"
+        return [
+            f"spec.placement.domain.topologyKey {CLIQUE_LABEL}: GPU Feature Discovery publishes "
+            "it only on multi-node NVLink systems (GB200/GB300 NVL72); on HGX H100/H200 nodes "
+            f"engine pods would {strength}. Use kubernetes.io/hostname there, or set "
+            "spec.placement.gpuProducts so pdserve can check"
+        ]
+    if any(p is not None and p.multi_node_nvlink for p in products):
+        return [
+            "spec.placement.domain: NVLink between trays of a clique also needs IMEX channels, "
+            "which pods get only through a DRA ComputeDomain resource claim (NVIDIA's DRA "
+            "driver); without one, KV between trays moves over the NIC"
+        ]
+    return []
+
+
+def admission_warnings(spec: DisaggregatedModelSpec) -> list[str]:
+    return [*fit_warnings(spec), *_one_nic_for_many_gpus(spec), *_clique_domain(spec)]

@@ -1,0 +1,46 @@
+"""Admission warnings: a spec that is allowed but that a user should hear about before pods
+exist."""
+
+from __future__ import annotations
+
+from pdserve.api import parse_resource
+from pdserve.api.advice import admission_warnings
+from tests.unit.api.test_api import resource
+
+RDMA = {"resource": "rdma/rdma_shared_device_a"}
+GUARANTEED = {"requests": {"cpu": "8", "memory": "64Gi"}}
+
+
+def warnings_for(**spec: object) -> list[str]:
+    return admission_warnings(parse_resource(resource(**spec)).spec)
+
+
+def test_one_nic_pinned_for_a_multi_gpu_pod_is_named_per_pool() -> None:
+    found = warnings_for(
+        kvTransfer={"ucxNetDevices": "mlx5_0:1"},
+        placement={"rdma": RDMA},
+        prefill={"tensorParallelSize": 2, "resources": GUARANTEED},
+        decode={"resources": GUARANTEED},
+    )
+    assert found == [
+        "spec.kvTransfer.ucxNetDevices mlx5_0:1 sends the KV of all 2 GPUs of each spec.prefill "
+        "pod through one NIC (UCX_NET_DEVICES applies to every rank; on 8-NIC HGX nodes each "
+        "GPU has its own) and under SR-IOV the name inside the pod differs from the host's: "
+        "leave it unset (UCX picks the NIC nearest each GPU) or list every NIC"
+    ]
+    listed = {"ucxNetDevices": "mlx5_0:1,mlx5_1:1"}
+    assert warnings_for(kvTransfer=listed, placement={"rdma": RDMA, "guaranteedQoS": False},
+                        prefill={"tensorParallelSize": 2}) == []  # fmt: skip
+
+
+def test_a_clique_domain_without_known_products_warns_and_on_gb200_asks_for_imex() -> None:
+    [unknown] = warnings_for(placement={"domain": {}})
+    assert "publishes it only on multi-node NVLink systems" in unknown
+    assert "engine pods would wait Pending" in unknown
+    [gb200] = warnings_for(placement={"domain": {}, "gpuProducts": ["NVIDIA-GB200"]})
+    assert "IMEX channels" in gb200
+    assert warnings_for(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}}) == []
+
+
+def test_a_plain_spec_has_no_warnings() -> None:
+    assert warnings_for() == []
