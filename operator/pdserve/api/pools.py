@@ -67,7 +67,12 @@ class EnginePoolSpec(VllmPoolFields):
     drain_seconds: Annotated[int, Field(ge=0, le=300)] = 5
     """On rollouts and scale-down an engine pod keeps serving this long after it is marked for
     deletion, so gateways stop sending it requests before SIGTERM closes its listener (vLLM
-    then finishes in-flight requests within the 120 s grace period)."""
+    then finishes in-flight requests for up to shutdownTimeoutSeconds)."""
+    shutdown_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
+    """How long vLLM keeps generating the requests in flight after SIGTERM before it aborts
+    what is left (--shutdown-timeout; vLLM's own default, 0, aborts them at once). The pod's
+    terminationGracePeriodSeconds is drainSeconds + this + 30 s for the process to exit, so
+    the kubelet never kills an engine that is still draining."""
 
     @property
     def gpus(self) -> int:

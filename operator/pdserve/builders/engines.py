@@ -30,8 +30,15 @@ from pdserve.builders.vllm_args import engine_args
 from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
-# Grace after the drain: vLLM finishes in-flight generations on SIGTERM.
-ENGINE_SHUTDOWN_SECONDS = 120
+# After vLLM's --shutdown-timeout has run out (or the last request finished), the engine still
+# has to stop its API server, engine core and GPU workers and free their memory: the kubelet's
+# SIGKILL must not land in that (llm-d's P/D guide: 60 s drain within a 90 s grace period).
+ENGINE_EXIT_MARGIN_SECONDS = 30
+
+
+def termination_grace_seconds(pool: EnginePoolSpec) -> int:
+    """The preStop drain, then vLLM's own drain of requests in flight, then its exit."""
+    return pool.drain_seconds + pool.shutdown_timeout_seconds + ENGINE_EXIT_MARGIN_SECONDS
 
 
 def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
@@ -113,7 +120,7 @@ def engine_pool(
             node_selector=pool.node_selector,
             tolerations=[dict(t) for t in pool.tolerations],
             # Let in-flight generations finish before the engine goes away.
-            termination_grace_seconds=pool.drain_seconds + ENGINE_SHUTDOWN_SECONDS,
+            termination_grace_seconds=termination_grace_seconds(pool),
             gpu_pool=True,
             affinity=engine_affinity(dm, slice_index),
             extra_spec=engine_pod_fields(dm),

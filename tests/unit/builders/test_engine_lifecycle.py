@@ -49,6 +49,45 @@ def flag(obj: dict[str, Any], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+# --- vLLM drains on SIGTERM, within the grace period ---------------------------------------
+
+
+def test_engines_drain_for_the_shutdown_timeout_inside_the_grace_period() -> None:
+    built = objects(model(prefill={"replicas": 1, "drainSeconds": 10,
+                                   "shutdownTimeoutSeconds": 300}))  # fmt: skip
+    prefill, decode = built["StatefulSet/qwen-prefill"], built["StatefulSet/qwen-decode"]
+    assert flag(prefill, "--shutdown-timeout") == "300"
+    # The preStop drain, then vLLM's drain, then 30 s to stop its processes.
+    assert pod(prefill)["terminationGracePeriodSeconds"] == 10 + 300 + 30
+    assert flag(decode, "--shutdown-timeout") == "60"  # the default: vLLM's own (0) aborts
+    assert pod(decode)["terminationGracePeriodSeconds"] == 5 + 60 + 30
+
+
+def test_a_zero_shutdown_timeout_is_vllms_abort_and_still_written() -> None:
+    decode = objects(model(decode={"shutdownTimeoutSeconds": 0}))["StatefulSet/qwen-decode"]
+    assert flag(decode, "--shutdown-timeout") == "0"
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_shutdown_timeout_in_extra_args_points_to_the_field(pool: str) -> None:
+    message = problems(**{pool: {"replicas": 1, "extraArgs": ["--shutdown-timeout=30"]}})
+    assert message == (
+        f"spec.{pool}.extraArgs[0] sets --shutdown-timeout, which is derived from "
+        f"spec.{pool}.shutdownTimeoutSeconds; set it there instead"
+    )
+
+
+def test_the_render_pool_is_pointed_at_the_engine_pools_field() -> None:
+    message = problems(render={"extraArgs": ["--tensor-parallel-size", "2"]})
+    assert "spec.{prefill,decode}.tensorParallelSize" in message
+
+
+def test_shutdown_timeout_is_bounded() -> None:
+    assert "spec.decode.shutdownTimeoutSeconds: Input should be less than or equal to 3600" in (
+        problems(decode={"shutdownTimeoutSeconds": 3601})
+    )
+
+
 # --- probes ----------------------------------------------------------------------------------
 
 
