@@ -104,7 +104,8 @@ class DisaggregatedModelSpec(ApiModel):
                             f"{source}; remove it"
                         )
             if self.placement.wants_guaranteed_qos:
-                guaranteed_resources(name, engine.resources)
+                on_gpus = bool(self.placement.accelerator_resource)
+                guaranteed_resources(name, engine.effective_resources(on_gpus))
         self._check_engine_autoscaling()
         return self
 

@@ -100,3 +100,40 @@ def test_every_probe_has_an_explicit_timeout() -> None:
         assert probes["livenessProbe"]["timeoutSeconds"] == 5, name
         if "startupProbe" in probes:
             assert probes["startupProbe"]["timeoutSeconds"] == 5, name
+
+
+# --- engine resources ----------------------------------------------------------------------
+
+
+def test_gpu_engines_request_cpu_and_memory_per_gpu_when_the_pool_sets_none() -> None:
+    built = objects(model(prefill={"replicas": 1, "tensorParallelSize": 2,
+                                   "dataParallelSize": 2}))  # fmt: skip
+    prefill = container(built["StatefulSet/qwen-prefill"])["resources"]
+    assert prefill == {"requests": {"cpu": "8", "memory": "64Gi"},
+                       "limits": {"nvidia.com/gpu": "4"}}  # fmt: skip
+    decode = container(built["StatefulSet/qwen-decode"])["resources"]
+    assert decode["requests"] == {"cpu": "2", "memory": "16Gi"}
+
+
+def test_what_the_pool_sets_is_kept_and_only_the_rest_is_defaulted() -> None:
+    decode = objects(model(decode={"resources": {
+        "requests": {"cpu": "500m"}, "limits": {"memory": "8Gi"},
+    }}))["StatefulSet/qwen-decode"]  # fmt: skip
+    # A memory limit alone: Kubernetes requests the limit, so no default request is added.
+    assert container(decode)["resources"] == {
+        "requests": {"cpu": "500m"},
+        "limits": {"memory": "8Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_cpu_engines_get_no_default_requests() -> None:
+    decode = objects(model(placement={"acceleratorResource": ""}))["StatefulSet/qwen-decode"]
+    assert "resources" not in container(decode) or not container(decode)["resources"]
+
+
+def test_guaranteed_qos_makes_the_defaults_limits_too() -> None:
+    built = objects(model(prefill={"replicas": 1, "tensorParallelSize": 2},
+                          placement={"guaranteedQoS": True}))  # fmt: skip
+    resources = container(built["StatefulSet/qwen-prefill"])["resources"]
+    assert resources["requests"] == {"cpu": "4", "memory": "32Gi"}
+    assert resources["limits"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "2"}
