@@ -137,3 +137,32 @@ def test_guaranteed_qos_makes_the_defaults_limits_too() -> None:
     resources = container(built["StatefulSet/qwen-prefill"])["resources"]
     assert resources["requests"] == {"cpu": "4", "memory": "32Gi"}
     assert resources["limits"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "2"}
+
+
+# --- NIXL ports and /dev/shm -----------------------------------------------------------------
+
+
+def test_one_nixl_port_per_data_parallel_rank_on_the_pod_and_its_service() -> None:
+    built = objects(model(prefill={"replicas": 1, "dataParallelSize": 3},
+                          kvTransfer={"sideChannelPort": 7000}))  # fmt: skip
+    ports = {p["name"]: p["containerPort"]
+             for p in container(built["StatefulSet/qwen-prefill"])["ports"]}  # fmt: skip
+    assert ports == {"http": 8000, "nixl": 7000, "nixl-dp1": 7001, "nixl-dp2": 7002}
+    service = {p["name"]: p["port"] for p in built["Service/qwen-prefill"]["spec"]["ports"]}
+    assert service == ports
+    decode = {p["name"] for p in container(built["StatefulSet/qwen-decode"])["ports"]}
+    assert decode == {"http", "nixl"}
+
+
+def test_side_channel_ports_past_65535_are_refused() -> None:
+    message = problems(decode={"dataParallelSize": 4}, kvTransfer={"sideChannelPort": 65533})
+    assert message.startswith("spec.kvTransfer.sideChannelPort 65533: NIXL listens on it plus")
+    assert "spec.decode.dataParallelSize 4" in message
+    assert "at most 65532" in message
+
+
+def test_dev_shm_is_capped_per_gpu() -> None:
+    built = objects(model(prefill={"replicas": 1, "tensorParallelSize": 4}))
+    [shm] = [v for v in pod(built["StatefulSet/qwen-prefill"])["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert "dshm" not in [v["name"] for v in pod(built["StatefulSet/qwen-decode"])["volumes"]]
