@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.api import DisaggregatedModel, SpecError, parse_resource
 from pdserve.builders import build_all
+from pdserve.gateway.settings import GatewaySettings
 
 
 def model(**spec: Any) -> DisaggregatedModel:
@@ -166,3 +167,22 @@ def test_dev_shm_is_capped_per_gpu() -> None:
     [shm] = [v for v in pod(built["StatefulSet/qwen-prefill"])["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert "dshm" not in [v["name"] for v in pod(built["StatefulSet/qwen-decode"])["volumes"]]
+
+
+# --- the gateway's request timeout ---------------------------------------------------------
+
+
+def test_the_gateway_request_timeout_reaches_its_command_line() -> None:
+    gateway = objects(model(gateway={"requestTimeoutSeconds": 1800}))["Deployment/qwen-gateway"]
+    assert flag(gateway, "--request-timeout-seconds") == "1800"
+    default = objects(model())["Deployment/qwen-gateway"]
+    assert float(flag(default, "--request-timeout-seconds")) == GatewaySettings().request_timeout
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0, "greater than or equal to 1"), (86401, "less than or equal to 86400")],
+)
+def test_the_gateway_request_timeout_is_bounded(value: int, expected: str) -> None:
+    message = problems(gateway={"requestTimeoutSeconds": value})
+    assert message.startswith(f"spec.gateway.requestTimeoutSeconds: Input should be {expected}")
