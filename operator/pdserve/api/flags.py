@@ -26,6 +26,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--max-num-seqs": "spec.<pool>.scheduler.maxNumSeqs",
     "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
     "--renderer-num-workers": "spec.render.workers",
+    "--shutdown-timeout": "spec.<pool>.shutdownTimeoutSeconds",
 }
 OWNED_ENV: dict[str, str] = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
@@ -58,7 +59,9 @@ def check_extra_args(pool: str, args: list[str], parity_flags: Mapping[str, str]
                 f"in every pool, so set it once in {parity_flags[flag]}"
             )
         if flag in OWNED_FLAGS:
-            owner = OWNED_FLAGS[flag].replace("<pool>", pool)
+            # The render pool has none of the engine pools' fields: name where they live.
+            engine_field = "{prefill,decode}" if pool == "render" else pool
+            owner = OWNED_FLAGS[flag].replace("<pool>", engine_field)
             raise ValueError(
                 f"spec.{pool}.extraArgs[{index}] sets {flag}, which is derived from {owner}; "
                 "set it there instead"

@@ -65,6 +65,11 @@ class GatewaySpec(ApiModel):
     """Node labels the gateway pods require."""
     tolerations: list[PreservedObject] = Field(default_factory=list)
     """Tolerations of the gateway pods."""
+    request_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+    """Longest a whole request may take, from its first byte to its last (a non-streamed
+    answer is bounded by this alone): then 504, or an error event in a stream. Raise it for
+    long generations (reasoning models, large max_tokens); the engines' own drain on a
+    rollout (<pool>.shutdownTimeoutSeconds) is separate."""
     request_log: bool = False
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token

@@ -137,7 +137,8 @@ class PlacementSpec(ApiModel):
     guaranteed_qos: Annotated[bool | None, Field(alias="guaranteedQoS")] = None
     """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
     kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma
-    is set. Needs cpu and memory in <pool>.resources."""
+    is set. Uses cpu and memory of <pool>.resources, on GPUs their per-GPU defaults where
+    unset; CPU engines need both set."""
 
     @model_validator(mode="after")
     def _clique_only_where_nodes_carry_it(self) -> PlacementSpec:

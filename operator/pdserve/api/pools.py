@@ -9,7 +9,7 @@ from pydantic import Field
 from pdserve.api.autoscaling import EngineAutoscalingSpec
 from pdserve.api.base import ApiModel
 from pdserve.api.common import EnvVar, LabelMap, PreservedObject
-from pdserve.api.requirements import ResourceRequirements
+from pdserve.api.requirements import ResourceRequirements, engine_default_resources
 
 
 class SchedulerSpec(ApiModel):
@@ -57,7 +57,9 @@ class EnginePoolSpec(VllmPoolFields):
     """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
     tensorParallelSize x dataParallelSize."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set."""
+    """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set.
+    On GPUs, a CPU or memory left unset (no request, no limit) is requested per GPU: 2 CPU and
+    16Gi (docs/reference/crd.md, "Engine resources")."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     """Fraction of GPU memory vLLM may use (--gpu-memory-utilization)."""
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
@@ -67,8 +69,19 @@ class EnginePoolSpec(VllmPoolFields):
     drain_seconds: Annotated[int, Field(ge=0, le=300)] = 5
     """On rollouts and scale-down an engine pod keeps serving this long after it is marked for
     deletion, so gateways stop sending it requests before SIGTERM closes its listener (vLLM
-    then finishes in-flight requests within the 120 s grace period)."""
+    then finishes in-flight requests for up to shutdownTimeoutSeconds)."""
+    shutdown_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] = 60
+    """How long vLLM keeps generating the requests in flight after SIGTERM before it aborts
+    what is left (--shutdown-timeout; vLLM's own default, 0, aborts them at once). The pod's
+    terminationGracePeriodSeconds is drainSeconds + this + 30 s for the process to exit, so
+    the kubelet never kills an engine that is still draining."""
 
     @property
     def gpus(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def effective_resources(self, on_gpus: bool) -> ResourceRequirements:
+        """resources, with per-GPU CPU and memory requests where unset when the engines run
+        on GPUs; engines on CPU (simulators, vLLM's CPU backend) keep exactly what is set:
+        their size depends on the model, not on a GPU count."""
+        return engine_default_resources(self.resources, self.gpus) if on_gpus else self.resources

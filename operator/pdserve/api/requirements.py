@@ -19,6 +19,32 @@ class ResourceRequirements(ApiModel):
     """Resource limits."""
 
 
+# What an engine pod on GPUs requests per GPU (tensorParallelSize x dataParallelSize) for the
+# CPU and memory its pool leaves unset, so no engine runs BestEffort (the first evicted under
+# node memory pressure, with no CPU share at all). CPU: vLLM runs an API server, an engine core
+# and one worker per GPU, each keeping about a core busy (TP 1 runs the worker inside the
+# engine core). Memory: 16 GiB per GPU, llm-d's P/D guide's figure (16 Gi for a TP=1 prefill, 64
+# Gi for a TP=4 decode): host-side loading of weight shards, pinned staging buffers, NIXL's
+# registered buffers, and /dev/shm (a memory-backed volume). They are floors, not caps (no
+# limit is derived), except under Guaranteed QoS, which makes limits equal to them.
+ENGINE_CPU_PER_GPU = 2
+ENGINE_MEMORY_GIB_PER_GPU = 16
+
+
+def engine_default_resources(spec: ResourceRequirements, gpus: int) -> ResourceRequirements:
+    """`spec` with a CPU and a memory request per GPU added where it sets neither a request nor
+    a limit (a limit alone makes Kubernetes request the limit)."""
+    defaults = {
+        "cpu": str(ENGINE_CPU_PER_GPU * gpus),
+        "memory": f"{ENGINE_MEMORY_GIB_PER_GPU * gpus}Gi",
+    }
+    requests = dict(spec.requests)
+    for resource, quantity in defaults.items():
+        if resource not in spec.requests and resource not in spec.limits:
+            requests[resource] = quantity
+    return spec.model_copy(update={"requests": requests})
+
+
 def guaranteed_resources(pool: str, spec: ResourceRequirements) -> dict[str, Quantity]:
     """CPU and memory for requests == limits; refuses what cannot be made Guaranteed."""
     out: dict[str, Quantity] = {}

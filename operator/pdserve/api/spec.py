@@ -131,11 +131,25 @@ class DisaggregatedModelSpec(ApiModel):
                             f"{source}; remove it"
                         )
             if self.placement.wants_guaranteed_qos:
-                guaranteed_resources(name, engine.resources)
+                on_gpus = bool(self.placement.accelerator_resource)
+                guaranteed_resources(name, engine.effective_resources(on_gpus))
         self._check_engine_autoscaling()
+        self._check_side_channel_ports()
         if problems := fit_problems(self):
             raise ValueError("; ".join(problems))
         return self
+
+    def _check_side_channel_ports(self) -> None:
+        """vLLM listens at sideChannelPort + data-parallel rank: every rank's port must exist."""
+        port = self.kv_transfer.side_channel_port
+        for name, pool in self.engine_pools():
+            if port + pool.data_parallel_size - 1 > 65535:
+                raise ValueError(
+                    f"spec.kvTransfer.sideChannelPort {port}: NIXL listens on it plus each "
+                    f"data-parallel rank, up to {port + pool.data_parallel_size - 1} for "
+                    f"spec.{name}.dataParallelSize {pool.data_parallel_size}, past 65535; set "
+                    f"sideChannelPort to at most {65536 - pool.data_parallel_size}"
+                )
 
     def engine_pools(self) -> list[tuple[str, EnginePoolSpec]]:
         """The engine pools that run: ("prefill", ...) when disaggregated, then ("decode", ...)."""

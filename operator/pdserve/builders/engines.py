@@ -30,8 +30,15 @@ from pdserve.builders.vllm_args import engine_args
 from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
-# Grace after the drain: vLLM finishes in-flight generations on SIGTERM.
-ENGINE_SHUTDOWN_SECONDS = 120
+# After vLLM's --shutdown-timeout has run out (or the last request finished), the engine still
+# has to stop its API server, engine core and GPU workers and free their memory: the kubelet's
+# SIGKILL must not land in that (llm-d's P/D guide: 60 s drain within a 90 s grace period).
+ENGINE_EXIT_MARGIN_SECONDS = 30
+
+
+def termination_grace_seconds(pool: EnginePoolSpec) -> int:
+    """The preStop drain, then vLLM's own drain of requests in flight, then its exit."""
+    return pool.drain_seconds + pool.shutdown_timeout_seconds + ENGINE_EXIT_MARGIN_SECONDS
 
 
 def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
@@ -48,6 +55,27 @@ def nixl_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
     if kv.ucx_transports:
         env.append({"name": "UCX_TLS", "value": kv.ucx_transports})
     return env
+
+
+def nixl_ports(base: int, data_parallel_size: int) -> list[dict[str, Any]]:
+    """vLLM opens one NIXL side-channel listener per data-parallel rank, at base + rank: rank 0
+    keeps the port name it always had."""
+    return [
+        {"name": "nixl" if rank == 0 else f"nixl-dp{rank}", "containerPort": base + rank,
+         "protocol": "TCP"}
+        for rank in range(data_parallel_size)
+    ]  # fmt: skip
+
+
+# /dev/shm per GPU of a pod: NCCL's shared-memory transport and vLLM's broadcast queues between
+# workers use far less; the cap only keeps a leak from eating the pod's memory (a
+# memory-medium emptyDir is charged to it) before the kubelet evicts the pod.
+SHM_GIB_PER_GPU = 2
+
+
+def shm_size(pool: EnginePoolSpec) -> str:
+    """/dev/shm per pod: SHM_GIB_PER_GPU for each GPU (llm-d sizes it 2-20 Gi)."""
+    return f"{SHM_GIB_PER_GPU * pool.gpus}Gi"
 
 
 def engine_pool(
@@ -71,12 +99,14 @@ def engine_pool(
     ]
     if role is not None and kv.connector in NIXL_CONNECTORS:
         env += nixl_env(dm)
-        ports.append({"name": "nixl", "containerPort": kv.side_channel_port, "protocol": "TCP"})
+        ports += nixl_ports(kv.side_channel_port, pool.data_parallel_size)
     env += env_list(pool.env)
     volumes, mounts = model_volumes(dm)
     if pool.gpus > 1:
-        # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi. Memory
+        # backed: what it holds counts as the container's memory, so it is capped.
+        volumes.append({"name": "dshm",
+                        "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(pool)}})  # fmt: skip
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container: dict[str, Any] = {
         "name": "vllm",
@@ -113,7 +143,7 @@ def engine_pool(
             node_selector=pool.node_selector,
             tolerations=[dict(t) for t in pool.tolerations],
             # Let in-flight generations finish before the engine goes away.
-            termination_grace_seconds=pool.drain_seconds + ENGINE_SHUTDOWN_SECONDS,
+            termination_grace_seconds=termination_grace_seconds(pool),
             gpu_pool=True,
             affinity=engine_affinity(dm, slice_index),
             extra_spec=engine_pod_fields(dm),

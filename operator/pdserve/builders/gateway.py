@@ -135,6 +135,8 @@ def gateway(
             # Within the grace period below: the drain, then the shutdown timeout.
             "--drain-seconds",
             str(GATEWAY_DRAIN_SECONDS),
+            "--request-timeout-seconds",
+            str(spec.request_timeout_seconds),
             # The container's stdout: `kubectl logs` shows the lines.
             *(["--request-log", "/dev/stdout"] if spec.request_log else []),
             *(["--data-plane", DATA_PLANE_BINARY] if spec.data_plane else []),

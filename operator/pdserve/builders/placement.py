@@ -74,15 +74,15 @@ def engine_affinity(dm: DisaggregatedModel, slice_index: int) -> dict[str, Any] 
 def engine_resources(
     dm: DisaggregatedModel, component: Component, pool: EnginePoolSpec
 ) -> dict[str, Any]:
-    """CPU/memory as written (equal requests and limits under Guaranteed QoS), the accelerator
-    per tensor x data parallel rank, and the RDMA device."""
+    """CPU/memory as written, per-GPU requests where unset (equal requests and limits under
+    Guaranteed QoS), the accelerator per tensor x data parallel rank, and the RDMA device."""
     placement = dm.spec.placement
     extended: dict[str, int] = {}
     if placement.accelerator_resource:
         extended[placement.accelerator_resource] = pool.gpus
     if placement.rdma is not None:
         extended[placement.rdma.resource] = placement.rdma.count
-    spec = pool.resources
+    spec = pool.effective_resources(bool(placement.accelerator_resource))
     if placement.wants_guaranteed_qos:
         both = guaranteed_resources(component.value, spec)
         spec = ResourceRequirements(

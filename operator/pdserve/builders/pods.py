@@ -72,16 +72,29 @@ def resources(
     return out
 
 
+# Kubernetes' default probe timeout is 1 s: a busy engine (a long prefill holding its event
+# loop, a GC pause) or a render server deep in a parse answers /health later than that, and
+# six missed liveness probes restart a healthy pod with every request on it. llm-d's P/D
+# manifests use the same two numbers.
+LIVENESS_TIMEOUT_SECONDS = 5
+# Readiness stays quicker to judge: a pod that cannot answer in 2 s should get no new requests.
+READINESS_TIMEOUT_SECONDS = 2
+
+
 def http_probes(path: str, *, slow_start: bool) -> dict[str, Any]:
     """Readiness gates traffic; a startup probe gives model loading up to 30 minutes before
     liveness may restart the container."""
     check = {"httpGet": {"path": path, "port": "http"}}
     probes: dict[str, Any] = {
-        "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**check, "periodSeconds": 10, "failureThreshold": 6},
-    }
+        "readinessProbe": {**check, "periodSeconds": 5, "timeoutSeconds": READINESS_TIMEOUT_SECONDS,
+                           "failureThreshold": 3},
+        "livenessProbe": {**check, "periodSeconds": 10, "timeoutSeconds": LIVENESS_TIMEOUT_SECONDS,
+                          "failureThreshold": 6},
+    }  # fmt: skip
     if slow_start:
-        probes["startupProbe"] = {**check, "periodSeconds": 10, "failureThreshold": 180}
+        probes["startupProbe"] = {**check, "periodSeconds": 10,
+                                  "timeoutSeconds": LIVENESS_TIMEOUT_SECONDS,
+                                  "failureThreshold": 180}  # fmt: skip
     return probes
 
 

@@ -55,7 +55,7 @@ def render_pool(
     volumes, mounts = model_volumes(dm)
     container = {
         "name": "render",
-        "image": dm.spec.image.render or dm.spec.image.engine,
+        "image": dm.spec.image.render_image,
         "imagePullPolicy": dm.spec.image.pull_policy,
         "command": ["vllm", "launch", "render"],
         "args": render_args(dm, RENDER_PORT),

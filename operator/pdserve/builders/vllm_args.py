@@ -76,6 +76,8 @@ def pool_flags(pool: EnginePoolSpec) -> list[str]:
         "--tensor-parallel-size", str(pool.tensor_parallel_size),
         "--data-parallel-size", str(pool.data_parallel_size),
         "--gpu-memory-utilization", f"{pool.gpu_memory_utilization:g}",
+        # Always written: vLLM's default, 0, aborts every request in flight on SIGTERM.
+        "--shutdown-timeout", str(pool.shutdown_timeout_seconds),
     ]  # fmt: skip
     scheduler = pool.scheduler
     if scheduler.enable_chunked_prefill is not None:

@@ -135,7 +135,8 @@ def test_ucx_transports_reach_both_engines() -> None:
     ("placement", "pool_resources", "message"),
     [
         ({"slices": 2}, None, "slices is 2 but domain is unset: set placement.domain.topologyKey"),
-        ({"guaranteedQoS": True}, {"requests": {"cpu": "4"}},
+        # On GPUs an unset memory gets its per-GPU default; CPU engines have none to take.
+        ({"guaranteedQoS": True, "acceleratorResource": ""}, {"requests": {"cpu": "4"}},
          "spec.decode.resources.requests.memory is needed: placement.guaranteedQoS"),
         ({"guaranteedQoS": True}, {"requests": {"cpu": "4", "memory": "1Gi"},
                                    "limits": {"memory": "2Gi"}},

@@ -109,10 +109,11 @@ def test_engine_pods_drain_before_stopping_unless_told_not_to() -> None:
     built = objects(model(prefill={"replicas": 1, "drainSeconds": 12}, decode={"drainSeconds": 0}))
     prefill = built["StatefulSet/qwen-prefill"]["spec"]["template"]["spec"]
     assert prefill["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 12}}}
-    assert prefill["terminationGracePeriodSeconds"] == 132
+    # The drain, vLLM's 60 s default --shutdown-timeout, and 30 s for the process to exit.
+    assert prefill["terminationGracePeriodSeconds"] == 12 + 60 + 30
     decode = built["StatefulSet/qwen-decode"]["spec"]["template"]["spec"]
     assert "lifecycle" not in decode["containers"][0]
-    assert decode["terminationGracePeriodSeconds"] == 120
+    assert decode["terminationGracePeriodSeconds"] == 60 + 30
 
 
 def test_keda_without_a_prometheus_is_refused_naming_the_field() -> None:

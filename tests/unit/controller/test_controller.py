@@ -41,7 +41,7 @@ def server_view(obj: dict[str, Any]) -> dict[str, Any]:
     if live["kind"] == "StatefulSet":
         container = live["spec"]["template"]["spec"]["containers"][0]
         container["terminationMessagePath"] = "/dev/termination-log"
-        container["readinessProbe"]["timeoutSeconds"] = 1
+        container["readinessProbe"]["successThreshold"] = 1
         live["spec"]["revisionHistoryLimit"] = 10
     return live
 
