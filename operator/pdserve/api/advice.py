@@ -36,11 +36,14 @@ def _clique_domain(spec: DisaggregatedModelSpec) -> list[str]:
             f"engine pods would {strength}. Use kubernetes.io/hostname there, or set "
             "spec.placement.gpuProducts so pdserve can check"
         ]
-    if any(p is not None and p.multi_node_nvlink for p in products):
+    if any(p is not None and p.multi_node_nvlink for p in products) and not (
+        spec.placement.resource_claims
+    ):
         return [
             "spec.placement.domain: NVLink between trays of a clique also needs IMEX channels, "
             "which pods get only through a DRA ComputeDomain resource claim (NVIDIA's DRA "
-            "driver); without one, KV between trays moves over the NIC"
+            "driver): add it to spec.placement.resourceClaims, or KV between trays moves over "
+            "the NIC"
         ]
     return []
 

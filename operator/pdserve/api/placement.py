@@ -57,6 +57,40 @@ class RdmaSpec(ApiModel):
     ports on the node and allows one engine pod per node)."""
 
 
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _one_claim_source(claim: ResourceClaimSpec) -> str | None:
+    template, name = claim.resource_claim_template_name, claim.resource_claim_name
+    if (template is None) == (name is None):
+        return "set exactly one of resourceClaimTemplateName and resourceClaimName"
+    return None
+
+
+ONE_CLAIM_SOURCE = CrossFieldRule(
+    "has(self.resourceClaimTemplateName) != has(self.resourceClaimName)",
+    "set exactly one of resourceClaimTemplateName and resourceClaimName",
+    None,
+    _one_claim_source,
+)
+
+
+class ResourceClaimSpec(ApiModel):
+    """A Dynamic Resource Allocation claim every engine pod (and its vllm container) gets, e.g.
+    the IMEX channel of an NVIDIA DRA ComputeDomain, without which GB200 NVL72 pods get no
+    NVLink across trays."""
+
+    model_config = with_rules([ONE_CLAIM_SOURCE])
+
+    name: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)]
+    """The claim's name inside the pod (pod spec resourceClaims[].name)."""
+    resource_claim_template_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    """A ResourceClaimTemplate in the model's namespace: each pod gets its own claim (the
+    ComputeDomain's channel template, e.g. <domain>-channel)."""
+    resource_claim_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    """An existing ResourceClaim every engine pod shares."""
+
+
 def _slices_need_a_domain(placement: PlacementSpec) -> str | None:
     if placement.slices > 1 and placement.domain is None:
         return (
@@ -134,6 +168,10 @@ class PlacementSpec(ApiModel):
     rdma: RdmaSpec | None = None
     """RDMA for the KV transfer: NIC resource, Multus networks, IPC_LOCK, host network opt-in.
     Unset: no RDMA resources or privileges are requested."""
+    resource_claims: list[ResourceClaimSpec] = Field(default_factory=list, max_length=16)
+    """DRA resource claims of every engine pod and its vllm container (pod spec
+    resourceClaims, container resources.claims): on GB200/GB300 NVL72 the IMEX channel of
+    NVIDIA's DRA ComputeDomain, which cross-tray NVLink needs."""
     guaranteed_qos: Annotated[bool | None, Field(alias="guaranteedQoS")] = None
     """Give engine containers requests == limits for CPU and memory (Guaranteed QoS) so the
     kubelet's topology manager can align GPUs and NICs on one NUMA node. Default: on when rdma

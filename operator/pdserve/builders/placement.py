@@ -88,16 +88,23 @@ def engine_resources(
         spec = ResourceRequirements(
             requests={**spec.requests, **both}, limits={**spec.limits, **both}
         )
-    return resources(spec, extended)
+    out = resources(spec, extended)
+    if placement.resource_claims:
+        out["claims"] = [{"name": claim.name} for claim in placement.resource_claims]
+    return out
 
 
 def engine_pod_fields(dm: DisaggregatedModel) -> dict[str, Any]:
-    """Pod spec fields of RDMA host networking."""
-    rdma = dm.spec.placement.rdma
-    if rdma is None or not rdma.host_network:
-        return {}
-    # Cluster DNS must keep working for the engine's own lookups (model hub, peers).
-    return {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    """Pod spec fields of RDMA host networking and DRA resource claims."""
+    placement = dm.spec.placement
+    fields: dict[str, Any] = {}
+    if placement.resource_claims:
+        fields["resourceClaims"] = [claim.to_json() for claim in placement.resource_claims]
+    rdma = placement.rdma
+    if rdma is not None and rdma.host_network:
+        # Cluster DNS must keep working for the engine's own lookups (model hub, peers).
+        fields |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    return fields
 
 
 def engine_pod_annotations(dm: DisaggregatedModel) -> dict[str, str]:

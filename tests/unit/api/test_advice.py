@@ -39,6 +39,9 @@ def test_a_clique_domain_without_known_products_warns_and_on_gb200_asks_for_imex
     assert "engine pods would wait Pending" in unknown
     [gb200] = warnings_for(placement={"domain": {}, "gpuProducts": ["NVIDIA-GB200"]})
     assert "IMEX channels" in gb200
+    claim = {"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}
+    gb200_with_imex = {"domain": {}, "gpuProducts": ["NVIDIA-GB200"], "resourceClaims": [claim]}
+    assert warnings_for(placement=gb200_with_imex) == []
     assert warnings_for(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}}) == []
 
 

@@ -16,7 +16,12 @@ from pdserve.api.base import CEL, ApiModel, CrossFieldRule, RuleViolation, rules
 from pdserve.api.crd import build_crd, structural_schema
 from pdserve.api.kv_transfer import KvTransferSpec
 from pdserve.api.model import ModelSource
-from pdserve.api.placement import HOST_NETWORK_SPLITS_A_NODE_DOMAIN, PlacementSpec
+from pdserve.api.placement import (
+    HOST_NETWORK_SPLITS_A_NODE_DOMAIN,
+    ONE_CLAIM_SOURCE,
+    PlacementSpec,
+    ResourceClaimSpec,
+)
 from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
 from pdserve.api.spec import NIC_PIN_NEEDS_RDMA, DisaggregatedModelSpec
@@ -37,6 +42,7 @@ TOKENS_ONLY = "engineApi TokensOnly needs enabled: true"
 HOST = "kubernetes.io/hostname"
 HOST_NETWORK = HOST_NETWORK_SPLITS_A_NODE_DOMAIN.message
 NIC_PIN = NIC_PIN_NEEDS_RDMA.message
+ONE_CLAIM = ONE_CLAIM_SOURCE.message
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -94,6 +100,14 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (PlacementSpec, {"slices": 2, "domain": {}}, None),
     (PlacementSpec, {"slices": 4, "domain": {"topologyKey": "kubernetes.io/hostname"}}, None),
     (PlacementSpec, {"slices": 2}, SLICES),
+    (ResourceClaimSpec, {"name": "imex", "resourceClaimTemplateName": "cd-channel"}, None),
+    (ResourceClaimSpec, {"name": "imex", "resourceClaimName": "shared"}, None),
+    (ResourceClaimSpec, {"name": "imex"}, ONE_CLAIM),
+    (
+        ResourceClaimSpec,
+        {"name": "imex", "resourceClaimName": "a", "resourceClaimTemplateName": "b"},
+        ONE_CLAIM,
+    ),
     (PlacementSpec, {"rdma": {"resource": "rdma/a", "hostNetwork": True}}, None),
     (PlacementSpec, {"rdma": {"resource": "rdma/a", "hostNetwork": True}, "domain": {}}, None),
     (PlacementSpec, {"rdma": {"resource": "rdma/a"}, "domain": {"topologyKey": HOST}}, None),
@@ -182,7 +196,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 13
+    assert len(rules) == 14
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

@@ -163,3 +163,18 @@ def test_ucx_tls_in_env_points_to_the_field() -> None:
     body["spec"]["decode"]["env"] = [{"name": "UCX_TLS", "value": "tcp"}]
     with pytest.raises(SpecError, match=r"derived from spec\.kvTransfer\.ucxTransports"):
         parse_resource(body)
+
+
+def test_resource_claims_reach_every_engine_pod_and_its_vllm_container() -> None:
+    """GB200 NVL72: NVLink across trays needs the IMEX channel of a DRA ComputeDomain."""
+    claim = {"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}
+    dm = model(resourceClaims=[claim])
+    engines = statefulsets(dm)
+    assert len(engines) == 2
+    for engine in engines.values():
+        pod = pod_spec(engine)
+        assert pod["resourceClaims"] == [claim]
+        [vllm] = pod["containers"]
+        assert vllm["resources"]["claims"] == [{"name": "imex"}]
+    others = [o for o in build_all(dm) if o["kind"] == "Deployment"]
+    assert all("resourceClaims" not in o["spec"]["template"]["spec"] for o in others)
