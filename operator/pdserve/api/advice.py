@@ -3,7 +3,7 @@ prints them; the operator logs them). Refusals live beside the fields they judge
 
 from __future__ import annotations
 
-from pdserve.api.fit import fit_warnings
+from pdserve.api.fit import fit_warnings, hf_cache_gib
 from pdserve.api.gpu_products import CLIQUE_LABEL, lookup
 from pdserve.api.placement import Strength
 from pdserve.api.spec import DisaggregatedModelSpec
@@ -48,5 +48,23 @@ def _clique_domain(spec: DisaggregatedModelSpec) -> list[str]:
     return []
 
 
+def _unsized_download(spec: DisaggregatedModelSpec) -> list[str]:
+    if spec.model.source.pvc is not None or spec.placement.engines_on_cpu:
+        return []
+    if hf_cache_gib(spec) is not None:
+        return []
+    return [
+        f"spec.model.source: {spec.model.name} downloads from the Hugging Face Hub into an "
+        "unsized emptyDir on every engine pod start, and pdserve does not know its size: set "
+        "spec.model.shape (pdserve then sizes the volume and requests the node disk), or load "
+        "it from spec.model.source.pvc"
+    ]
+
+
 def admission_warnings(spec: DisaggregatedModelSpec) -> list[str]:
-    return [*fit_warnings(spec), *_one_nic_for_many_gpus(spec), *_clique_domain(spec)]
+    return [
+        *fit_warnings(spec),
+        *_one_nic_for_many_gpus(spec),
+        *_clique_domain(spec),
+        *_unsized_download(spec),
+    ]

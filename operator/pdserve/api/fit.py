@@ -149,3 +149,18 @@ def fit_warnings(spec: DisaggregatedModelSpec) -> list[str]:
         for fit in fits(spec)
         if fit.fits and fit.spare < ACTIVATION_RESERVE_GIB * GIB
     ]
+
+
+# Headroom over parameters x bytes per parameter: tokenizer, config and the download's
+# temporary files beside the safetensors shards.
+DOWNLOAD_HEADROOM = 1.2
+
+
+def hf_cache_gib(spec: DisaggregatedModelSpec) -> int | None:
+    """GiB an engine pod's Hugging Face download needs (the emptyDir's sizeLimit and the pod's
+    ephemeral-storage request), when the weights come from the Hub and the shape is known."""
+    shape = shape_of(spec)
+    if spec.model.source.pvc is not None or shape is None:
+        return None
+    size = shape.parameters_billions * 1e9 * shape.bytes_per_parameter * DOWNLOAD_HEADROOM
+    return max(1, math.ceil(size / GIB))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
+from pdserve.api.fit import hf_cache_gib
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
@@ -78,6 +79,19 @@ def shm_size(pool: EnginePoolSpec) -> str:
     return f"{SHM_GIB_PER_GPU * pool.gpus}Gi"
 
 
+def with_disk(resources: dict[str, Any], cache_gib: int | None) -> dict[str, Any]:
+    """`resources` plus an ephemeral-storage request for the weights' download, unless the
+    pool's resources set one."""
+    requests = resources.get("requests", {})
+    if (
+        cache_gib is None
+        or "ephemeral-storage" in requests
+        or "ephemeral-storage" in resources.get("limits", {})
+    ):
+        return resources
+    return {**resources, "requests": {**requests, "ephemeral-storage": f"{cache_gib}Gi"}}
+
+
 def engine_pool(
     dm: DisaggregatedModel,
     component: Component,
@@ -101,7 +115,10 @@ def engine_pool(
         env += nixl_env(dm)
         ports += nixl_ports(kv.side_channel_port, pool.data_parallel_size)
     env += env_list(pool.env)
-    volumes, mounts = model_volumes(dm)
+    # Engines download the weights (render pods only the tokenizer): size the download and
+    # ask the scheduler for a node with that much disk.
+    cache_gib = None if dm.spec.placement.engines_on_cpu else hf_cache_gib(dm.spec)
+    volumes, mounts = model_volumes(dm, cache_gib)
     if pool.gpus > 1:
         # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi. Memory
         # backed: what it holds counts as the container's memory, so it is capped.
@@ -116,7 +133,7 @@ def engine_pool(
         "args": engine_args(dm, pool, role, ENGINE_PORT),
         "env": env,
         "ports": ports,
-        "resources": engine_resources(dm, component, pool),
+        "resources": with_disk(engine_resources(dm, component, pool), cache_gib),
         **http_probes("/health", slow_start=True),
         "volumeMounts": mounts,
     }

@@ -98,8 +98,11 @@ def http_probes(path: str, *, slow_start: bool) -> dict[str, Any]:
     return probes
 
 
-def model_volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts) for weights/tokenizer and the chat template."""
+def model_volumes(
+    dm: DisaggregatedModel, cache_gib: int | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for weights/tokenizer and the chat template; `cache_gib` sizes the
+    Hugging Face download's emptyDir (None: unsized)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     pvc = dm.spec.model.source.pvc
@@ -112,7 +115,9 @@ def model_volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[di
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     else:
-        volumes.append({"name": "hf-cache", "emptyDir": {}})
+        volumes.append(
+            {"name": "hf-cache", "emptyDir": {"sizeLimit": f"{cache_gib}Gi"} if cache_gib else {}}
+        )
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
     template = dm.spec.serving.chat_template
     if template is not None:

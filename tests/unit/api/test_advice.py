@@ -47,3 +47,12 @@ def test_a_clique_domain_without_known_products_warns_and_on_gb200_asks_for_imex
 
 def test_a_plain_spec_has_no_warnings() -> None:
     assert warnings_for() == []
+
+
+def test_an_unknown_model_from_the_hub_warns_that_its_download_is_unsized() -> None:
+    [unsized] = warnings_for(model={"name": "acme/secret-70b"})
+    assert unsized.startswith("spec.model.source: acme/secret-70b downloads from the Hugging")
+    assert (
+        warnings_for(model={"name": "acme/secret-70b", "source": {"pvc": {"claimName": "w"}}}) == []
+    )
+    assert warnings_for(model={"name": "acme/x"}, placement={"acceleratorResource": ""}) == []

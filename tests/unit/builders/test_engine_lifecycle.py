@@ -110,10 +110,11 @@ def test_gpu_engines_request_cpu_and_memory_per_gpu_when_the_pool_sets_none() ->
     built = objects(model(prefill={"replicas": 1, "tensorParallelSize": 2,
                                    "dataParallelSize": 2}))  # fmt: skip
     prefill = container(built["StatefulSet/qwen-prefill"])["resources"]
-    assert prefill == {"requests": {"cpu": "8", "memory": "64Gi"},
+    # The disk is the weights' download (Qwen3-8B from the Hub), not a per-GPU default.
+    assert prefill == {"requests": {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "19Gi"},
                        "limits": {"nvidia.com/gpu": "4"}}  # fmt: skip
     decode = container(built["StatefulSet/qwen-decode"])["resources"]
-    assert decode["requests"] == {"cpu": "2", "memory": "16Gi"}
+    assert decode["requests"] == {"cpu": "2", "memory": "16Gi", "ephemeral-storage": "19Gi"}
 
 
 def test_what_the_pool_sets_is_kept_and_only_the_rest_is_defaulted() -> None:
@@ -122,7 +123,7 @@ def test_what_the_pool_sets_is_kept_and_only_the_rest_is_defaulted() -> None:
     }}))["StatefulSet/qwen-decode"]  # fmt: skip
     # A memory limit alone: Kubernetes requests the limit, so no default request is added.
     assert container(decode)["resources"] == {
-        "requests": {"cpu": "500m"},
+        "requests": {"cpu": "500m", "ephemeral-storage": "19Gi"},
         "limits": {"memory": "8Gi", "nvidia.com/gpu": "1"},
     }
 
@@ -136,7 +137,7 @@ def test_guaranteed_qos_makes_the_defaults_limits_too() -> None:
     built = objects(model(prefill={"replicas": 1, "tensorParallelSize": 2},
                           placement={"guaranteedQoS": True}))  # fmt: skip
     resources = container(built["StatefulSet/qwen-prefill"])["resources"]
-    assert resources["requests"] == {"cpu": "4", "memory": "32Gi"}
+    assert resources["requests"] == {"cpu": "4", "memory": "32Gi", "ephemeral-storage": "19Gi"}
     assert resources["limits"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "2"}
 
 
@@ -186,3 +187,22 @@ def test_the_gateway_request_timeout_reaches_its_command_line() -> None:
 def test_the_gateway_request_timeout_is_bounded(value: int, expected: str) -> None:
     message = problems(gateway={"requestTimeoutSeconds": value})
     assert message.startswith(f"spec.gateway.requestTimeoutSeconds: Input should be {expected}")
+
+
+def test_a_hub_download_is_sized_from_the_model_and_asks_for_the_disk() -> None:
+    """Qwen3-8B: 8.19e9 parameters x 2 bytes x 1.2 headroom = 18.3 GiB -> 19Gi, on engines
+    only; an unknown model gets no size."""
+    built = objects(model())
+    engines = [o for k, o in built.items() if k.startswith("StatefulSet/")]
+    assert len(engines) == 2
+    for engine in engines:
+        [cache] = [v for v in pod(engine)["volumes"] if v["name"] == "hf-cache"]
+        assert cache["emptyDir"] == {"sizeLimit": "19Gi"}
+        requests = pod(engine)["containers"][0]["resources"]["requests"]
+        assert requests["ephemeral-storage"] == "19Gi"
+    render = built["Deployment/qwen-render"]
+    [cache] = [v for v in pod(render)["volumes"] if v["name"] == "hf-cache"]
+    assert cache["emptyDir"] == {}
+    for key, obj in objects(model(model={"name": "acme/secret-70b"})).items():
+        if key.startswith("StatefulSet/"):
+            assert "ephemeral-storage" not in pod(obj)["containers"][0]["resources"]["requests"]
