@@ -117,3 +117,9 @@ class ServingSpec(ApiModel):
         int, Field(ge=0, le=4294967295), Parity(env="PYTHONHASHSEED", scope=Scope.every_pool)
     ] = 0
     """PYTHONHASHSEED for every pool, so prefix-cache block hashes agree across pods."""
+    trust_remote_code: Annotated[
+        bool, Parity("--trust-remote-code", render=Render.switch, scope=Scope.every_pool)
+    ] = False
+    """Run the model repository's own Python (--trust-remote-code) in every pool: models with
+    custom tokenizers or architectures need it, and a render pool without it would tokenize
+    differently from the engines (or refuse to start)."""

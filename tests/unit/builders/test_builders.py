@@ -251,7 +251,8 @@ def test_engines_without_a_render_pool_are_plain_openai_servers() -> None:
 def test_parity_hash_is_stable_for_the_same_set() -> None:
     assert parity_hash(with_spec()) == parity_hash(with_spec())
     # Pinned: a change here re-rolls every pod of every user on upgrade; do it on purpose only.
-    assert parity_hash(with_spec()) == "539e698abfee1c34"
+    # (Changed with serving.trustRemoteCode, in the release whose engine args roll pods anyway.)
+    assert parity_hash(with_spec()) == "4a37d4a9c2f37afb"
 
 
 @pytest.mark.parametrize(
@@ -268,6 +269,7 @@ def test_parity_hash_is_stable_for_the_same_set() -> None:
         {"serving__blockSize": 32},
         {"serving__kvCacheDtype": "fp8"},
         {"serving__pythonHashSeed": 7},
+        {"serving__trustRemoteCode": True},
         {"kvTransfer__connector": "LMCacheConnectorV1"},
     ],
     ids=lambda c: next(iter(c)),
