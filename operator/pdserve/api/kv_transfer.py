@@ -29,6 +29,14 @@ FIRST_CLASS_EXTRA_CONFIG = {
 }
 
 
+BIDIRECTIONAL_DECODE_TTL_SECONDS = 60
+"""decoder_kv_blocks_ttl when bidirectional is on and decodeBlocksTtlSeconds unset. vLLM's
+own default, 480 s, holds EVERY finished P/D request's KV on decode (streamed turns and
+conversations that never come back included) for eight minutes: far past a multi-turn think
+time, and the holds' share of decode's cache is sustained P/D rate x TTL x blocks per request
+(docs/operations.md#held-kv). 60 s covers an agent's next call and a quick reply."""
+
+
 class KvBufferDevice(StrEnum):
     cuda = "cuda"
     cpu = "cpu"
@@ -113,8 +121,11 @@ class KvTransferSpec(ApiModel):
     on both sides). NIXL only."""
     decode_blocks_ttl_seconds: Annotated[int, Field(ge=1, le=86400)] | None = None
     """With bidirectional: how long decode holds a turn's KV for the next turn's prefill
-    (decoder_kv_blocks_ttl); the gateway stops handing it out after this. vLLM's default is
-    480."""
+    (decoder_kv_blocks_ttl); the gateway stops handing it out after this. Decode holds the KV
+    of every finished P/D request this long, read back or not: the gateway keeps those holds
+    within a share of decode's cache (past it, requests prefill on decode), so a shorter TTL
+    lets more requests go P/D. Default 60 (vLLM's own is 480); size it as in
+    docs/operations.md#held-kv."""
     kv_buffer_device: KvBufferDevice | None = None
     """Where the connector buffers KV for transfer (kv_buffer_device): cuda (GPU memory) or
     cpu (engines without a GPU, or staging through host memory). Default: vLLM's, cuda."""
@@ -135,6 +146,13 @@ class KvTransferSpec(ApiModel):
     reads as false)."""
     extra_config: PreservedObject = Field(default_factory=dict)
     """More kv_connector_extra_config keys (e.g. num_threads, backends)."""
+
+    @property
+    def decode_blocks_ttl(self) -> int | None:
+        """The decoder_kv_blocks_ttl the engines run with: None without bidirectional KV."""
+        if not self.bidirectional:
+            return None
+        return self.decode_blocks_ttl_seconds or BIDIRECTIONAL_DECODE_TTL_SECONDS
 
     @model_validator(mode="after")
     def _first_class_extra_config(self) -> KvTransferSpec:

@@ -93,9 +93,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
             # The engines' durations, vLLM's defaults where the spec leaves them unset: the
             # gateway judges leases on its own clock, never on an engine's expiry time.
             prefill_lease_seconds=kv.lease_duration_seconds or VLLM_KV_LEASE_SECONDS,
-            decode_blocks_ttl_seconds=(
-                kv.decode_blocks_ttl_seconds or VLLM_DECODER_KV_BLOCKS_TTL_SECONDS
-            ),
+            decode_blocks_ttl_seconds=kv.decode_blocks_ttl or VLLM_DECODER_KV_BLOCKS_TTL_SECONDS,
             load_failure_policy=kv.load_failure_policy,
             bidirectional=kv.bidirectional,
             verify=kv.verify.value,

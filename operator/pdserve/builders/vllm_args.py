@@ -108,8 +108,8 @@ def kv_transfer_config(dm: DisaggregatedModel, role: str) -> dict[str, Any]:
             extra["kv_lease_duration"] = kv.lease_duration_seconds
         if kv.bidirectional:
             extra["bidirectional_kv_xfer"] = True
-            if kv.decode_blocks_ttl_seconds is not None:
-                extra["decoder_kv_blocks_ttl"] = kv.decode_blocks_ttl_seconds
+            # Always set: vLLM's own default (480 s) holds every P/D answer's KV far too long.
+            extra["decoder_kv_blocks_ttl"] = kv.decode_blocks_ttl
     if extra:
         config["kv_connector_extra_config"] = extra
     return config

@@ -90,6 +90,8 @@ class HeldKv:
     """The decode replica holding it, and its KV-compatibility digest: only a prefill replica
     of that digest can pull it, and only while that replica is still discovered."""
     kv_compat: str | None = None
+    request_id: str | None = None
+    """The gateway's id of the turn (its hold in held_kv.DecodeHolds)."""
 
 
 class DecodeKv:
@@ -121,10 +123,12 @@ class DecodeKv:
         *,
         decode_url: str | None = None,
         kv_compat: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.held[conversation] = HeldKv(
-            dict(params), tuple(token_ids), self.clock() + self.ttl, decode_url, kv_compat
-        )
+            dict(params), tuple(token_ids), self.clock() + self.ttl, decode_url, kv_compat,
+            request_id,
+        )  # fmt: skip
         self.held.move_to_end(conversation)
         while len(self.held) > self.max:
             self.held.popitem(last=False)

@@ -48,6 +48,7 @@ from pdserve.gateway.exchange import (
     gateway_request_id,
 )
 from pdserve.gateway.fairqueue import PrefillAdmission
+from pdserve.gateway.held_kv import DecodeHolds
 from pdserve.gateway.hops import Hops
 from pdserve.gateway.intake import Intake
 from pdserve.gateway.load import LoadScraper
@@ -112,13 +113,18 @@ class Gateway:
         self.prefixes = PrefixIndex()
         self.conversations = Conversations()
         self.decode_kv = DecodeKv(ttl=config.kv_transfer.decode_blocks_ttl_seconds)
+        self.decode_holds = DecodeHolds(
+            ttl=config.kv_transfer.decode_blocks_ttl_seconds,
+            block_size=config.block_size,
+            fraction=s.held_kv_fraction,
+        )
         placement = Placement(config.block_size, self.prefixes, self.conversations)
         hops = Hops(self.upstream, self.planner, placement, self.admission, self.peers, s)
         self.completion_route: TokensRoute | OpenAIRoute
         if config.engine_api == "tokens":
             self.completion_route = TokensRoute(
                 config, s, self.upstream, hops, self.planner, placement, self.decode_kv,
-                self.metrics,
+                self.metrics, self.decode_holds, self.peers,
             )  # fmt: skip
         else:
             self.completion_route = OpenAIRoute(
@@ -312,6 +318,11 @@ class Gateway:
         # Read live: what the operator's transport monitor reports as GatewayFallback.
         self.metrics.pd_degraded.set(int(self.policy.health.degraded))
         self.metrics.pd_recent_failures.set(len(self.policy.health.failures))
+        self.metrics.decode_held_blocks.clear()
+        if self.config.kv_transfer.bidirectional:
+            for decode in self.endpoints.pools.get("decode", []):
+                held = self.decode_holds.held(decode.url)
+                self.metrics.decode_held_blocks.labels(decode.label).set(held)
         if self.replica_contract is not None:
             # Rebuilt each scrape: replicas that left take their series with them.
             self.metrics.replica_checks.clear()

@@ -52,6 +52,10 @@ class Endpoint:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    # From vllm:cache_config_info: the engine's KV cache in blocks (num_gpu_blocks, the smallest
+    # of its data-parallel ranks') and their size in tokens; zero until scraped.
+    kv_blocks: int = 0
+    kv_block_size: int = 0
     # From the pod: its slice (pdserve.io/slice; None without slices) and its slice's transport
     # preflight verdict (pdserve.io/kv-transport: Verified, Failed, Unverified).
     slice: str | None = None

@@ -66,7 +66,13 @@ class Exchange:
     gaps: list[float] = field(default_factory=list)
     prefill_done_at: float | None = None
     prefilled_on: Endpoint | None = None
-    decoded_on: Endpoint | None = None  # the decode replica that answered (non-streamed)
+    decoded_on: Endpoint | None = None  # the decode replica that answered
+    decode_pulled_kv: bool = False
+    """The decode request that answered carried prefill's kv_transfer_params (P/D, not a local
+    prefill): with bidirectional KV, decode holds its blocks once it finishes (held_kv.py)."""
+    held_tokens: list[int] = field(default_factory=list)
+    """Per choice that decode finished stopped or length-capped: its prompt + answer tokens,
+    what decode then holds when it pulled the KV."""
     local_anywhere: bool = False  # Auto found the P/D path unusable (see policy.Decision)
     auto_reason: str | None = None
     served_by: dict[str, str] = field(default_factory=dict)

@@ -202,6 +202,7 @@ class Hops:
             )
             self.placement.remember(exchange, "decode", endpoint, token_ids if local else None)
             exchange.decoded_on = endpoint
+            exchange.decode_pulled_kv = not local
         except UpstreamFailed as error:
             pool = self.decode_candidates(exchange, with_kv=False)
             untried = [e for e in pool if all(e is not t for t in tried)]
@@ -232,6 +233,7 @@ class Hops:
                 raise GatewayError(502, str(again), kind="UpstreamError") from None
             exchange.served_by["decode"] = endpoint.label
             exchange.decoded_on = endpoint
+            exchange.decode_pulled_kv = False
         if not (isinstance(answer, dict) and has_choices(answer)):
             # Nothing to derender or pass on: a broken engine (or what stands in front of it).
             raise GatewayError(502, "decode answered without choices", kind="UpstreamError")

@@ -27,6 +27,8 @@ FIELDS = {
 SAMPLE = re.compile(
     rf"^({'|'.join(map(re.escape, FIELDS))})(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)", re.MULTILINE
 )
+CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 # Called with a decode engine and the KV transfers it finished since the previous scrape:
 # (how many, seconds in all, as the engine reports them).
 TransferListener = Callable[[Endpoint, float, float], None]
@@ -40,6 +42,21 @@ def parse_load(text: str) -> dict[str, float]:
         number = float(value)
         load[field] = max(load[field], number) if field == "kv_usage" else load[field] + number
     return load
+
+
+def parse_cache_config(text: str) -> tuple[int, int]:
+    """(num_gpu_blocks, block_size) from vllm:cache_config_info: the smallest rank's blocks (a
+    hold lands on one rank), (0, 0) when the engine does not say."""
+    blocks: list[int] = []
+    size = 0
+    for labels in CACHE_CONFIG.findall(text):
+        values = dict(LABEL.findall(labels))
+        try:
+            blocks.append(int(values["num_gpu_blocks"]))
+            size = int(values["block_size"])
+        except (KeyError, ValueError):
+            continue
+    return (min(blocks), size) if blocks else (0, 0)
 
 
 class LoadScraper:
@@ -62,7 +79,8 @@ class LoadScraper:
             ) as response:
                 if response.status != 200:
                     return
-                load = parse_load(await response.text())
+                text = await response.text()
+                load = parse_load(text)
         except (TimeoutError, aiohttp.ClientError):
             return  # the request path marks endpoints down; keep the last known load
         endpoint.waiting, endpoint.running, endpoint.kv_usage = (
@@ -71,6 +89,7 @@ class LoadScraper:
             load["kv_usage"],
         )
         if decode:
+            endpoint.kv_blocks, endpoint.kv_block_size = parse_cache_config(text)
             self.note_transfers(endpoint, load["transfers"], load["transfer_seconds"])
 
     def note_transfers(self, endpoint: Endpoint, transfers: float, seconds: float) -> None:

@@ -192,6 +192,14 @@ class GatewayMetrics:
             "Prompt tokens whose KV the gateway pointed prefill to on decode (bidirectional)",
             registry=r,
         )
+        self.decode_held_blocks = Gauge(
+            "pdserve_gateway_decode_held_kv_blocks",
+            "Bidirectional KV: blocks each decode replica holds for finished P/D requests of this "
+            "gateway (its own reckoning, gateway/held_kv.py), against the budget past which "
+            "requests prefill locally (fallbacks reason decode_kv_held)",
+            ["replica"],
+            registry=r,
+        )
         self.aborts = Counter(
             "pdserve_gateway_upstream_aborts",
             "Aborts posted to tokens engines after a client went away or a stream broke",

@@ -46,6 +46,11 @@ class GatewaySettings:
     # vLLM closes idle connections after ~5 s: reuse only younger ones, or requests reset.
     keepalive_expiry: float = 4.0
     lease_margin_seconds: float = 1.0
+    # Bidirectional KV: the share of each decode engine's KV blocks that finished P/D requests
+    # may hold for the next turn (gateway/held_kv.py), split among the gateway replicas; past
+    # it a request prefills locally on decode, which holds nothing. The rest stays free for
+    # running requests, so holds never stall decode's admission.
+    held_kv_fraction: float = 0.5
     # Merge tokens that arrive during a derender call into the next one. False: one derender
     # call per engine event (what a naive proxy does; kept for the benchmark's comparison).
     derender_pipelining: bool = True

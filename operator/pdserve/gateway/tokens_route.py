@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.contract.routing import GatewayConfig
-from pdserve.gateway.affinity import DecodeKv
+from pdserve.gateway.affinity import DecodeKv, HeldKv
 from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.errors import (
     GatewayError,
@@ -25,9 +25,11 @@ from pdserve.gateway.errors import (
     upstream_message,
 )
 from pdserve.gateway.exchange import Exchange
+from pdserve.gateway.held_kv import FALLBACK_REASON, HELD_FINISH_REASONS, DecodeHolds
 from pdserve.gateway.hops import Hops, has_choices
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_schema import logprobs_asked
+from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.placement import Placement
 from pdserve.gateway.planner import RoutePlanner
 from pdserve.gateway.settings import GatewaySettings
@@ -71,10 +73,18 @@ class TokensRoute:
         placement: Placement,
         decode_kv: DecodeKv,
         metrics: GatewayMetrics,
+        holds: DecodeHolds | None = None,
+        peers: PeerAdmission | None = None,
     ) -> None:
         self.config, self.settings, self.upstream, self.hops = config, settings, upstream, hops
         self.planner, self.placement, self.decode_kv = planner, placement, decode_kv
         self.metrics = metrics
+        self.holds = holds or DecodeHolds(
+            ttl=config.kv_transfer.decode_blocks_ttl_seconds,
+            block_size=config.block_size,
+            fraction=settings.held_kv_fraction,
+        )
+        self.peers = peers
 
     async def serve(self, ex: Exchange) -> web.StreamResponse:
         if ex.stream and (param := logprobs_asked(ex.body, chat=ex.chat)) is not None:
@@ -108,30 +118,67 @@ class TokensRoute:
             raise GatewayError(502, "render answered without token ids", kind="UpstreamError")
         generate["request_id"] = ex.request_id
         self.planner.decide_auto(ex, len(generate["token_ids"]))
-        prefill_endpoint: Endpoint | None = None
-        kv: dict[str, Any] | None = None
-        if ex.pd:
-            handoff = self.bidirectional_handoff(ex, generate["token_ids"])
-            prefill_body = tokens_prefill_body(generate, handoff)
-            prefilled = await self.hops.prefill(
-                ex, GENERATE_PATH, prefill_body, generate["token_ids"]
-            )
-            if prefilled is not None:
-                prefill_endpoint, kv = prefilled
-        if ex.stream:
-            return await self.stream_generate(ex, generate, kv, prefill_endpoint)
-        return await self.generate_once(ex, generate, kv, prefill_endpoint)
+        held = ex.pd and self.config.kv_transfer.bidirectional
+        if held and not self.admit_hold(ex, generate):
+            ex.pd = held = False
+        try:
+            prefill_endpoint: Endpoint | None = None
+            kv: dict[str, Any] | None = None
+            if ex.pd:
+                handoff, reused = self.bidirectional_handoff(ex, generate["token_ids"])
+                prefill_body = tokens_prefill_body(generate, handoff)
+                prefilled = await self.hops.prefill(
+                    ex, GENERATE_PATH, prefill_body, generate["token_ids"]
+                )
+                if prefilled is not None:
+                    prefill_endpoint, kv = prefilled
+                    if reused is not None:
+                        # Prefill read the last turn's KV back (or found it all cached and
+                        # said so): decode freed it.
+                        self.holds.released(reused.decode_url, reused.request_id)
+            if ex.stream:
+                return await self.stream_generate(ex, generate, kv, prefill_endpoint)
+            return await self.generate_once(ex, generate, kv, prefill_endpoint)
+        finally:
+            if held:
+                self.holds.settle(ex)
 
-    def bidirectional_handoff(self, ex: Exchange, prompt_ids: list[int]) -> dict[str, Any]:
+    def admit_hold(self, ex: Exchange, generate: Mapping[str, Any]) -> bool:
+        """Bidirectional KV: whether decode may hold this request's KV once it finishes (every
+        P/D request's, held for the TTL) within the budget (held_kv.py). Else it prefills
+        locally on decode, which holds nothing, instead of filling decode's cache with holds
+        that would stall its admission."""
+        params = generate["sampling_params"]
+        choices = max(1, int(params.get("n") or 1))
+        tokens = len(generate["token_ids"]) + int(params.get("max_tokens") or 0)
+        if self.holds.admit(ex, tokens * choices, self.gateway_replicas()):
+            return True
+        self.metrics.fallbacks.labels(FALLBACK_REASON).inc()
+        log.info(
+            "%s: decode's held KV is at its budget; prefilling on decode",
+            ex.request_id,
+            extra={"request_id": ex.request_id},
+        )
+        return False
+
+    def gateway_replicas(self) -> int:
+        """This gateway's replicas (the peers it sees and itself): they share each budget."""
+        if self.peers is None:
+            return 1
+        return 1 + len([url for url in self.peers.urls if url != self.peers.self_url])
+
+    def bidirectional_handoff(
+        self, ex: Exchange, prompt_ids: list[int]
+    ) -> tuple[dict[str, Any], HeldKv | None]:
         """The prefill's kv_transfer_params: with bidirectional KV and a conversation whose last
         decode turn left its KV on decode, point prefill at it, if the token ids still match
         for at least a block, the decode replica holding it is still discovered, and a prefill
         replica of its KV-compatibility digest can take the request (then only those may: mid
-        engine upgrade another digest's prefill could not pull it)."""
+        engine upgrade another digest's prefill could not pull it). With it, the turn reused."""
         handoff = prefill_handoff_params()
         conversation = ex.conversation
         if not (self.config.kv_transfer.bidirectional and conversation):
-            return handoff
+            return handoff, None
         turn = self.decode_kv.held.get(conversation)
         held, outcome, matched = self.decode_kv.reuse(
             conversation, prompt_ids, self.config.block_size
@@ -148,18 +195,25 @@ class TokensRoute:
                 pools["prefill"] = prefills
         if outcome != "none":
             self.metrics.bidirectional.labels(outcome).inc()
-        if held is None:
-            return handoff
+        if held is None or turn is None:
+            return handoff, None
         self.metrics.bidirectional_tokens.inc(matched)
-        return reuse_decode_kv_params(held, matched, self.config.block_size)
+        return reuse_decode_kv_params(held, matched, self.config.block_size), turn
 
     def keep_decode_kv(
         self, ex: Exchange, prompt_ids: list[int], answer: Mapping[str, Any]
     ) -> None:
-        """What decode holds after a non-streamed turn (streamed turns return no
-        kv_transfer_params, so they leave nothing to reuse)."""
+        """What decode holds after a non-streamed turn: for the budget, every finished
+        choice; for the next turn, the conversation's (streamed turns return no
+        kv_transfer_params, so they leave nothing to reuse, though decode holds them all the
+        same)."""
         params = answer.get("kv_transfer_params")
         choices = answer.get("choices") or []
+        ex.held_tokens = [
+            len(prompt_ids) + len(choice.get("token_ids") or [])
+            for choice in choices
+            if isinstance(choice, dict) and choice.get("finish_reason") in HELD_FINISH_REASONS
+        ]
         conversation = ex.conversation
         if not (self.config.kv_transfer.bidirectional and conversation):
             return
@@ -170,7 +224,8 @@ class TokensRoute:
         ):  # fmt: skip
             output = list(choices[0].get("token_ids") or [])
             self.decode_kv.keep(conversation, params, [*prompt_ids, *output],
-                                decode_url=decode.url, kv_compat=decode.kv_compat)  # fmt: skip
+                                decode_url=decode.url, kv_compat=decode.kv_compat,
+                                request_id=ex.request_id)  # fmt: skip
 
     async def generate_once(
         self,
@@ -264,6 +319,7 @@ class TokensRoute:
                         continue
                     if response.status == 200:
                         self.placement.remember(ex, "decode", endpoint, local_ids)
+                        ex.decoded_on, ex.decode_pulled_kv = endpoint, attempt_kv is not None
                         try:
                             yield endpoint, response
                         finally:
@@ -332,6 +388,8 @@ class TokensRoute:
             await response.prepare(ex.request)
             writer = ClientWriter(response, ex, self.metrics)
             pipelines: dict[int, DerenderPipeline] = {}
+            generated: dict[int, int] = {}  # per choice: tokens decode sent
+            ended: dict[int, str] = {}  # per choice: decode's finish_reason
             usage: dict[str, Any] | None = None
             done = False  # decode's [DONE]
             broke = ""
@@ -377,6 +435,11 @@ class TokensRoute:
                                     if ends_on_stop_token(choice, params):
                                         tokens = tokens[:-1]  # vllm/derender_gaps.py
                                     index = int(choice.get("index", 0))
+                                    generated[index] = generated.get(index, 0) + len(
+                                        choice.get("token_ids") or []
+                                    )
+                                    if reason := choice.get("finish_reason"):
+                                        ended[index] = str(reason)
                                     if index not in pipelines:
                                         pipelines[index] = DerenderPipeline(
                                             derender, index, writer, self.metrics
@@ -394,6 +457,12 @@ class TokensRoute:
                 except (TimeoutError, aiohttp.ClientError) as error:
                     broke = f"decode stream broke ({type(error).__name__})"
                 finished = done and bool(pipelines) and all(p.finished for p in pipelines.values())
+                if done:  # decode finished these: with the KV pulled, it holds them now
+                    ex.held_tokens = [
+                        len(prompt_ids) + generated.get(index, 0)
+                        for index, reason in ended.items()
+                        if reason in HELD_FINISH_REASONS
+                    ]
                 if not finished and not broke:
                     broke = "sent [DONE] before a finish_reason" if done else "closed it"
                     broke = f"decode {broke}"

@@ -182,7 +182,9 @@ def test_tp2_prefill_with_two_decode_replicas() -> None:
         assert flag_value(args, "--kv-cache-dtype") == "fp8"
         assert flag_value(args, "--block-size") == "32"
         kv = json.loads(flag_value(args, "--kv-transfer-config"))
-        assert kv["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}
+        # Bidirectional with no TTL set: pdserve's bounded default, not vLLM's 480 s.
+        assert kv["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True,
+                                                   "decoder_kv_blocks_ttl": 60}  # fmt: skip
         volume = engine["spec"]["template"]["spec"]["volumes"][0]
         assert volume == {
             "name": "model",
@@ -404,11 +406,14 @@ def test_kv_transfer_config_renders_the_buffer_device_and_the_decode_ttl() -> No
             "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
                                           "decoder_kv_blocks_ttl": 900},
         }  # fmt: skip
-    # Unset: vLLM's own defaults (cuda, 480 s), so nothing is written.
+    # Unset: vLLM's default buffer device (cuda), so nothing is written; but the TTL is
+    # pdserve's bounded default, never vLLM's 480 s (every P/D answer's KV held 8 minutes).
     assert kv_transfer_config(with_spec(kvTransfer={"bidirectional": True}), "kv_consumer") == {
         "kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60},
     }  # fmt: skip
+    routing = routing_config(with_spec(kvTransfer={"bidirectional": True}), "p")
+    assert routing.kv_transfer.decode_blocks_ttl_seconds == 60
     # The buffer device is the connector's, not NIXL's alone.
     lmcache = with_spec(kvTransfer={"connector": "LMCacheConnectorV1", "kvBufferDevice": "cuda"})
     assert kv_transfer_config(lmcache, "kv_producer")["kv_buffer_device"] == "cuda"
