@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.sim.engine_config import EngineConfig
 from tests.support.served_gateway import REQUEST_PATHS
-from tests.support.sim_gateway import PLAIN, RENDER, Stack, engine, ep, routing, sse_events
+from tests.support.sim_gateway import MODEL, PLAIN, RENDER, Stack, engine, ep, routing, sse_events
 
 # Without a limit of its own: each test names the one it asks for.
 LIMITED = {**{k: v for k, v in PLAIN.items() if k != "max_tokens"}, "ignore_eos": True}
@@ -106,3 +106,16 @@ async def test_without_a_limit_the_answer_runs_to_the_end_of_the_context(
     answer = (await client.post("/v1/chat/completions", json=LIMITED)).json()
     assert answer["usage"]["total_tokens"] == CONTEXT
     assert answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_a_limit_of_16_on_completions_reaches_the_engine(
+    stack: Stack, request_path: str
+) -> None:
+    client = await render_stack(stack, request_path, pd=False)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    assert answer["usage"]["completion_tokens"] == 16
+    assert answer["choices"][0]["finish_reason"] == "length"
+    if request_path == "dataplane":
+        assert await served_by_data_plane(stack) == 1
