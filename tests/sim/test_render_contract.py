@@ -67,6 +67,19 @@ async def test_max_tokens_defaults_to_the_room_left_in_the_context(
     assert generate["sampling_params"]["max_tokens"] == 4096 - len(generate["token_ids"])
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_a_limit_of_16_is_left_out_as_vllm_leaves_out_sampling_defaults(
+    render: httpx.AsyncClient, field: str
+) -> None:
+    """vLLM's SamplingParams serialise without the fields equal to their defaults (16 for
+    max_tokens): the gateway must not lose the limit on the way to the engine."""
+    body = {**{k: v for k, v in CHAT.items() if k != "max_tokens"}, field: 16}
+    generate = (await render.post("/v1/chat/completions/render", json=body)).json()
+    assert "max_tokens" not in generate["sampling_params"]
+    generate = (await render.post("/v1/chat/completions/render", json={**body, field: 17})).json()
+    assert generate["sampling_params"]["max_tokens"] == 17
+
+
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 

@@ -79,6 +79,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		return p.failed(w, s, f)
 	}
 	fields, err := topLevel(generate)
+	generate, fields = withRenderedLimit(generate, fields)
 	tokens, params := lookup(fields, "token_ids"), lookup(fields, "sampling_params")
 	paramFields, paramErr := topLevel(params)
 	if err != nil || len(tokens) < 2 || tokens[0] != '[' || paramErr != nil {
@@ -247,6 +248,34 @@ func withExtraArg(params []byte, fields []member, drop map[string]bool, extra []
 	var out bytes.Buffer
 	splice(&out, params, fields, drop, append(extra, field{"extra_args", args.Bytes()}))
 	return out.Bytes()
+}
+
+// samplingDefaultMaxTokens is vLLM's SamplingParams.max_tokens default, which its render server
+// leaves out of the sampling params it answers (msgspec's omit_defaults; vLLM 0.32).
+var samplingDefaultMaxTokens = []byte("16")
+
+var samplingParamsDrops = map[string]bool{"sampling_params": true}
+
+// withRenderedLimit: the rendered generate request with the output limit render resolved written
+// out (protocol.py with_rendered_limit). Render resolves every request's max_tokens as vLLM's
+// own chat endpoint does, then leaves a 16 out as SamplingParams' default; a tokens engine reads
+// a missing max_tokens as not given and generates up to the whole context left. Absent can only
+// mean 16, so it is written back: the client's own number would skip render's caps. A generate
+// request that holds a limit, or is not the shape the route reads, comes back as it was.
+func withRenderedLimit(generate []byte, fields []member) ([]byte, []member) {
+	params := lookup(fields, "sampling_params")
+	paramFields, err := topLevel(params)
+	if err != nil || lookup(paramFields, "max_tokens") != nil {
+		return generate, fields
+	}
+	var limited, out bytes.Buffer
+	splice(&limited, params, paramFields, nil, []field{{"max_tokens", samplingDefaultMaxTokens}})
+	splice(&out, generate, fields, samplingParamsDrops, []field{{"sampling_params", limited.Bytes()}})
+	written, err := topLevel(out.Bytes())
+	if err != nil {
+		return generate, fields
+	}
+	return out.Bytes(), written
 }
 
 // onePrompt: the generate request render answered (completions render answers a list of them;

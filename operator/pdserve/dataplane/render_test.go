@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"reflect"
 	"strings"
 	"sync"
@@ -113,6 +114,49 @@ func TestExtraArgsCarryTheKvTransferParamsBesideWhatTheyHeld(t *testing.T) {
 	fields, _ = topLevel(bare)
 	sameJSON(t, withExtraArg(bare, fields, extraArgsDrops, nil, []byte(`{"k":1}`)),
 		`{"max_tokens":64,"extra_args":{"kv_transfer_params":{"k":1}}}`)
+}
+
+// renderedLimitCase: one of testdata/rendered_limit_cases.json, which the Python gateway's own
+// test (tests/unit/gateway/test_rendered_limit_cases.py) reads too: render's sampling params,
+// and those the engine must get.
+type renderedLimitCase struct {
+	Name     string          `json:"name"`
+	Rendered json.RawMessage `json:"rendered"`
+	Engine   json.RawMessage `json:"engine"`
+}
+
+func TestTheEngineGetsTheLimitRenderResolvedEvenWhereRenderLeftItOut(t *testing.T) {
+	raw, err := os.ReadFile("testdata/rendered_limit_cases.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []renderedLimitCase
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cases {
+		generate := []byte(`{"request_id":"chatcmpl-1","token_ids":[1, 2,3],"sampling_params":` +
+			string(c.Rendered) + `,"stream":false}`)
+		fields, err := topLevel(generate)
+		if err != nil {
+			t.Fatalf("%s: %v", c.Name, err)
+		}
+		got, gotFields := withRenderedLimit(generate, fields)
+		want := `{"request_id":"chatcmpl-1","token_ids":[1,2,3],"sampling_params":` +
+			string(c.Engine) + `,"stream":false}`
+		if !reflect.DeepEqual(parsed(t, got), parsed(t, []byte(want))) {
+			t.Errorf("%s:\ngot  %s\nwant %s", c.Name, got, want)
+		}
+		if string(lookup(gotFields, "token_ids")) != "[1, 2,3]" {
+			t.Errorf("%s: the prompt's token ids were rewritten: %s", c.Name, lookup(gotFields, "token_ids"))
+		}
+	}
+	for _, odd := range []string{`{"token_ids":[1]}`, `{"token_ids":[1],"sampling_params":null}`} {
+		fields, _ := topLevel([]byte(odd))
+		if got, _ := withRenderedLimit([]byte(odd), fields); string(got) != odd {
+			t.Errorf("%s rewritten as %s: the route answers 502 for it", odd, got)
+		}
+	}
 }
 
 // renderStack: a render server and a tokens engine (prefill and decode alike) that record the

@@ -56,6 +56,7 @@ from pdserve.vllm.protocol import (
     stop_string_of,
     tokens_decode_body,
     tokens_prefill_body,
+    with_rendered_limit,
 )
 from pdserve.wirejson import loads_trusted
 
@@ -116,6 +117,7 @@ class TokensRoute:
             and isinstance(generate.get("sampling_params"), dict)
         ):
             raise GatewayError(502, "render answered without token ids", kind="UpstreamError")
+        generate = with_rendered_limit(generate)
         generate["request_id"] = ex.request_id
         self.planner.decide_auto(ex, len(generate["token_ids"]))
         held = ex.pd and self.config.kv_transfer.bidirectional

@@ -34,6 +34,7 @@ from pdserve.sim.http import (
 from pdserve.sim.render_derender import Derenderer
 from pdserve.sim.render_metrics import RenderMetrics
 from pdserve.sim.tokenizer import SimTokenizer
+from pdserve.vllm.protocol import SAMPLING_DEFAULT_MAX_TOKENS
 
 SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1,
@@ -227,7 +228,11 @@ class RenderServer:
         params = {key: body.get(key, default) for key, default in SAMPLING_DEFAULTS.items()}
         if isinstance(params["stop"], str):
             params["stop"] = [params["stop"]]
-        params["max_tokens"] = limit
+        # vLLM's render leaves every SamplingParams field equal to its default out of its answer;
+        # max_tokens is the one a tokens engine then resolves differently (the whole context
+        # left, not 16), so the simulator leaves it out just as vLLM does.
+        if limit != SAMPLING_DEFAULT_MAX_TOKENS:
+            params["max_tokens"] = limit
         params["structured_outputs"] = structured_outputs(body)
         extra: dict[str, Any] = dict(body.get("vllm_xargs") or {})
         if body.get("kv_transfer_params") is not None:

@@ -104,6 +104,27 @@ def derender_path(chat: bool) -> str:
     return "/v1/chat/completions/derender" if chat else "/v1/completions/derender"
 
 
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+"""vLLM's SamplingParams.max_tokens default, which its render server leaves out of the sampling
+params it answers (msgspec's omit_defaults; vLLM 0.32)."""
+
+
+def with_rendered_limit(generate: dict[str, Any]) -> dict[str, Any]:
+    """The rendered generate request with the output limit render resolved written out.
+
+    Render resolves every request's max_tokens as vLLM's own /v1/chat/completions does (the
+    client's max_completion_tokens, else max_tokens, else the context left, each capped by the
+    context left and the server's overrides), then serialises its SamplingParams without the
+    fields equal to their defaults: a resolved 16 is left out. A tokens engine reads a missing
+    max_tokens as not given and resolves its own limit, the whole context left (vLLM 0.32's
+    /inference/v1/generate): a client's 16 would become ~2,000 tokens. Absent can only mean 16,
+    so it is written back; the client's own number would skip render's caps."""
+    params = generate["sampling_params"]
+    if "max_tokens" in params:
+        return generate
+    return {**generate, "sampling_params": {**params, "max_tokens": SAMPLING_DEFAULT_MAX_TOKENS}}
+
+
 def tokens_prefill_body(generate: Mapping[str, Any], handoff: Mapping[str, Any]) -> dict[str, Any]:
     """The rendered generate request cut to prefill only (one token, one choice, not
     streamed), with the handoff's kv_transfer_params."""
