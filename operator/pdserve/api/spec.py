@@ -81,11 +81,34 @@ NIC_PIN_NEEDS_RDMA = CrossFieldRule(
 )
 
 
+def _bidirectional_needs_render(spec: DisaggregatedModelSpec) -> str | None:
+    if not spec.kv_transfer.bidirectional or spec.render.enabled:
+        return None
+    return (
+        "spec.kvTransfer.bidirectional needs spec.render.enabled: the gateway reuses decode's KV "
+        "for a conversation's next turn only on the render route (token ids), while decode "
+        "holds every answer's KV for decodeBlocksTtlSeconds either way; without render those "
+        "holds are never read and only crowd out new requests. Enable the render pool, or set "
+        "bidirectional false"
+    )
+
+
+BIDIRECTIONAL_NEEDS_RENDER = CrossFieldRule(
+    "!has(self.kvTransfer) || !has(self.kvTransfer.bidirectional) "
+    "|| !self.kvTransfer.bidirectional "
+    "|| !has(self.render) || !has(self.render.enabled) || self.render.enabled",
+    "kvTransfer.bidirectional needs render.enabled: only the render route reuses decode's KV, "
+    "and unread holds crowd out new requests",
+    ".kvTransfer.bidirectional",
+    _bidirectional_needs_render,
+)
+
+
 class DisaggregatedModelSpec(ApiModel):
     """A disaggregated vLLM deployment: prefill and decode GPU pools, a CPU render pool and an
     OpenAI-compatible gateway, kept in parity."""
 
-    model_config = with_rules([CPU_BLOCK_SIZE_RULE, NIC_PIN_NEEDS_RDMA])
+    model_config = with_rules([CPU_BLOCK_SIZE_RULE, NIC_PIN_NEEDS_RDMA, BIDIRECTIONAL_NEEDS_RENDER])
 
     model: ModelSpec
     """The model to serve."""

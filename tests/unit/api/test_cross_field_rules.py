@@ -24,6 +24,7 @@ from pdserve.api.placement import (
 )
 from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
+from pdserve.api.spec import BIDIRECTIONAL_NEEDS_RENDER as BIDIRECTIONAL
 from pdserve.api.spec import NIC_PIN_NEEDS_RDMA, DisaggregatedModelSpec
 from tests.support.cel import apply_defaults, evaluate
 
@@ -132,6 +133,22 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 1}}, CPU_BLOCK),
     (DisaggregatedModelSpec, {**MODEL, **CPU, "serving": {"blockSize": 8}}, CPU_BLOCK),
     (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "all"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"bidirectional": True}}, None),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"bidirectional": True}, "render": {"enabled": True}},
+        None,
+    ),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"bidirectional": False}, "render": {"enabled": False}},
+        None,
+    ),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"bidirectional": True}, "render": {"enabled": False}},
+        BIDIRECTIONAL.message,
+    ),
     (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "eth0"}}, None),
     (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxNetDevices": "mlx5_0:1"}}, NIC_PIN),
     (
@@ -196,7 +213,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 14
+    assert len(rules) == 15
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}
