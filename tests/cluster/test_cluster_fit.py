@@ -193,6 +193,7 @@ class Outcome:
     message: str = ""
     problems: list[str] = field(default_factory=list)  # anything a user should not see
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds since the start
 
 
 # ---- prerequisites ---------------------------------------------------------------------------
@@ -498,6 +499,7 @@ def run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, s
             outcome.seconds = time.monotonic() - started
             return outcome
         dm = _parsed(body, case.namespace)  # admitted: it parses
+        outcome.phases["apply"] = time.monotonic() - started
         outcome.transport = transport_of(dm)
         try:
             wait_until(
@@ -521,6 +523,7 @@ def run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, s
             for pod in engines:
                 outcome.problems += wiring_problems(pod, dm)
         finally:
+            outcome.phases["bind"] = time.monotonic() - started
             http.delete(dm_url(case.namespace, dm.name))
             wait_until(
                 f"the pods of {case.id} to go",
@@ -590,7 +593,7 @@ def outcomes(
     elapsed = time.monotonic() - started
     slowest = sorted(results, key=lambda o: -o.seconds)[:5]
     print(f"\n{len(results)} cases in {elapsed:.1f}s; slowest: "
-          + ", ".join(f"{o.case.id} {o.seconds:.1f}s" for o in slowest))  # fmt: skip
+          + ", ".join(f"{o.case.id} {o.seconds:.1f}s {o.phases}" for o in slowest))  # fmt: skip
     return {o.case.id: o for o in results}
 
 
