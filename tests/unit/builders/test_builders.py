@@ -193,7 +193,7 @@ def test_tp2_prefill_with_two_decode_replicas() -> None:
             {"name": "registry-creds"}
         ]
     render = objs[("Deployment", "qwq-32b-render")]
-    assert container(render)["image"] == "vllm/vllm-cpu:v0.33.0"
+    assert container(render)["image"] == "vllm/vllm-openai-cpu:v0.33.0"
     assert (
         flag_value(container(render)["args"], "--chat-template")
         == "/etc/pdserve/chat-template/template.jinja"
