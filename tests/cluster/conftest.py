@@ -14,9 +14,16 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from devtools.clitools import Kubectl, ensure_cli_tools
-from devtools.localplane import ControlPlane, running_control_plane, wait_until
+from devtools.localplane import (
+    ControlPlane,
+    free_port,
+    issue_serving_cert,
+    running_control_plane,
+    wait_until,
+)
 from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
 from devtools.operator_proc import RunningOperator, running_operator
+from devtools.resources import get
 from pdserve.api.crd import build_crd
 
 
@@ -72,6 +79,43 @@ def operator(
         control_plane, tmp_path_factory.mktemp("operator"), resync_seconds=resync
     ) as running:
         yield running
+
+
+WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+
+
+@pytest.fixture(scope="module")
+def operator_with_webhook(
+    request: pytest.FixtureRequest,
+    control_plane: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningOperator]:
+    """`pdserve operator` with its validating webhook (kopf) registered with the API server,
+    for the tests of one module, resyncing every `RESYNC_SECONDS` of that module (5 where it
+    names none)."""
+    resync = getattr(request.module, "RESYNC_SECONDS", 5)
+    workdir = tmp_path_factory.mktemp("webhook")
+    cert, key = issue_serving_cert(
+        control_plane.pki, "webhook", "pdserve-webhook", ["IP:127.0.0.1"]
+    )
+    args = [f"--webhook-port={free_port()}", f"--webhook-cert={cert}", f"--webhook-key={key}",
+            "--webhook-listen=127.0.0.1", "--webhook-host=127.0.0.1",
+            f"--webhook-ca={control_plane.ca_file}", "--webhook-manage"]  # fmt: skip
+    with control_plane.http() as http:
+        try:
+            with running_operator(
+                control_plane, workdir, resync_seconds=resync, extra_args=args
+            ) as running:
+                wait_until(
+                    "the webhook configuration",
+                    lambda: get(http, f"{WEBHOOKS}/validate.pdserve.io") is not None,
+                    timeout=30,
+                )
+                yield running
+        finally:
+            # After the operator stopped (kopf keeps re-asserting the configuration while it
+            # runs): a Fail-policy webhook with no server would block every later apply.
+            http.delete(f"{WEBHOOKS}/validate.pdserve.io")
 
 
 @pytest.fixture

@@ -3,49 +3,16 @@ judge (parity flags in extraArgs, ...) are refused at apply time, naming the fie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 import yaml
 
 from devtools.clitools import Kubectl
-from devtools.localplane import ControlPlane, free_port, issue_serving_cert, wait_until
-from devtools.operator_proc import RunningOperator, running_operator
 from devtools.resources import apply_dm, dm_url, get
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
-WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 SPEC = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "prefill": {}}
-
-
-@pytest.fixture(scope="module")
-def operator_with_webhook(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningOperator]:
-    workdir = tmp_path_factory.mktemp("webhook")
-    cert, key = issue_serving_cert(
-        control_plane.pki, "webhook", "pdserve-webhook", ["IP:127.0.0.1"]
-    )
-    args = [f"--webhook-port={free_port()}", f"--webhook-cert={cert}", f"--webhook-key={key}",
-            "--webhook-listen=127.0.0.1", "--webhook-host=127.0.0.1",
-            f"--webhook-ca={control_plane.ca_file}", "--webhook-manage"]  # fmt: skip
-    with control_plane.http() as http:
-        try:
-            with running_operator(
-                control_plane, workdir, resync_seconds=5, extra_args=args
-            ) as running:
-                wait_until(
-                    "the webhook configuration",
-                    lambda: get(http, f"{WEBHOOKS}/validate.pdserve.io") is not None,
-                    timeout=30,
-                )
-                yield running
-        finally:
-            # After the operator stopped (kopf keeps re-asserting the configuration while it
-            # runs): a Fail-policy webhook with no server would block every later apply.
-            http.delete(f"{WEBHOOKS}/validate.pdserve.io")
 
 
 @pytest.mark.usefixtures("operator_with_webhook")

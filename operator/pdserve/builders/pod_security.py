@@ -35,6 +35,13 @@ RESTRICTED_VOLUMES = frozenset({
     "persistentVolumeClaim", "projected", "secret",
 })  # fmt: skip
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+# Baseline checks a restricted check replaces (pod-security-admission's OverrideCheckIDs:
+# capabilities_restricted over capabilities_baseline, restrictedVolumes over hostPathVolumes,
+# seccompProfile_restricted over seccompProfile_baseline): at restricted the API server names
+# only the stricter check, e.g. IPC_LOCK as "unrestricted capabilities", never as
+# "non-default capabilities".
+OVERRIDDEN_AT_RESTRICTED = frozenset({"non-default capabilities", "hostPath volumes",
+                                      "seccompProfile"})  # fmt: skip
 
 
 def enforced_level(namespace_labels: Mapping[str, str]) -> PodSecurityLevel:
@@ -105,12 +112,16 @@ def _restricted(spec: Mapping[str, Any]) -> Iterable[Violation]:
                 f'container "{name}" must set securityContext.allowPrivilegeEscalation=false',
             )
         capabilities = security.get("capabilities") or {}
-        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {
-            "NET_BIND_SERVICE"
-        }:
+        problems = []
+        if "ALL" not in capabilities.get("drop", []):
+            problems.append('must set securityContext.capabilities.drop=["ALL"]')
+        if added := sorted(set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}):
+            problems.append(
+                f"must not include {', '.join(added)} in securityContext.capabilities.add"
+            )
+        if problems:
             yield Violation(
-                "unrestricted capabilities",
-                f'container "{name}" must set securityContext.capabilities.drop=["ALL"]',
+                "unrestricted capabilities", f'container "{name}" {"; ".join(problems)}'
             )
         if not security.get("runAsNonRoot", pod.get("runAsNonRoot")):
             yield Violation(
@@ -134,6 +145,7 @@ def pod_violations(spec: Mapping[str, Any], level: PodSecurityLevel) -> list[Vio
         return []
     found = list(_baseline(spec))
     if level is PodSecurityLevel.restricted:
+        found = [v for v in found if v.check not in OVERRIDDEN_AT_RESTRICTED]
         found += _restricted(spec)
     return found
 
@@ -145,6 +157,8 @@ class TemplateViolations:
     component: str
     workload: str
     violations: tuple[Violation, ...]
+    baseline_checks: tuple[str, ...] = ()
+    """What baseline alone refuses: the checks only the privileged level lets through."""
 
     @property
     def checks(self) -> list[str]:
@@ -163,7 +177,15 @@ def refused_templates(
         found = pod_violations(template["spec"], level)
         if found:
             component = template["metadata"].get("labels", {}).get(COMPONENT_LABEL, "")
-            refused.append(TemplateViolations(component, obj["metadata"]["name"], tuple(found)))
+            baseline = pod_violations(template["spec"], PodSecurityLevel.baseline)
+            refused.append(
+                TemplateViolations(
+                    component,
+                    obj["metadata"]["name"],
+                    tuple(found),
+                    tuple(sorted({v.check for v in baseline})),
+                )
+            )
     return refused
 
 
@@ -192,7 +214,10 @@ def pod_security_problem(
         for pool in sorted(pools, key=lambda p: order.index(p) if p in order else len(order))
     )
     checks = set().union(*pools.values())
-    causes = sorted({_CAUSES[c] for c in checks if c in _CAUSES})
+    # At restricted, IPC_LOCK is reported as "unrestricted capabilities"; what needs privileged
+    # is what baseline alone refuses.
+    needs_privileged = {c for t in refused for c in t.baseline_checks}
+    causes = sorted({_CAUSES[c] for c in checks | needs_privileged if c in _CAUSES})
     own = sorted(checks - set(_CAUSES))
     reasons = [f"caused by {', '.join(causes)}"] if causes else []
     if own:

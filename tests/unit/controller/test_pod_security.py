@@ -88,7 +88,21 @@ def test_a_compliant_container_passes_restricted() -> None:
     assert pod_violations(spec, PodSecurityLevel.restricted) == []
     spec["volumes"] = [{"name": "host", "hostPath": {"path": "/"}}]
     checks = {v.check for v in pod_violations(spec, PodSecurityLevel.restricted)}
-    assert checks == {"hostPath volumes", "restricted volume types"}
+    # restrictedVolumes replaces the baseline hostPath check (OverrideCheckIDs): the API
+    # server names only the stricter one.
+    assert checks == {"restricted volume types"}
+    assert pod_violations(spec, PodSecurityLevel.baseline)[0].check == "hostPath volumes"
+
+
+def test_rdma_at_restricted_is_unrestricted_capabilities_and_still_needs_privileged() -> None:
+    dm = rdma_model()
+    message = judged(dm, PodSecurityLevel.restricted)
+    assert message is not None
+    assert "non-default capabilities" not in message  # overridden by the restricted check
+    assert "prefill: allowPrivilegeEscalation != false, runAsNonRoot != true" in message
+    assert "unrestricted capabilities" in message
+    assert "spec.placement.rdma (capability IPC_LOCK" in message
+    assert "pod-security.kubernetes.io/enforce=privileged" in message
 
 
 def test_a_pass_reports_the_refusal_as_placement_false() -> None:
