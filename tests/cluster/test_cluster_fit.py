@@ -624,11 +624,6 @@ def test_each_case_is_bound_and_wired_or_refused_naming_field_and_fix(
     assert not outcome.problems, "\n".join(outcome.problems)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: pdserve admits an engine pool whose one pod needs more GPUs than any node "
-    "of its gpuProducts has (GB200 trays have 4); its pods stay Pending forever",
-)
 @pytest.mark.usefixtures("operator_with_webhook", "fit_nodes")
 def test_a_pool_wider_than_any_node_of_its_product_is_refused_not_left_pending(
     control_plane: ControlPlane, fit_namespaces: list[str]

@@ -119,10 +119,35 @@ def _fix(spec: DisaggregatedModelSpec, fit: PoolFit, pool: EnginePoolSpec) -> st
     return ", or ".join(ways)
 
 
-def fit_problems(spec: DisaggregatedModelSpec) -> list[str]:
-    """One refusal per pool and product it cannot fit, with the numbers and the fixes."""
-    pools = dict(spec.engine_pools())
+def width_problems(spec: DisaggregatedModelSpec) -> list[str]:
+    """A pod's GPUs must fit one node: refused for products whose nodes all hold the same
+    count (HGX boards, GB200 trays), where no node could ever take the pod."""
+    if spec.placement.engines_on_cpu:
+        return []
+    products = [p for p in map(lookup, spec.placement.products) if p is not None]
     problems = []
+    for name, pool in spec.engine_pools():
+        for product in products:
+            if not product.fixed_gpus_per_node or pool.gpus <= product.gpus_per_node:
+                continue
+            problems.append(
+                f"spec.{name}: tensorParallelSize {pool.tensor_parallel_size} x "
+                f"dataParallelSize {pool.data_parallel_size} = {pool.gpus} GPUs in one pod, but "
+                f"every {product.product} node has {product.gpus_per_node} and a pod cannot span "
+                f"nodes, so it would stay Pending. Fix: lower spec.{name}.tensorParallelSize or "
+                f"dataParallelSize to {product.gpus_per_node} GPUs per pod (more replicas "
+                f"instead), or take {product.product} out of spec.placement.gpuProducts"
+            )
+    return problems
+
+
+def fit_problems(spec: DisaggregatedModelSpec) -> list[str]:
+    """One refusal per pool and product it cannot fit, with the numbers and the fixes: too
+    wide for its nodes, or too big for the GPUs' memory."""
+    pools = dict(spec.engine_pools())
+    problems = width_problems(spec)
+    if problems:
+        return problems
     for fit in fits(spec):
         if fit.fits:
             continue

@@ -51,6 +51,9 @@ class GpuProduct:
     `nvidia.com/gpu.clique`; False means the label never appears on such a node."""
     gpus_per_node: int
     """The usual count per node (server or compute tray): `nvidia.com/gpu.count`."""
+    fixed_gpus_per_node: bool
+    """True when every node with this product has exactly gpus_per_node (an HGX board, a
+    GB200 tray); False for PCIe cards, whose servers hold different counts."""
     source: str
     """Where the values were read."""
 
@@ -67,6 +70,7 @@ H100_80GB_HBM3: Final = GpuProduct(
     compute_minor=0,
     multi_node_nvlink=False,
     gpus_per_node=8,
+    fixed_gpus_per_node=True,
     source=(
         "GFD labels of an 8x H100 SXM node: gpu.product=NVIDIA-H100-80GB-HBM3, "
         "gpu.memory=81559, gpu.compute.major=9/minor=0, gpu.family=hopper (Lambda docs, KubeAI "
@@ -82,6 +86,7 @@ H200: Final = GpuProduct(
     compute_minor=0,
     multi_node_nvlink=False,
     gpus_per_node=8,
+    fixed_gpus_per_node=True,
     source=(
         "nvidia-smi on HGX/DGX H200 prints 'NVIDIA H200' and 143771MiB (many public logs), "
         "which GFD sanitises to NVIDIA-H200; lspci 'GH100 [H200 SXM 141GB]' x8 "
@@ -96,6 +101,7 @@ GB200: Final = GpuProduct(
     compute_minor=0,
     multi_node_nvlink=True,
     gpus_per_node=4,
+    fixed_gpus_per_node=True,
     source=(
         "nvidia-smi on GB200 NVL72 trays prints 'NVIDIA GB200' and 189471MiB (several public "
         "logs); nodeSelector nvidia.com/gpu.product=NVIDIA-GB200 in ai-dynamo recipes; 4 GPUs and "
@@ -110,6 +116,7 @@ L40S: Final = GpuProduct(
     compute_minor=9,
     multi_node_nvlink=False,
     gpus_per_node=4,
+    fixed_gpus_per_node=False,
     source=(
         "GFD labels of an L40S node: gpu.product=NVIDIA-L40S, gpu.memory=46068, "
         "mig.capable=false (OpenNebula OneKS GPU guide); nvidia-smi L40S 46068MiB "

@@ -78,3 +78,19 @@ def test_a_fit_without_room_for_activations_is_a_warning() -> None:
     [first, second] = fit_warnings(dm.spec)
     assert first.startswith("spec.prefill: meta-llama/Llama-3.1-70B-Instruct on ")
     assert "may refuse to start" in second
+
+
+def test_a_pod_wider_than_every_node_of_its_product_is_refused() -> None:
+    spec = resource(model={"name": "Qwen/Qwen3-0.6B"}, prefill={"tensorParallelSize": 8},
+                    placement={"gpuProducts": ["NVIDIA-GB200"]})  # fmt: skip
+    [problem] = problems(spec)
+    assert problem == (
+        "spec.prefill: tensorParallelSize 8 x dataParallelSize 1 = 8 GPUs in one pod, but every "
+        "NVIDIA-GB200 node has 4 and a pod cannot span nodes, so it would stay Pending. Fix: "
+        "lower spec.prefill.tensorParallelSize or dataParallelSize to 4 GPUs per pod (more "
+        "replicas instead), or take NVIDIA-GB200 out of spec.placement.gpuProducts"
+    )
+    # PCIe servers hold different counts: an 8-GPU L40S pod is left to the scheduler.
+    wide_l40s = resource(model={"name": "Qwen/Qwen3-0.6B"}, prefill={"tensorParallelSize": 8},
+                         placement={"gpuProducts": ["NVIDIA-L40S"]})  # fmt: skip
+    parse_resource(wide_l40s)
