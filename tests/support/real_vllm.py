@@ -17,6 +17,7 @@ import httpx
 from devtools.localplane import free_port
 from devtools.procs import spawn_component, tail, terminate
 from devtools.vllm_cpu import VllmCpu
+from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.vllm.metrics import (
     GENERATION_TOKENS,
     NIXL_XFER_TIME,
@@ -30,6 +31,40 @@ from pdserve.vllm.metrics import (
 from tests.support.operator_commands import PodCommand
 
 SERVED_NAME = "tiny"
+
+
+def tiny_cpu_engine(
+    kv_cache_bytes: int = 64 << 20, *, one_process: bool = True, **fields: Any
+) -> dict[str, Any]:
+    """An engine pool as a user writes one for vLLM's CPU build and the tests' tiny model: the
+    CPU settings in extraArgs; `one_process` runs the engine core in the API server's process
+    (half the memory, the same engine)."""
+    engine: dict[str, Any] = {
+        "replicas": 1,
+        "scheduler": {"maxNumSeqs": 8},
+        "extraArgs": ["--enforce-eager", "--dtype", "float32", "--seed", "0",
+                      "--kv-cache-memory-bytes", str(kv_cache_bytes)],
+        **fields,
+    }  # fmt: skip
+    if one_process:
+        engine["env"] = [{"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"}]
+    return engine
+
+
+def tiny_cpu_model(name: str, model: str | Path, spec: Mapping[str, Any]) -> DisaggregatedModel:
+    """A DisaggregatedModel of the tiny model on CPU engines (no accelerator), named `name`."""
+    return parse_resource({
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "DisaggregatedModel",
+        "metadata": {"name": name, "namespace": "test"},
+        "spec": {
+            **spec,
+            "model": {"name": str(model), "servedModelName": SERVED_NAME, **spec.get("model", {})},
+            "placement": {"acceleratorResource": "", **spec.get("placement", {})},
+        },
+    })  # fmt: skip
+
+
 # The text side, as a DisaggregatedModel's spec.serving would set it (parity flags).
 TEXT_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
               "--enable-auto-tool-choice"]  # fmt: skip

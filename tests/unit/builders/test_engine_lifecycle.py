@@ -4,25 +4,14 @@ data-parallel rank, a capped /dev/shm, and the gateway's request timeout."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 
-from pdserve.api import DisaggregatedModel, SpecError, parse_resource
+from pdserve.api import DisaggregatedModel, SpecError
 from pdserve.builders import build_all
 from pdserve.gateway.settings import GatewaySettings
-
-
-def model(**spec: Any) -> DisaggregatedModel:
-    body: dict[str, Any] = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": "qwen", "namespace": "llm"},
-        "spec": {"model": {"name": "Qwen/Qwen3-8B"}, "prefill": {"replicas": 1}},
-    }
-    body["spec"].update(copy.deepcopy(spec))
-    return parse_resource(body)
+from tests.unit.builders.test_scaling_builders import model
 
 
 def problems(**spec: Any) -> str:
