@@ -170,7 +170,11 @@ def test_failures_are_named(reports: list[dict[str, Any]], reason: str, words: s
 
 
 def test_p2p_matters_for_same_node_pairs() -> None:
-    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}})
+    # No RDMA device: tcp stays in the transports (spec.py, TRANSPORTS_NEED_TCP_OR_RDMA).
+    dm = model(
+        placement={"domain": {"topologyKey": "kubernetes.io/hostname"}},
+        kvTransfer={"ucxTransports": "cuda_ipc,cuda_copy,tcp", "verify": "Required"},
+    )
     reports = [report("server", "gpu-a", p2p={"status": "NS", "notOk": ["NS"]}),
                report("client", "gpu-a", transport="cuda_ipc")]  # fmt: skip
     engines = [engine_pod("m-prefill-0", "prefill", 0, "gpu-a"),
