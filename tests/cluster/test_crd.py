@@ -67,6 +67,10 @@ def test_server_fills_defaults_and_the_stored_object_parses(
         ({"serving": {"blockSize": 12}}, "spec.serving.blockSize", "supported values"),
         ({"serving": {"blockSize": 16}, "placement": {"acceleratorResource": ""}},
          "spec.serving.blockSize", "must be a multiple of 32"),
+        ({"kvTransfer": {"ucxTransports": "rc,cuda_copy,cuda_ipc"}},
+         "spec.kvTransfer.ucxTransports", "leaves tcp out but placement.rdma is unset"),
+        ({"kvTransfer": {"ucxTransports": "^rc,tcp"}},
+         "spec.kvTransfer.ucxTransports", "leaves tcp out but placement.rdma is unset"),
     ],
 )  # fmt: skip
 def test_api_server_rejects_invalid_specs_naming_the_field(
@@ -78,6 +82,19 @@ def test_api_server_rejects_invalid_specs_naming_the_field(
     found = causes(response)
     assert field in found, found
     assert message in found[field]
+
+
+@pytest.mark.usefixtures("dm_crd")
+@pytest.mark.parametrize("transports", ["tcp,cuda_copy", "rc,tcp", "all", "^rc,ud"])
+def test_api_server_accepts_transports_that_keep_tcp_without_rdma(
+    http_api: httpx.Client, namespace: str, transports: str
+) -> None:
+    """The CRD's regex (RE2 on the server) agrees with the Python check on what keeps tcp."""
+    url = f"/apis/pdserve.io/v1alpha1/namespaces/{namespace}/disaggregatedmodels"
+    spec = {"model": {"name": "m"}, "kvTransfer": {"ucxTransports": transports}}
+    created = http_api.post(url, json=dm("transports", spec))
+    assert created.status_code == 201, created.text
+    parse_resource(created.json())
 
 
 @pytest.mark.usefixtures("dm_crd")

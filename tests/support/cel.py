@@ -1,7 +1,8 @@
 """A small evaluator for the subset of CEL the CRD's rules use, and the API server's structural
 defaulting, so unit tests can check each CEL rule without an API server (tests/cluster/test_crd.py
 checks them on a real one): `||`, `&&`, `!`, comparisons, parentheses, `self.a.b`, `has(self.a)`,
-`%`, int, bool and string literals, `.startsWith(s)`, `.contains(s)` and `.size()`."""
+`%`, int, bool and string literals, `.startsWith(s)`, `.contains(s)`, `.matches(re)` (a
+search, as CEL's) and `.size()`."""
 
 from __future__ import annotations
 
@@ -191,6 +192,8 @@ class _Parser:
                 return value.startswith(args[0])
             if name == "contains" and isinstance(value, str) and len(args) == 1:
                 return args[0] in value
+            if name == "matches" and isinstance(value, str) and len(args) == 1:
+                return re.search(args[0], value) is not None
             if name == "size" and not args:
                 return len(value)
             raise CelError(f"unsupported call {name}{tuple(args)} on {value!r}")

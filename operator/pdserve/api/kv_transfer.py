@@ -136,9 +136,10 @@ class KvTransferSpec(ApiModel):
     included, and applies to every TP rank of a pod: a device:port pin (an RDMA NIC) needs
     placement.rdma, and on multi-NIC nodes a single pin sends all ranks' KV through one NIC.
     Default: unset, UCX picks the NIC nearest each GPU."""
-    ucx_transports: Annotated[str, Field(min_length=1)] | None = None
+    ucx_transports: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """UCX_TLS, the UCX transports NIXL may use, e.g. rc,cuda_copy,cuda_ipc (leaving out tcp
-    makes a broken RDMA path fail loudly instead of falling back). Default: UCX's choice."""
+    makes a broken RDMA path fail loudly instead of falling back; without placement.rdma it
+    leaves no transport between pods, so it needs placement.rdma). Default: UCX's choice."""
     verify: TransportVerification = TransportVerification.warn
     """Transport preflight per slice (status.transport, condition TransportVerified).
     Required: the gateway keeps P/D routing off a slice until its KV path is verified (it

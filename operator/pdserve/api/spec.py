@@ -104,11 +104,58 @@ BIDIRECTIONAL_NEEDS_RENDER = CrossFieldRule(
 )
 
 
+def tcp_left_out(transports: str) -> bool:
+    """Whether UCX_TLS `transports` keeps tcp out: a plain list names the transports UCX may use
+    (`all`: every one), a list starting with `^` the ones it may not."""
+    items = transports.split(",")
+    if items[0].startswith("^"):
+        return "tcp" in (items[0][1:], *items[1:])
+    return not {"tcp", "all"} & set(items)
+
+
+def _transports_without_tcp_or_rdma(spec: DisaggregatedModelSpec) -> str | None:
+    transports = spec.kv_transfer.ucx_transports
+    if transports is None or spec.placement.rdma is not None or not tcp_left_out(transports):
+        return None
+    return (
+        f"spec.kvTransfer.ucxTransports {transports!r} leaves tcp out, but spec.placement.rdma "
+        "is unset, so the engine pods get no RDMA device: UCX has no transport left between "
+        "prefill and decode pods (shared memory and cuda_ipc do not cross pods) and the engines "
+        "fail to start (NIXL_ERR_BACKEND, no active messages transport). Set "
+        "spec.placement.rdma, add tcp, or remove ucxTransports"
+    )
+
+
+# A `^` list (all but these) keeps tcp unless it names it; a plain list needs tcp or all.
+TRANSPORTS_NEED_TCP_OR_RDMA = CrossFieldRule(
+    "!has(self.kvTransfer) || !has(self.kvTransfer.ucxTransports) "
+    "|| (has(self.placement) && has(self.placement.rdma)) "
+    "|| (!self.kvTransfer.ucxTransports.startsWith('^') "
+    "&& self.kvTransfer.ucxTransports.matches('(^|,)(tcp|all)(,|$)')) "
+    "|| (self.kvTransfer.ucxTransports.startsWith('^') "
+    "&& !(self.kvTransfer.ucxTransports == '^tcp' "
+    "|| self.kvTransfer.ucxTransports.startsWith('^tcp,') "
+    "|| self.kvTransfer.ucxTransports.matches(',tcp(,|$)')))",
+    "kvTransfer.ucxTransports leaves tcp out but placement.rdma is unset: the pods get no RDMA "
+    "device and UCX is left with no transport between them; set placement.rdma, add tcp, or "
+    "remove ucxTransports",
+    ".kvTransfer.ucxTransports",
+    _transports_without_tcp_or_rdma,
+)
+
+
 class DisaggregatedModelSpec(ApiModel):
     """A disaggregated vLLM deployment: prefill and decode GPU pools, a CPU render pool and an
     OpenAI-compatible gateway, kept in parity."""
 
-    model_config = with_rules([CPU_BLOCK_SIZE_RULE, NIC_PIN_NEEDS_RDMA, BIDIRECTIONAL_NEEDS_RENDER])
+    model_config = with_rules(
+        [
+            CPU_BLOCK_SIZE_RULE,
+            NIC_PIN_NEEDS_RDMA,
+            TRANSPORTS_NEED_TCP_OR_RDMA,
+            BIDIRECTIONAL_NEEDS_RENDER,
+        ]
+    )
 
     model: ModelSpec
     """The model to serve."""

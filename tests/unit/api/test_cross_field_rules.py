@@ -25,7 +25,7 @@ from pdserve.api.placement import (
 from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
 from pdserve.api.spec import BIDIRECTIONAL_NEEDS_RENDER as BIDIRECTIONAL
-from pdserve.api.spec import NIC_PIN_NEEDS_RDMA, DisaggregatedModelSpec
+from pdserve.api.spec import NIC_PIN_NEEDS_RDMA, TRANSPORTS_NEED_TCP_OR_RDMA, DisaggregatedModelSpec
 from tests.support.cel import apply_defaults, evaluate
 
 KEDA = "engine KEDA needs prometheusAddress (the Prometheus its trigger queries)"
@@ -44,6 +44,8 @@ HOST = "kubernetes.io/hostname"
 HOST_NETWORK = HOST_NETWORK_SPLITS_A_NODE_DOMAIN.message
 NIC_PIN = NIC_PIN_NEEDS_RDMA.message
 ONE_CLAIM = ONE_CLAIM_SOURCE.message
+NO_TCP = TRANSPORTS_NEED_TCP_OR_RDMA.message
+RDMA = {"placement": {"rdma": {"resource": "rdma/rdma_shared_device_a"}, "guaranteedQoS": False}}
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
 CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
@@ -168,6 +170,31 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
         },
         None,
     ),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "tcp"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "rc,tcp,cuda_copy"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "all"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^rc,ud"}}, None),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^tcpx"}}, None),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"ucxTransports": "rc,cuda_copy,cuda_ipc"}},
+        NO_TCP,
+    ),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "tcpx,sm"}}, NO_TCP),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^tcp"}}, NO_TCP),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^rc,tcp"}}, NO_TCP),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^tcp,rc"}}, NO_TCP),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"ucxTransports": "rc"}, "placement": {}},
+        NO_TCP,
+    ),
+    (
+        DisaggregatedModelSpec,
+        {**MODEL, "kvTransfer": {"ucxTransports": "rc,cuda_copy"}, **RDMA},
+        None,
+    ),
+    (DisaggregatedModelSpec, {**MODEL, "kvTransfer": {"ucxTransports": "^tcp"}, **RDMA}, None),
 ]
 
 
@@ -213,7 +240,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 15
+    assert len(rules) == 16
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

@@ -126,6 +126,7 @@ def test_rdma_is_requested_only_when_asked() -> None:
 def test_ucx_transports_reach_both_engines() -> None:
     body = copy.deepcopy(BASE)
     body["spec"]["kvTransfer"] = {"ucxTransports": "rc,cuda_copy"}
+    body["spec"]["placement"] = {"rdma": {"resource": "rdma/hca"}, "guaranteedQoS": False}
     for sts in statefulsets(parse_resource(body)).values():
         env = {e["name"]: e.get("value") for e in pod_spec(sts)["containers"][0]["env"]}
         assert env["UCX_TLS"] == "rc,cuda_copy"

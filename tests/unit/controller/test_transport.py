@@ -183,7 +183,11 @@ def same_node_verdict(dm: Any, client_transport: str) -> Any:
 def test_same_node_pairs_never_claim_nvlink_between_pods() -> None:
     """A node whose GPUs all read peer-to-peer still gives two pods no CUDA IPC: the verdict
     names the lanes measured and says so."""
-    dm = model(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}})
+    # No RDMA device: tcp stays in the transports (spec.py, TRANSPORTS_NEED_TCP_OR_RDMA).
+    dm = model(
+        placement={"domain": {"topologyKey": "kubernetes.io/hostname"}},
+        kvTransfer={"ucxTransports": "cuda_ipc,cuda_copy,tcp", "verify": "Required"},
+    )
     verdict = same_node_verdict(dm, "tcp")
     assert (verdict.verified, verdict.reason) == (True, "Verified")
     assert verdict.message.startswith("tcp via ")
