@@ -51,6 +51,10 @@ class Running:
     metrics: web.AppRunner | None = None
     elector: LeaderElector | None = None
     election: asyncio.Task[None] | None = None
+    # The webhook's own client while the startup handler has not made the Reconciler's: kopf may
+    # serve admission requests first, and a Pod Security judgement skipped then would admit
+    # what the namespace refuses.
+    webhook_kube: Kube | None = None
 
     def started(self) -> Reconciler:
         if self.reconciler is None:
@@ -79,6 +83,8 @@ async def shut_down(running: Running) -> None:
         await running.elector.release()
     if reconciler is not None:
         await reconciler.close()
+    if running.webhook_kube is not None:
+        await running.webhook_kube.close()
 
 
 def build_registry(
@@ -140,6 +146,13 @@ def build_registry(
     async def cleanup(**_: Any) -> None:
         await shut_down(running)
 
+    def webhook_kube() -> Kube:
+        if running.reconciler is not None:
+            return running.reconciler.kube
+        if running.webhook_kube is None:
+            running.webhook_kube = Kube(credentials)
+        return running.webhook_kube
+
     if operator_settings.webhook is not None:
         # kopf refuses to start with admission handlers but no webhook server.
         @kopf.on.validate(GROUP, VERSION, PLURAL, id="spec", operations=["CREATE", "UPDATE"],
@@ -155,9 +168,8 @@ def build_registry(
                 raise kopf.AdmissionError("; ".join(error.problems), code=422) from None
             warnings.extend(unknown)
             warnings.extend(admission_warnings(dm.spec))
-            if running.reconciler is not None:
-                refusal = await pod_security_refusal(running.reconciler.kube, dm)
-                if refusal is not None:
-                    raise kopf.AdmissionError(refusal, code=422)
+            refusal = await pod_security_refusal(webhook_kube(), dm)
+            if refusal is not None:
+                raise kopf.AdmissionError(refusal, code=422)
 
     return registry, running
