@@ -5,7 +5,7 @@ reconciled; files parsed offline still refuse them (a typo there has no CRD to c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pytest
@@ -13,7 +13,9 @@ import pytest
 from pdserve.api import SpecError, parse_resource, parse_stored
 from pdserve.controller import handlers
 from pdserve.controller.settings import OperatorSettings, WebhookSettings
+from pdserve.kube.client import Kube
 from pdserve.kube.credentials import Credentials
+from tests.support.fakekube import FakeKube
 from tests.unit.api.test_api import resource
 
 NEWER = resource(
@@ -48,11 +50,18 @@ def test_a_real_problem_beside_a_newer_field_is_still_refused_naming_it() -> Non
     ]
 
 
-def webhook() -> Any:
+def webhook(namespace_labels: dict[str, str] | None = None) -> Any:
+    """The validate handler as kopf serves it before the startup handler ran, its API calls
+    answered by an in-memory API server holding namespace `llm` with `namespace_labels`."""
     settings = OperatorSettings(engine_metrics_seconds=0, autoscale_seconds=0,
                                 webhook=WebhookSettings(9443, "tls.crt", "tls.key"))  # fmt: skip
-    registry, _ = handlers.build_registry(Credentials(server="https://api.test", token="t"),
-                                          settings)  # fmt: skip
+    registry, running = handlers.build_registry(
+        Credentials(server="https://api.test", token="t"), settings
+    )
+    kube = FakeKube()
+    kube.put({"apiVersion": "v1", "kind": "Namespace",
+              "metadata": {"name": "llm", "labels": namespace_labels or {}}})  # fmt: skip
+    running.webhook_kube = cast(Kube, kube)
     [found] = [h.fn for h in registry._webhooks.get_all_handlers()
                if getattr(h.fn, "__name__", "") == "validate"]  # fmt: skip
     return found
@@ -67,3 +76,10 @@ async def test_the_webhook_admits_newer_fields_with_a_warning_and_refuses_real_p
     with pytest.raises(kopf.AdmissionError) as refused:
         await validate(body=resource(decode={"extraArgs": ["--block-size", "32"]}), warnings=[])
     assert "spec.decode.extraArgs" in str(refused.value)
+
+
+async def test_the_webhook_judges_pod_security_before_the_operator_finished_starting() -> None:
+    validate = webhook({"pod-security.kubernetes.io/enforce": "restricted"})
+    with pytest.raises(kopf.AdmissionError) as refused:
+        await validate(body=resource(), warnings=[])
+    assert "namespace llm enforces Pod Security 'restricted'" in str(refused.value)
