@@ -354,11 +354,11 @@ def pods_of(http: httpx.Client, namespace: str, selector: Mapping[str, str]) -> 
 
 def all_bound(http: httpx.Client, dm: DisaggregatedModel) -> bool:
     """Every workload pdserve builds exists and has exactly its replicas, all bound to a node;
-    a render pool under an HPA has reached the HPA's minReplicas first."""
+    a render pool under an HPA has reached the HPA's minReplicas first (the HPAs pdserve builds,
+    not those already live: before the operator creates one, the pool runs 1 replica)."""
     ns = dm.namespace
-    hpas = http.get(f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers").json()
     floor = {h["spec"]["scaleTargetRef"]["name"]: h["spec"].get("minReplicas", 1)
-             for h in hpas["items"]}  # fmt: skip
+             for h in build_all(dm) if h["kind"] == "HorizontalPodAutoscaler"}  # fmt: skip
     for built in workloads_of(dm):
         kind, name = built["kind"], built["metadata"]["name"]
         live = get(http, f"{WORKLOADS[kind]}/namespaces/{ns}/{PLURAL[kind]}/{name}")
