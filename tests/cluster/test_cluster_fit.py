@@ -5,8 +5,15 @@ twins of real GPU nodes (devtools.nodes), with the operator and its validating w
 Each case ends in exactly one of two ways: refused at apply time by the webhook, with a message
 that names the field (or the namespace label) and the fix, or every pod of every pool bound by
 the scheduler onto nodes of that profile, with the wiring right (ports, NIXL/UCX env, GPUs, RDMA
-device and IPC_LOCK only with placement.rdma). Anything else (a pod Pending past the wait, a
-StatefulSet's FailedCreate) fails, with the scheduler's or the API server's words.
+device and IPC_LOCK only with placement.rdma, every DRA claim of placement.resourceClaims
+allocated by the scheduler on a device of the pod's own node). Anything else (a pod Pending past
+the wait, a StatefulSet's FailedCreate) fails, with the scheduler's or the API server's words.
+
+NVIDIA's DRA driver for GPUs is twinned on the GB200 trays (devtools/dra.py): its ComputeDomain
+DeviceClasses and each tray's compute-domain ResourceSlice exist for the module, and the
+ResourceClaimTemplate its ComputeDomain controller would create for the example's ComputeDomain
+exists in the case's namespace while the case runs. Each tray publishes one channel device, so
+each engine pod holding a channel claim has a tray to itself.
 
 An example that names no GPU product is restricted to the profile by adding
 placement.gpuProducts (which also subjects it to the memory-fit check, api/fit.py); the
@@ -25,9 +32,12 @@ import copy
 import json
 import os
 import re
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +46,11 @@ import httpx
 import pytest
 import yaml
 
+from devtools import dra
 from devtools.localplane import ControlPlane, ControlPlaneError, wait_until
 from devtools.nodes import (
     CLIQUE_0,
+    CLIQUE_1,
     GB200_FABRIC,
     FakeNode,
     create_nodes,
@@ -101,15 +113,26 @@ GPU_PROFILES = (H200_HGX, H100_HGX, GB200_NVL72, L40S_PCIE)
 PROFILES = (*GPU_PROFILES, CPU)
 
 CLIQUE_2 = f"{GB200_FABRIC}.2"
+# Trays per GB200 clique in this module (a real NVL72 rack is one clique of 18 trays). A pod
+# holding a ComputeDomain channel claim takes its tray's only channel device (devtools/dra.py),
+# so a slice of 3 such engine pods needs 3 trays of one clique; 6 hold both slices of the
+# gb200-nvl72-slices example even where the scheduler puts them in one clique.
+TRAYS_PER_CLIQUE = 6
+DEMO_TRAYS = 2  # the session's demo nodes: gb200-c0-{0,1} and gb200-c1-{0,1}
 # Added to the session's demo nodes (2 HGX H200, two GB200 NVL72 cliques of 2 trays, 1 L40S,
 # 2 CPU) for this module and removed after it: 6 HGX H200 (48 GPUs: the RDMA example's two
-# 6-GPU slices next to another case), 4 HGX H100, a third GB200 clique of 2 trays, 4 L40S
-# servers (16 GPUs), 6 CPU nodes for the render and gateway pods.
+# 6-GPU slices next to another case), 4 HGX H100, trays that grow the two demo cliques to
+# TRAYS_PER_CLIQUE and a third clique of as many, 4 L40S servers (16 GPUs), 6 CPU nodes for the
+# render and gateway pods.
 FIT_NODES: tuple[FakeNode, ...] = (
     *(hgx_h200_node(f"fit-h200-{i}") for i in range(4)),
     *(hgx_h100_node(f"fit-h100-{i}") for i in range(4)),
-    gb200_nvl72_node("fit-gb200-c2-0", clique=CLIQUE_2),
-    gb200_nvl72_node("fit-gb200-c2-1", clique=CLIQUE_2),
+    *(
+        gb200_nvl72_node(f"fit-gb200-c{c}-{i}", clique=clique)
+        for c, clique in enumerate((CLIQUE_0, CLIQUE_1))
+        for i in range(DEMO_TRAYS, TRAYS_PER_CLIQUE)
+    ),
+    *(gb200_nvl72_node(f"fit-gb200-c2-{i}", clique=CLIQUE_2) for i in range(TRAYS_PER_CLIQUE)),
     *(l40s_node(f"fit-l40s-{i}") for i in range(3)),
     *(
         FakeNode(name=f"fit-cpu-{i}", cpu="16", memory="64Gi", ephemeral_storage="200Gi")
@@ -160,6 +183,20 @@ class Case:
 
 
 BODIES = {path.stem: _example(path) for path in EXAMPLES}
+
+
+def channel_templates(body: Mapping[str, Any]) -> list[str]:
+    """The ResourceClaimTemplates an example's engine pods claim from. The one example with
+    claims claims the IMEX channel of a ComputeDomain (gb200-nvl72-slices), so the twin reads
+    each as a ComputeDomain's channel template, which NVIDIA's ComputeDomain controller
+    creates when the user creates the ComputeDomain (devtools/dra.py)."""
+    claims = _parsed(body, "x").spec.placement.resource_claims
+    return [c.resource_claim_template_name for c in claims if c.resource_claim_template_name]
+
+
+# Every channel claim takes its tray's only channel device, and trays are shared by the lanes:
+# cases whose pods claim channels run one at a time, each finding every tray's channel free.
+CHANNEL_CASES = threading.Lock()
 CASES = [
     Case(stem, profile, level)
     for stem, body in BODIES.items()
@@ -317,11 +354,11 @@ def pods_of(http: httpx.Client, namespace: str, selector: Mapping[str, str]) -> 
 
 def all_bound(http: httpx.Client, dm: DisaggregatedModel) -> bool:
     """Every workload pdserve builds exists and has exactly its replicas, all bound to a node;
-    a render pool under an HPA has reached the HPA's minReplicas first."""
+    a render pool under an HPA has reached the HPA's minReplicas first (the HPAs pdserve builds,
+    not those already live: before the operator creates one, the pool runs 1 replica)."""
     ns = dm.namespace
-    hpas = http.get(f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers").json()
     floor = {h["spec"]["scaleTargetRef"]["name"]: h["spec"].get("minReplicas", 1)
-             for h in hpas["items"]}  # fmt: skip
+             for h in build_all(dm) if h["kind"] == "HorizontalPodAutoscaler"}  # fmt: skip
     for built in workloads_of(dm):
         kind, name = built["kind"], built["metadata"]["name"]
         live = get(http, f"{WORKLOADS[kind]}/namespaces/{ns}/{PLURAL[kind]}/{name}")
@@ -443,6 +480,64 @@ def cpu_pod_problems(pod: Mapping[str, Any]) -> list[str]:
         added = (container.get("securityContext") or {}).get("capabilities", {}).get("add")
         if held or added:
             problems.append(f"{pod['metadata']['name']}: CPU pod holds {held}, adds {added}")
+    if pod["spec"].get("resourceClaims"):
+        problems.append(f"{pod['metadata']['name']}: CPU pod claims "
+                        f"{pod['spec']['resourceClaims']}")  # fmt: skip
+    return problems
+
+
+def slice_devices(http: httpx.Client) -> dict[tuple[str, str], tuple[str, set[str]]]:
+    """Every published ResourceSlice's devices: (driver, pool) -> (node, device names)."""
+    response = http.get(f"{dra.RESOURCE_PATH}/resourceslices")
+    response.raise_for_status()
+    out: dict[tuple[str, str], tuple[str, set[str]]] = {}
+    for item in response.json()["items"]:
+        spec = item["spec"]
+        key = (spec["driver"], spec["pool"]["name"])
+        out.setdefault(key, (spec.get("nodeName", ""), set()))[1].update(
+            d["name"] for d in spec.get("devices", [])
+        )
+    return out
+
+
+def claim_problems(
+    http: httpx.Client, pod: Mapping[str, Any], dm: DisaggregatedModel,
+    devices: Mapping[tuple[str, str], tuple[str, set[str]]],
+) -> list[str]:  # fmt: skip
+    """The engine pod claims what placement.resourceClaims names (pod resourceClaims, vllm
+    container resources.claims), and the scheduler allocated each claim on a device that a
+    ResourceSlice of the pod's own node publishes, reserved for this pod."""
+    name, node = pod["metadata"]["name"], pod["spec"]["nodeName"]
+    wanted = [c.to_json() for c in dm.spec.placement.resource_claims]
+    problems = []
+    if pod["spec"].get("resourceClaims", []) != wanted:
+        problems.append(f"{name}: resourceClaims {pod['spec'].get('resourceClaims')}, "
+                        f"expected {wanted}")  # fmt: skip
+    [vllm] = [c for c in pod["spec"]["containers"] if c["name"] == "vllm"]
+    claimed = [c["name"] for c in vllm.get("resources", {}).get("claims", [])]
+    if claimed != [c["name"] for c in wanted]:
+        problems.append(f"{name}: vllm resources.claims {claimed}")
+    generated = {s["name"]: s.get("resourceClaimName")
+                 for s in pod.get("status", {}).get("resourceClaimStatuses", [])}  # fmt: skip
+    for entry in wanted:
+        claim_name = entry.get("resourceClaimName") or generated.get(entry["name"])
+        if not claim_name:
+            problems.append(f"{name}: no ResourceClaim for {entry['name']}")
+            continue
+        path = f"{dra.RESOURCE_PATH}/namespaces/{dm.namespace}/resourceclaims/{claim_name}"
+        claim = get(http, path) or {}
+        status = claim.get("status", {})
+        results = status.get("allocation", {}).get("devices", {}).get("results", [])
+        if not results:
+            problems.append(f"{name}: claim {claim_name} not allocated: {status}")
+        for result in results:
+            where, names = devices.get((result["driver"], result["pool"]), ("", set()))
+            if where != node or result["device"] not in names:
+                problems.append(f"{name} on {node}: claim {claim_name} allocated "
+                                f"{result['driver']}/{result['pool']}/{result['device']}, "
+                                f"not a device of {node}")  # fmt: skip
+        if pod["metadata"]["uid"] not in {r.get("uid") for r in status.get("reservedFor", [])}:
+            problems.append(f"{name}: claim {claim_name} not reserved for the pod")
     return problems
 
 
@@ -489,11 +584,29 @@ def bound_detail(
     if domain is not None and domain.mode is Strength.required:
         live = len({p["metadata"]["labels"].get("pdserve.io/slice") for p in engines})
         text += f", each of {live} running slice(s) in one {domain.topology_key} domain"
+    if placement.resource_claims:
+        claims = ", ".join(c.name for c in placement.resource_claims)
+        text += f", each engine's claim ({claims}) allocated on a device of its own node"
     rest = [f"{counts[c]} {c}" for c in ("render", "gateway") if counts.get(c)]
     return text + (f"; {', '.join(rest)}" if rest else "")
 
 
 def run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, str]]) -> Outcome:
+    """One case; a ComputeDomain's channel template exists in its namespace while it runs."""
+    templates = channel_templates(BODIES[case.example])
+    with CHANNEL_CASES if templates else nullcontext(), plane.http() as http:
+        for template in templates:  # a new ComputeDomain: a new UID
+            dra.create_compute_domain_claim_template(
+                http, case.namespace, template, domain_uid=str(uuid.uuid4())
+            )
+        try:
+            return _run_case(plane, case, nodes)
+        finally:
+            for template in templates:
+                dra.delete_compute_domain_claim_template(http, case.namespace, template)
+
+
+def _run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, str]]) -> Outcome:
     outcome = Outcome(case)
     started = time.monotonic()
     body = restricted_to(BODIES[case.example], case.profile, case.namespace)
@@ -532,8 +645,11 @@ def run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, s
             others = [p for p in pods if component[p["metadata"]["name"]] in CPU_POOLS]
             outcome.detail = bound_detail(dm, engines, others)
             outcome.problems += placement_problems(engines, dm, case.profile, nodes)
+            devices = slice_devices(http) if dm.spec.placement.resource_claims else {}
             for pod in engines:
                 outcome.problems += wiring_problems(pod, dm)
+                if dm.spec.placement.resource_claims:
+                    outcome.problems += claim_problems(http, pod, dm, devices)
             for pod in others:
                 outcome.problems += cpu_pod_problems(pod)
         finally:
@@ -544,6 +660,13 @@ def run_case(plane: ControlPlane, case: Case, nodes: Mapping[str, Mapping[str, s
                 lambda: not pods_of(http, case.namespace, {INSTANCE_LABEL: dm.name}),
                 timeout=GONE_SECONDS,
             )
+            if dm.spec.placement.resource_claims:  # the claims go with their pods
+                claims = f"{dra.RESOURCE_PATH}/namespaces/{case.namespace}/resourceclaims"
+                wait_until(
+                    f"the resource claims of {case.id} to go",
+                    lambda: not http.get(claims).json()["items"],
+                    timeout=GONE_SECONDS,
+                )
     outcome.seconds = time.monotonic() - started
     return outcome
 
@@ -563,6 +686,26 @@ def fit_nodes(control_plane: ControlPlane) -> Iterator[dict[str, dict[str, str]]
         finally:
             for name in names:
                 http.delete(f"/api/v1/nodes/{name}")
+
+
+@pytest.fixture(scope="module")
+def compute_domain_devices(
+    control_plane: ControlPlane, fit_nodes: dict[str, dict[str, str]]
+) -> Iterator[list[str]]:
+    """What NVIDIA's DRA driver publishes where it is installed (devtools/dra.py): its
+    ComputeDomain DeviceClasses, and on every GB200 tray the compute-domain kubelet plugin's
+    ResourceSlice. Removed after the module."""
+    trays = sorted(n for n, labels in fit_nodes.items()
+                   if labels.get(PRODUCT_LABEL) == GB200.product)  # fmt: skip
+    with control_plane.http() as http:
+        classes = dra.install_device_classes(http)
+        try:
+            dra.publish_resource_slices(http, trays)
+            yield trays
+        finally:
+            dra.delete_resource_slices(http, trays)
+            for name in classes:
+                http.delete(f"{dra.RESOURCE_PATH}/deviceclasses/{name}")
 
 
 @pytest.fixture(scope="module")
@@ -594,6 +737,7 @@ def outcomes(
     control_plane: ControlPlane,
     fit_nodes: dict[str, dict[str, str]],
     fit_namespaces: list[str],
+    compute_domain_devices: list[str],
     operator_with_webhook: RunningOperator,
 ) -> dict[str, Outcome]:
     """Every case, one lane per namespace (profile x level) at a time within it, the lanes
@@ -684,7 +828,8 @@ def render_table(outcomes: Mapping[str, Outcome]) -> str:
         "",
         "- **bound**: every pod of every pool was bound by the scheduler, the engines onto nodes",
         "  of that profile, with the ports (HTTP, NIXL side channel), NIXL/UCX env, GPUs and",
-        "  RDMA device/IPC_LOCK the spec asks for.",
+        "  RDMA device/IPC_LOCK the spec asks for, and each DRA claim of",
+        "  `placement.resourceClaims` allocated on a device of the engine pod's own node.",
         "- **refused**: the webhook refused the apply; the first clause of its message is shown",
         "  (the full message names the field and the fix).",
         "",
@@ -697,6 +842,15 @@ def render_table(outcomes: Mapping[str, Outcome]) -> str:
         "`placement.rdma.networks` annotation is applied but attaches nothing, and no GPU node",
         "carries a taint, so tolerations are not exercised. Each case is deleted before the next",
         "one of its profile and level.",
+        "",
+        "NVIDIA's DRA driver for GPUs is twinned on the GB200 trays (`devtools/dra.py`): its",
+        "ComputeDomain DeviceClasses, each tray's `compute-domain.nvidia.com` ResourceSlice",
+        "(devices `channel-0` and `daemon-0`, neither shareable) and, in the case's namespace, the",
+        "channel ResourceClaimTemplate its ComputeDomain controller creates for the example's",
+        "ComputeDomain; the real scheduler allocates the claims. A tray's one channel device",
+        "backs one claim, so an engine pod claiming the channel has a tray (4 GPUs) to itself: a",
+        "slice of 3 TP2 engines takes 3 trays of one clique. The GB200 cliques here have 6 trays",
+        "(a real NVL72 rack: 18).",
         "",
         "| Example | Profile | Pod Security | Result | Detail | KV transport |",
         "|---|---|---|---|---|---|",
