@@ -852,7 +852,12 @@ def render_table(outcomes: Mapping[str, Outcome]) -> str:
         "slice of 3 TP2 engines takes 3 trays of one clique. The GB200 cliques here have 6 trays",
         "(a real NVL72 rack: 18).",
         "",
-        "| Example | Profile | Pod Security | Result | Detail | KV transport |",
+        "The KV transport column is what the pods are wired for (devices, capabilities, UCX",
+        "settings), not a measurement: kwok runs no engines. What UCX really picks is measured",
+        "with real NIXL in `tests/vllm/test_kv_transport.py` and between real pods in",
+        "`tests/e2e/test_transport.py`; RDMA and GPUDirect only a GPU cluster can show.",
+        "",
+        "| Example | Profile | Pod Security | Result | Detail | KV transport (as wired) |",
         "|---|---|---|---|---|---|",
     ]
     for case in CASES:

@@ -61,10 +61,30 @@ def _unsized_download(spec: DisaggregatedModelSpec) -> list[str]:
     ]
 
 
+def _claims_take_whole_nodes(spec: DisaggregatedModelSpec) -> list[str]:
+    """NVIDIA's DRA driver publishes one IMEX channel per node (channel-0 in its ResourceSlice),
+    so only one pod per node can hold a ComputeDomain channel claim (kubernetes-sigs/
+    dra-driver-nvidia-gpu#309, #353)."""
+    if not spec.placement.resource_claims:
+        return []
+    products = [p for p in map(lookup, spec.placement.products) if p is not None]
+    return [
+        f"spec.{name}: {pool.gpus} GPUs per pod on {product.product} nodes of "
+        f"{product.gpus_per_node}: with a ComputeDomain channel claim "
+        "(spec.placement.resourceClaims) only one pod per node is allocated (one IMEX channel "
+        f"per node), so {product.gpus_per_node - pool.gpus} GPUs of each node stay idle; use "
+        f"tensorParallelSize x dataParallelSize = {product.gpus_per_node}"
+        for name, pool in spec.engine_pools()
+        for product in products
+        if product.multi_node_nvlink and pool.gpus < product.gpus_per_node
+    ]
+
+
 def admission_warnings(spec: DisaggregatedModelSpec) -> list[str]:
     return [
         *fit_warnings(spec),
         *_one_nic_for_many_gpus(spec),
         *_clique_domain(spec),
         *_unsized_download(spec),
+        *_claims_take_whole_nodes(spec),
     ]

@@ -41,7 +41,8 @@ def test_a_clique_domain_without_known_products_warns_and_on_gb200_asks_for_imex
     assert "IMEX channels" in gb200
     claim = {"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}
     gb200_with_imex = {"domain": {}, "gpuProducts": ["NVIDIA-GB200"], "resourceClaims": [claim]}
-    assert warnings_for(placement=gb200_with_imex) == []
+    whole_trays = {"tensorParallelSize": 4}
+    assert warnings_for(placement=gb200_with_imex, decode=whole_trays) == []
     assert warnings_for(placement={"domain": {"topologyKey": "kubernetes.io/hostname"}}) == []
 
 
@@ -56,3 +57,12 @@ def test_an_unknown_model_from_the_hub_warns_that_its_download_is_unsized() -> N
         warnings_for(model={"name": "acme/secret-70b", "source": {"pvc": {"claimName": "w"}}}) == []
     )
     assert warnings_for(model={"name": "acme/x"}, placement={"acceleratorResource": ""}) == []
+
+
+def test_a_channel_claim_on_a_part_of_a_gb200_tray_warns_that_the_rest_idles() -> None:
+    claim = {"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}
+    placement = {"domain": {}, "gpuProducts": ["NVIDIA-GB200"], "resourceClaims": [claim]}
+    [warning] = warnings_for(placement=placement, decode={"tensorParallelSize": 2})
+    assert warning.startswith("spec.decode: 2 GPUs per pod on NVIDIA-GB200 nodes of 4")
+    assert warning.endswith("use tensorParallelSize x dataParallelSize = 4")
+    assert warnings_for(placement=placement, decode={"tensorParallelSize": 4}) == []
