@@ -21,6 +21,7 @@ from pdserve.kube.informer import Informer
 DM_KIND = KINDS[(API_VERSION, KIND)]
 POD = KINDS[("v1", "Pod")]
 EVENT = KINDS[("v1", "Event")]
+NAMESPACE = KINDS[("v1", "Namespace")]
 CACHED_CHILD_KINDS: tuple[Kind, ...] = (*MANAGED_KINDS, POD)
 
 # (namespace, name) of a model; told with True when it was deleted.
@@ -69,11 +70,24 @@ class ClusterCache:
             )
             for scope in scopes
         }  # fmt: skip
+        # Namespaces' labels: their Pod Security level (controller/pod_security.py).
+        self.namespaces = Informer(kube, NAMESPACE, None, on_change=self._namespace_changed)
         self._tasks: list[asyncio.Task[None]] = []
 
     def informers(self) -> list[Informer]:
         children = (i for scoped in self.children.values() for i in scoped.values())
-        return [*self.models.values(), *children, *self.gateway_event_informers.values()]
+        return [*self.models.values(), *children, *self.gateway_event_informers.values(),
+                self.namespaces]  # fmt: skip
+
+    def _namespace_changed(self, _event: str, obj: Mapping[str, Any]) -> None:
+        """A namespace relabelled (its Pod Security level): the passes of its models."""
+        namespace = obj["metadata"]["name"]
+        informer = pick(self.models, namespace)
+        if informer is None:
+            return
+        for key, model in list(informer.objects.items()):
+            if key[0] == namespace:
+                self.on_model(namespace, model["metadata"]["name"], False)
 
     def _model_changed(self, event: str, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]
@@ -109,6 +123,14 @@ class ClusterCache:
         if informer is None or not informer.synced:
             return None
         return informer.group((namespace, name))
+
+    def namespace_labels(self, namespace: str) -> Mapping[str, str] | None:
+        """The namespace's labels as last seen; None when namespaces are not watched now."""
+        if not self.namespaces.synced:
+            return None
+        found = self.namespaces.get(None, namespace) or {}
+        labels: Mapping[str, str] = found.get("metadata", {}).get("labels") or {}
+        return labels
 
     def gateway_events(self, namespace: str) -> list[dict[str, Any]] | None:
         """The gateways' Events in `namespace` as last seen; None when not watched now."""

@@ -13,14 +13,19 @@ from pdserve.builders.pod_security import (
     pod_security_problem,
     refused_templates,
 )
-from pdserve.kube.client import KINDS, Kube
+from pdserve.controller.cache import NAMESPACE, ClusterCache
+from pdserve.kube.client import Kube
 
-NAMESPACE = KINDS[("v1", "Namespace")]
 
-
-async def namespace_level(kube: Kube, namespace: str) -> PodSecurityLevel:
-    found = await kube.get(NAMESPACE, None, namespace)
-    labels = (found or {}).get("metadata", {}).get("labels") or {}
+async def namespace_level(
+    kube: Kube, namespace: str, cache: ClusterCache | None = None
+) -> PodSecurityLevel:
+    """From the namespaces' watch when it runs (a pass asks the API server nothing), else
+    asked."""
+    labels = cache.namespace_labels(namespace) if cache is not None else None
+    if labels is None:
+        found = await kube.get(NAMESPACE, None, namespace)
+        labels = (found or {}).get("metadata", {}).get("labels") or {}
     return enforced_level(labels)
 
 
@@ -32,5 +37,7 @@ def judged(dm: DisaggregatedModel, level: PodSecurityLevel) -> str | None:
     return pod_security_problem(dm.namespace, level, refused)
 
 
-async def pod_security_refusal(kube: Kube, dm: DisaggregatedModel) -> str | None:
-    return judged(dm, await namespace_level(kube, dm.namespace))
+async def pod_security_refusal(
+    kube: Kube, dm: DisaggregatedModel, cache: ClusterCache | None = None
+) -> str | None:
+    return judged(dm, await namespace_level(kube, dm.namespace, cache))

@@ -435,7 +435,7 @@ async def _converge(
     seen = Observation(
         workloads=workloads, pods=pods, parity_drift=drift, warnings=warnings, transport=verdicts,
         health=watch_transport(health, dm, pods), replica_mismatches=mismatches,
-        rollout_notes=rollout.notes, pod_security=await pod_security_refusal(kube, dm),
+        rollout_notes=rollout.notes, pod_security=await pod_security_refusal(kube, dm, cache),
     )  # fmt: skip
     status = compute_status(
         dm, seen, before, generation=generation, parity=parity_hash(dm, digest), now=now()

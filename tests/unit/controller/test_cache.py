@@ -65,3 +65,19 @@ def test_a_pass_reads_a_kind_only_while_its_watch_runs() -> None:
     cache.discard(DEPLOYMENT, "llm", "qwen-gateway")
     assert cache.children_of(DEPLOYMENT, "llm", "qwen") == []
     assert cache.children_of(POD, "llm", "qwen") is None  # each kind on its own
+
+
+def test_a_relabelled_namespace_wakes_its_models_and_its_level_is_read_from_the_watch() -> None:
+    cache, heard = cache_and_heard()
+    [models] = cache.models.values()
+    for namespace, name in (("llm", "qwen"), ("other", "llama")):
+        models.observe({"metadata": {"name": name, "namespace": namespace}})
+    assert cache.namespace_labels("llm") is None  # not watched yet: the pass asks
+    namespace = {"metadata": {"name": "llm", "labels": {"pod-security.kubernetes.io/enforce":
+                                                        "baseline"}}}  # fmt: skip
+    cache.namespaces.observe(namespace)
+    cache.namespaces.synced = True
+    cache.namespaces._tell("MODIFIED", namespace)
+    assert heard == [("llm", "qwen", False)]
+    assert cache.namespace_labels("llm") == {"pod-security.kubernetes.io/enforce": "baseline"}
+    assert cache.namespace_labels("gone") == {}
