@@ -73,11 +73,12 @@ def test_a_relabelled_namespace_wakes_its_models_and_its_level_is_read_from_the_
     for namespace, name in (("llm", "qwen"), ("other", "llama")):
         models.observe({"metadata": {"name": name, "namespace": namespace}})
     assert cache.namespace_labels("llm") is None  # not watched yet: the pass asks
-    namespace = {"metadata": {"name": "llm", "labels": {"pod-security.kubernetes.io/enforce":
-                                                        "baseline"}}}  # fmt: skip
-    cache.namespaces.observe(namespace)
+    relabelled: dict[str, Any] = {"metadata": {
+        "name": "llm", "labels": {"pod-security.kubernetes.io/enforce": "baseline"},
+    }}  # fmt: skip
+    cache.namespaces.observe(relabelled)
     cache.namespaces.synced = True
-    cache.namespaces._tell("MODIFIED", namespace)
+    cache.namespaces._tell("MODIFIED", relabelled)
     assert heard == [("llm", "qwen", False)]
     assert cache.namespace_labels("llm") == {"pod-security.kubernetes.io/enforce": "baseline"}
     assert cache.namespace_labels("gone") == {}
