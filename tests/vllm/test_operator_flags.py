@@ -6,7 +6,8 @@ JSON that vLLM's KVTransferConfig holds field for field. Parsing needs neither a
 model; `EngineArgs.create_engine_config()` needs the model's config on disk (the examples name
 Hub models and PVC paths, not here), so each engine line also goes through it with the model
 swapped for the tiny one (devtools/tiny_model.py) and what only the real model can answer
-(--revision, a --max-model-len past the tiny model's 4,096 positions) set aside."""
+(--revision, a --max-model-len past the tiny model's 4,096 positions, a tensor parallel size past
+its 2 attention heads) set aside."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 CHECKER = ROOT / "tests" / "support" / "vllm_cli_check.py"
 KV_FLAG = "--kv-transfer-config"
 TINY_MAX_LEN = 4096  # the tiny model's max_position_embeddings
+TINY_MAX_TP = 2  # the tiny model's attention heads: vLLM needs them divisible by TP
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ def with_tiny_model(argv: list[str], model: Path) -> list[str]:
             next(rest)  # a Hub commit of the real model
         elif arg == "--max-model-len":
             out += [arg, str(min(int(next(rest)), TINY_MAX_LEN))]
+        elif arg == "--tensor-parallel-size":
+            out += [arg, str(min(int(next(rest)), TINY_MAX_TP))]
         else:
             out.append(arg)
     return out
@@ -157,6 +161,8 @@ def test_vllm_builds_an_engine_config_from_the_engine_flags(
     assert "engine_config_error" not in verdict, verdict.get("engine_config_error")
     config = verdict["parsed"]["engine_config"]
     assert config["block_size"] == int(line.value("--block-size"))
-    assert config["tensor_parallel_size"] == int(line.value("--tensor-parallel-size"))
+    assert config["tensor_parallel_size"] == min(
+        int(line.value("--tensor-parallel-size")), TINY_MAX_TP
+    )
     role = json.loads(line.value(KV_FLAG))["kv_role"] if KV_FLAG in line.argv else None
     assert config["kv_role"] == role

@@ -17,7 +17,13 @@ from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
 from pdserve.sim.render_server import RenderServer
 from pdserve.vllm.derender_gaps import match_vllm_serve, without_stop_tokens
-from pdserve.vllm.protocol import derender_body, derender_chunk_body, ends_on_stop_token, usage
+from pdserve.vllm.protocol import (
+    derender_body,
+    derender_chunk_body,
+    ends_on_stop_token,
+    usage,
+    with_rendered_limit,
+)
 
 
 class OpenAIApi:
@@ -38,6 +44,9 @@ class OpenAIApi:
                 rendered = json.loads((await self.render.chat_render(body)).text or "{}")
             else:
                 rendered = json.loads((await self.render.completion_render(body)).text or "[]")[0]
+            # vLLM's own OpenAI endpoint keeps SamplingParams in process; only their serialised
+            # form leaves a resolved 16 out, so it is written back here as the gateway does.
+            rendered = with_rendered_limit(rendered)
             prompt_ids = rendered["token_ids"]
             params = rendered["sampling_params"]
             kv_params = body.get("kv_transfer_params")
