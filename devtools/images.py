@@ -74,7 +74,7 @@ def missing_prerequisites() -> list[str]:
     return [c for c in ("buildah", "debootstrap", "gcc") if shutil.which(c) is None]
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"image build: {message}", file=sys.stderr, flush=True)
 
 
@@ -105,11 +105,11 @@ class Builder:
     # ---- the three kinds of image --------------------------------------------------------------
     def base(self) -> None:
         """python:3.11.2-slim-bookworm from Debian's packages (see the module docstring)."""
-        key = _digest([BASE_IMAGE, DEBIAN_SUITE, *BASE_PACKAGES, *BASE_ENV])
+        key = digest([BASE_IMAGE, DEBIAN_SUITE, *BASE_PACKAGES, *BASE_ENV])
         marker = self.cache / f"base-{key}.done"
         if marker.exists() and self.has_image(BASE_IMAGE):
             return
-        _log(f"debootstrap {DEBIAN_SUITE} with {', '.join(BASE_PACKAGES)} (about 2 minutes)")
+        log(f"debootstrap {DEBIAN_SUITE} with {', '.join(BASE_PACKAGES)} (about 2 minutes)")
         with tempfile.TemporaryDirectory(dir=self.cache) as work:
             rootfs = Path(work) / "rootfs"
             _run(
@@ -158,12 +158,12 @@ class Builder:
                 "install Go " + wanted + ", or rename the stage in images/Dockerfile and "
                 "devtools/images.py"
             )
-        key = _digest([GO_IMAGE, BASE_IMAGE, goversion, GO_PATH_ENV])
+        key = digest([GO_IMAGE, BASE_IMAGE, goversion, GO_PATH_ENV])
         marker = self.cache / f"golang-{key}.done"
         if marker.exists() and self.has_image(GO_IMAGE):
             return
         self.base()
-        _log(f"{GO_IMAGE} from {BASE_IMAGE} and this machine's {goversion}")
+        log(f"{GO_IMAGE} from {BASE_IMAGE} and this machine's {goversion}")
         container = self.buildah("from", "--pull-never", BASE_IMAGE, step="golang: new").strip()
         try:
             self.buildah("copy", container, goroot, "/usr/local/go", step="golang: copy GOROOT")
@@ -176,27 +176,27 @@ class Builder:
         marker.write_text(GO_IMAGE + "\n")
 
     def pause(self) -> Path:
-        key = _digest_files([PAUSE_DIR / "pause.c", PAUSE_DIR / "Dockerfile"])
+        key = digest_files([PAUSE_DIR / "pause.c", PAUSE_DIR / "Dockerfile"])
         archive = self.cache / f"pause-{key}.tar"
         if archive.exists():
             return archive
-        _log("pause (static C)")
+        log("pause (static C)")
         with tempfile.TemporaryDirectory(dir=self.cache) as context:
             shutil.copy(PAUSE_DIR / "Dockerfile", Path(context) / "Dockerfile")
             _run(["gcc", "-static", "-O2", "-o", f"{context}/pause", str(PAUSE_DIR / "pause.c")],
                  step="gcc pause.c")  # fmt: skip
             self.buildah("bud", "--pull-never", "-t", PAUSE_IMAGE, context, step="build pause")
-        return self._archive(PAUSE_IMAGE, archive)
+        return self.archive(PAUSE_IMAGE, archive)
 
     def target(self, target: str, name: str) -> Path:
         """One target of images/Dockerfile, tagged `name`, as a docker archive."""
-        key = _digest_files([DOCKERFILE, *_context_files()], extra=[target, name])
+        key = digest_files([DOCKERFILE, *_context_files()], extra=[target, name])
         archive = self.cache / f"{target}-{key}.tar"
         if archive.exists():
             return archive
         self.base()
         self.golang()
-        _log(f"{name} (images/Dockerfile, target {target})")
+        log(f"{name} (images/Dockerfile, target {target})")
         mounts = (
             ["--volume", f"{BUILD_CA_BUNDLE}:{BUILD_CA_BUNDLE}:ro"]
             if BUILD_CA_BUNDLE.exists() else []
@@ -207,9 +207,9 @@ class Builder:
             "-f", str(DOCKERFILE), "-t", name, str(ROOT),
             step=f"build {name}",
         )  # fmt: skip
-        return self._archive(name, archive)
+        return self.archive(name, archive)
 
-    def _archive(self, name: str, archive: Path) -> Path:
+    def archive(self, name: str, archive: Path) -> Path:
         stem = archive.name.rsplit("-", 1)[0]
         for old in self.cache.glob(f"{stem}-*.tar"):
             old.unlink()  # one archive per image: the cache does not grow per commit
@@ -249,11 +249,11 @@ def _context_files() -> list[Path]:
     return files
 
 
-def _digest(parts: Iterable[str]) -> str:
+def digest(parts: Iterable[str]) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
+def digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
     digest = hashlib.sha256("\0".join(extra).encode())
     for path in files:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())

@@ -123,7 +123,7 @@ class RealNode(Components):
     # ---- paths -------------------------------------------------------------------------------
     @property
     def containerd_socket(self) -> Path:
-        return self.workdir / "containerd" / "containerd.sock"
+        return containerd_socket(self.workdir)
 
     @property
     def pod_logs(self) -> Path:
@@ -149,8 +149,7 @@ class RealNode(Components):
         try:
             create_bridge()
             self._start_containerd(timeout)
-            for archive in images:
-                self.ctr("images", "import", "--no-unpack", str(archive), timeout=300)
+            self.import_images(images)
             self._write_cni_config()
             self._start_dns(timeout)
             self._start_kubelet(timeout)
@@ -158,6 +157,11 @@ class RealNode(Components):
         except BaseException:
             self.stop()
             raise
+
+    def import_images(self, archives: Sequence[Path], *, timeout: float = 900) -> None:
+        """Docker archives into the node's containerd, as a registry pull would leave them (the
+        kubelet never pulls: IfNotPresent finds them)."""
+        import_archives(self.workdir, archives, timeout=timeout)
 
     def stop(self) -> None:
         """Stop everything and remove what it made; never raises for what is already gone."""
@@ -173,6 +177,10 @@ class RealNode(Components):
         shutil.rmtree(self._path("cni-ipam"), ignore_errors=True)
         nodehost.remove_host_entries(self.host_entries_before)
         nodehost.unmount_under(self.workdir)
+        # Unpacked images are most of the disk the node used (the vLLM image alone ~14 GB
+        # imported and unpacked): gone with the node; the logs stay.
+        for made in ("containerd", "kubelet"):
+            shutil.rmtree(self._path(made), ignore_errors=True)
         nodehost.remove_kubepods_cgroups()
         delete_bridge()
 
@@ -193,11 +201,7 @@ class RealNode(Components):
                    host_entries_before=set(state["host_entries_before"]))  # fmt: skip
 
     def ctr(self, *args: str, timeout: float = 60) -> str:
-        return run(
-            ["ctr", "--address", str(self.containerd_socket), "--namespace",
-             CONTAINERD_NAMESPACE, *args],
-            timeout=timeout,
-        )  # fmt: skip
+        return ctr(self.workdir, *args, timeout=timeout)
 
     # ---- components --------------------------------------------------------------------------
     def _start_containerd(self, timeout: float) -> None:
@@ -314,6 +318,25 @@ class RealNode(Components):
             for container in self.ctr("containers", "ls", "-q").split():
                 with contextlib.suppress(NodeError):
                     self.ctr("containers", "delete", container)
+
+
+def containerd_socket(workdir: Path) -> Path:
+    return workdir / "containerd" / "containerd.sock"
+
+
+def ctr(workdir: Path, *args: str, timeout: float = 60) -> str:
+    """`ctr` against the containerd of the node rooted at `workdir` (also one another command
+    started, such as `make demo`'s)."""
+    return run(
+        ["ctr", "--address", str(containerd_socket(workdir)), "--namespace",
+         CONTAINERD_NAMESPACE, *args],
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def import_archives(workdir: Path, archives: Sequence[Path], *, timeout: float = 900) -> None:
+    for archive in archives:
+        ctr(workdir, "images", "import", "--no-unpack", str(archive), timeout=timeout)
 
 
 def leftovers(node: RealNode) -> list[str]:

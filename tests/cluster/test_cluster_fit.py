@@ -48,6 +48,7 @@ import yaml
 
 from devtools import dra
 from devtools.localplane import ControlPlane, ControlPlaneError, wait_until
+from devtools.model_volume import CLAIM_NAME
 from devtools.nodes import (
     CLIQUE_0,
     CLIQUE_1,
@@ -143,6 +144,7 @@ assert CLIQUE_0 != CLIQUE_2
 
 # What the examples reference and a cluster must hold before they are applied.
 PV_SIZE = "2Ti"
+MODEL_CLAIMS = ("model-store", CLAIM_NAME)  # spec.model.source.pvc.claimName of the examples
 
 
 def _example(path: Path) -> dict[str, Any]:
@@ -242,22 +244,23 @@ def _create(http: httpx.Client, path: str, body: Mapping[str, Any]) -> None:
 
 
 def prerequisites(http: httpx.Client, namespace: str) -> None:
-    """What the examples reference: the model-store PVC (bound to a PV of its own), the
+    """What the examples reference: the model PVCs (each bound to a PV of its own), the
     chat-template ConfigMap, the registry pull secret and the Hugging Face token."""
     ns = f"/api/v1/namespaces/{namespace}"
-    pv_name = f"{namespace}-model-store"
-    _create(http, "/api/v1/persistentvolumes", {
-        "metadata": {"name": pv_name},
-        "spec": {"capacity": {"storage": PV_SIZE}, "accessModes": ["ReadOnlyMany"],
-                 "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                 "nfs": {"server": "192.0.2.10", "path": "/models"},
-                 "claimRef": {"namespace": namespace, "name": "model-store"}},
-    })  # fmt: skip
-    _create(http, f"{ns}/persistentvolumeclaims", {
-        "metadata": {"name": "model-store"},
-        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
-                 "resources": {"requests": {"storage": PV_SIZE}}},
-    })  # fmt: skip
+    for claim in MODEL_CLAIMS:
+        pv_name = f"{namespace}-{claim}"
+        _create(http, "/api/v1/persistentvolumes", {
+            "metadata": {"name": pv_name},
+            "spec": {"capacity": {"storage": PV_SIZE}, "accessModes": ["ReadOnlyMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "nfs": {"server": "192.0.2.10", "path": f"/models/{claim}"},
+                     "claimRef": {"namespace": namespace, "name": claim}},
+        })  # fmt: skip
+        _create(http, f"{ns}/persistentvolumeclaims", {
+            "metadata": {"name": claim},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "volumeName": pv_name, "resources": {"requests": {"storage": PV_SIZE}}},
+        })  # fmt: skip
     _create(
         http,
         f"{ns}/configmaps",
@@ -276,9 +279,11 @@ def prerequisites(http: httpx.Client, namespace: str) -> None:
 
 
 def pvc_bound(http: httpx.Client, namespace: str) -> bool:
-    pvc = get(http, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/model-store")
-    phase: str | None = (pvc or {}).get("status", {}).get("phase")
-    return phase == "Bound"
+    def bound(claim: str) -> bool:
+        pvc = get(http, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        return (pvc or {}).get("status", {}).get("phase") == "Bound"
+
+    return all(bound(claim) for claim in MODEL_CLAIMS)
 
 
 def create_namespace(http: httpx.Client, name: str, level: PodSecurityLevel) -> None:
@@ -293,7 +298,8 @@ def create_namespace(http: httpx.Client, name: str, level: PodSecurityLevel) -> 
 
 def delete_namespace(http: httpx.Client, name: str) -> None:
     http.delete(f"/api/v1/namespaces/{name}")
-    http.delete(f"/api/v1/persistentvolumes/{name}-model-store")
+    for claim in MODEL_CLAIMS:
+        http.delete(f"/api/v1/persistentvolumes/{name}-{claim}")
 
 
 # ---- one case --------------------------------------------------------------------------------
@@ -402,8 +408,10 @@ def transport_of(dm: DisaggregatedModel) -> str:
     kv, rdma = spec.kv_transfer, spec.placement.rdma
     if not spec.disaggregated:
         return "none (aggregated: no KV transfer)"
-    if spec.placement.engines_on_cpu:
+    if spec.placement.engines_on_cpu and "/pdserve-sim:" in spec.image.engine:
         return "simulator (KV over HTTP)"
+    if spec.placement.engines_on_cpu:
+        return "NIXL over TCP between CPU engine pods (vLLM's CPU build)"
     if kv.connector not in NIXL_CONNECTORS:
         return kv.connector.value
     if rdma is None:
@@ -835,10 +843,11 @@ def render_table(outcomes: Mapping[str, Outcome]) -> str:
         "",
         "How the test applies each example: an example that names no GPU product is restricted",
         "to the profile by adding `placement.gpuProducts: [<product>]` (which also makes the",
-        "memory-fit check judge it); the simulator example runs on the CPU nodes (a required",
-        "node affinity on `nvidia.com/gpu.present` DoesNotExist is added). Its prerequisites",
-        "exist: the `model-store` PVC bound to a PV, the `qwq-chat-template` ConfigMap, the",
-        "`registry-creds` pull secret and the `hf-token` Secret. The plane has no Multus: a",
+        "memory-fit check judge it); the CPU examples (simulator, real vLLM's CPU build) run on",
+        "the CPU nodes (a required node affinity on `nvidia.com/gpu.present` DoesNotExist is",
+        "added). Its prerequisites exist: the `model-store` and `tiny-qwen3-model` PVCs bound to",
+        "PVs, the `qwq-chat-template` ConfigMap, the `registry-creds` pull secret and the",
+        "`hf-token` Secret. The plane has no Multus: a",
         "`placement.rdma.networks` annotation is applied but attaches nothing, and no GPU node",
         "carries a taint, so tolerations are not exercised. Each case is deleted before the next",
         "one of its profile and level.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,9 +40,20 @@ from tests.support.realcluster import (
     describe,
 )
 
+# Real vLLM first, before the simulator model exists: its three engines, render pool and the
+# preflight probe's two pods need the real node's two cores to themselves (the probe asks 500m
+# each), and its NIXL engines, polling, are gone before the simulator's tests measure anything.
+FIRST = "test_real_vllm.py"
+HERE = Path(__file__).parent
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_package(items, __file__, pytest.mark.e2e)
+    # This hook sees the whole session: only this package's run of items is reordered, in place.
+    here = [i for i, item in enumerate(items) if HERE in item.path.parents]
+    ordered = sorted((items[i] for i in here), key=lambda item: item.path.name != FIRST)
+    for i, item in zip(here, ordered, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="package")

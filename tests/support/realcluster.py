@@ -70,11 +70,9 @@ def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str,
     return items
 
 
-def model_status(cluster: Cluster) -> dict[str, Any]:
-    """status of the simulator model, as `kubectl get dm -o json` shows it."""
-    dm = json.loads(
-        cluster.kubectl("get", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "-o", "json").stdout
-    )
+def model_status(cluster: Cluster, name: str = "sim-qwen3") -> dict[str, Any]:
+    """status of a model (the simulator's by default), as `kubectl get dm -o json` shows it."""
+    dm = json.loads(cluster.kubectl("get", "dm", name, "-n", MODEL_NAMESPACE, "-o", "json").stdout)
     status: dict[str, Any] = dm.get("status", {})
     return status
 

@@ -135,12 +135,17 @@ class Load:
 
     url: str
     clients: int = 3
+    model: str = "sim-qwen3"
+    timeout: float = 30  # the client's, per request
     sent: list[str] = field(default_factory=list)  # request ids
     failures: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # each request's, as its client saw it
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run_one(self, index: int) -> None:
-        client = openai.OpenAI(base_url=self.url, api_key="unused", timeout=30, max_retries=0)
+        client = openai.OpenAI(
+            base_url=self.url, api_key="unused", timeout=self.timeout, max_retries=0
+        )
         turn = 0
         while not self.stop.is_set():
             turn += 1
@@ -150,15 +155,16 @@ class Load:
             request_id = f"rollout-{index}-{turn}"
             headers = {"X-Request-Id": request_id}
             finish: str | None
+            started = time.monotonic()
             try:
                 if turn % 2:
                     chat = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16, extra_headers=headers
+                        model=self.model, messages=question, max_tokens=16, extra_headers=headers
                     )
                     finish = chat.choices[0].finish_reason
                 else:
                     stream = client.chat.completions.create(
-                        model="sim-qwen3", messages=question, max_tokens=16, stream=True,
+                        model=self.model, messages=question, max_tokens=16, stream=True,
                         extra_headers=headers,
                     )  # fmt: skip
                     finish = [c.choices[0].finish_reason for c in stream if c.choices][-1]
@@ -166,12 +172,14 @@ class Load:
                     self.failures.append(f"finish_reason {finish}")
             except openai.OpenAIError as error:
                 self.failures.append(f"{request_id}: {error!r}")
+            self.seconds.append(time.monotonic() - started)
             self.sent.append(request_id)
 
-    def wait_for_more(self, count: int = 10) -> None:
+    def wait_for_more(self, count: int = 10, timeout: float = 60) -> None:
         """Until `count` more requests were sent (the load goes on after a change)."""
         before = len(self.sent)
-        wait_until(f"{count} more requests", lambda: len(self.sent) >= before + count, timeout=60)
+        wait_until(f"{count} more requests", lambda: len(self.sent) >= before + count,
+                   timeout=timeout)  # fmt: skip
 
 
 @contextmanager

@@ -70,6 +70,12 @@ class GatewaySpec(ApiModel):
     answer is bounded by this alone): then 504, or an error event in a stream. Raise it for
     long generations (reasoning models, large max_tokens); the engines' own drain on a
     rollout (<pool>.shutdownTimeoutSeconds) is separate."""
+    endpoint_wait_seconds: Annotated[int, Field(ge=0, le=3600)] | None = None
+    """Longest a request waits for a pool it needs to have a ready replica (render, decode,
+    and prefill in routing mode Disaggregated) before it gets 503. A pool of one replica has
+    none while its pod restarts on a rollout: set this to the engines' start time (model load
+    included) and such a rollout fails no request, each held at most this long (and within
+    requestTimeoutSeconds). Default: 30."""
     request_log: bool = False
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token

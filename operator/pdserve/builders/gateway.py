@@ -135,6 +135,11 @@ def gateway(
             str(GATEWAY_DRAIN_SECONDS),
             "--request-timeout-seconds",
             str(spec.request_timeout_seconds),
+            *(
+                ["--endpoint-wait-seconds", str(spec.endpoint_wait_seconds)]
+                if spec.endpoint_wait_seconds is not None
+                else []
+            ),
             # The container's stdout: `kubectl logs` shows the lines.
             *(["--request-log", "/dev/stdout"] if spec.request_log else []),
             *(["--data-plane", DATA_PLANE_BINARY] if spec.data_plane else []),
