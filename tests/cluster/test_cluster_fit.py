@@ -281,7 +281,8 @@ def prerequisites(http: httpx.Client, namespace: str) -> None:
 def pvc_bound(http: httpx.Client, namespace: str) -> bool:
     def bound(claim: str) -> bool:
         pvc = get(http, f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
-        return (pvc or {}).get("status", {}).get("phase") == "Bound"
+        phase: str | None = (pvc or {}).get("status", {}).get("phase")
+        return phase == "Bound"
 
     return all(bound(claim) for claim in MODEL_CLAIMS)
 
