@@ -254,10 +254,10 @@ def digest(parts: Iterable[str]) -> str:
 
 
 def digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
-    digest = hashlib.sha256("\0".join(extra).encode())
+    hasher = hashlib.sha256("\0".join(extra).encode())
     for path in files:
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+        hasher.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return hasher.hexdigest()[:16]
 
 
 def main() -> int:

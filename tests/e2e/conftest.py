@@ -38,6 +38,7 @@ from tests.support.realcluster import (
     RELEASE_NAMESPACE,
     Cluster,
     describe,
+    ensure_namespace,
 )
 
 # Real vLLM first, before the simulator model exists: its three engines, render pool and the
@@ -101,7 +102,8 @@ def operator(cluster: Cluster) -> Iterator[None]:
 @pytest.fixture(scope="package")
 def model(cluster: Cluster, operator: None) -> Iterator[str]:
     """examples/sim-qwen3.yaml applied and Ready; yields the gateway Service's base URL."""
-    cluster.kubectl("create", "namespace", MODEL_NAMESPACE)
+    # The real-vLLM tests, which run first, may have made it.
+    ensure_namespace(cluster, MODEL_NAMESPACE)
     cluster.kubectl("apply", "-f", str(EXAMPLE))
     waited = cluster.kubectl(
         "wait", "--for=condition=Ready", "dm/sim-qwen3", "-n", MODEL_NAMESPACE, "--timeout=4m",

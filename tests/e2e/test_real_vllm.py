@@ -41,6 +41,7 @@ from tests.support.realcluster import (
     ROOT,
     Cluster,
     describe,
+    ensure_namespace,
     model_status,
     operator_logs,
     pods,
@@ -63,8 +64,7 @@ SERVING = "render,prefill,decode,gateway"  # not the preflight probe's pods
 @dataclass
 class RealModel:
     gateway: str  # the gateway Service's OpenAI base URL
-    prefill: str  # each engine pod's own address, for its /metrics and the aggregated answer
-    decode: str
+    decode: str  # the decode pod's own address, for its /metrics and the aggregated answer
 
 
 def timestamp(value: str) -> float:
@@ -102,10 +102,8 @@ def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
     built = time.monotonic()
     cluster.node.import_images([image.archive])
     imported = time.monotonic()
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": MODEL_NAMESPACE}}
     volume = model_volume(model, MODEL_NAMESPACE)
-    listing = {"apiVersion": "v1", "kind": "List", "items": [namespace, *volume]}
-    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(listing))
+    ensure_namespace(cluster, MODEL_NAMESPACE, *volume)
     cluster.kubectl("apply", "-f", str(EXAMPLE))
     waited = cluster.kubectl(
         "wait", "--for=condition=Ready", f"dm/{NAME}", "-n", MODEL_NAMESPACE, "--timeout=15m",
@@ -123,10 +121,16 @@ def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
     spec = service["spec"]
     yield RealModel(
         gateway=f"http://{spec['clusterIP']}:{spec['ports'][0]['port']}/v1",
-        prefill=pod_url(cluster, "prefill"),
         decode=pod_url(cluster, "decode"),
     )
     cluster.kubectl("delete", "-f", str(EXAMPLE), "--wait", check=False, timeout=300)
+
+    # The simulator model's tests, next, count the pods of the namespace: every pod of this
+    # model gone first (the garbage collector removes them after the model, vLLM drains).
+    def gone() -> bool:
+        return not pods(cluster, MODEL_NAMESPACE, f"app.kubernetes.io/instance={NAME}")
+
+    wait_until("the real-vLLM model's pods gone", gone, timeout=300, interval=2)
     cluster.kubectl("delete", "pvc", volume[1]["metadata"]["name"], "-n", MODEL_NAMESPACE,
                     "--wait", check=False)  # fmt: skip
     cluster.kubectl("delete", "pv", volume[0]["metadata"]["name"], "--wait", check=False)

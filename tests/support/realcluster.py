@@ -64,6 +64,13 @@ MODEL_NAMESPACE = "llm"
 OPERATOR_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:pdserve"
 
 
+def ensure_namespace(cluster: Cluster, name: str, *objects: dict[str, Any]) -> None:
+    """The namespace (whether or not an earlier test made it) and `objects`, applied."""
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    listing = {"apiVersion": "v1", "kind": "List", "items": [namespace, *objects]}
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(listing))
+
+
 def pods(cluster: Cluster, namespace: str, selector: str = "") -> list[dict[str, Any]]:
     args = ["get", "pods", "-n", namespace, "-o", "json", *(["-l", selector] if selector else [])]
     items: list[dict[str, Any]] = json.loads(cluster.kubectl(*args).stdout)["items"]
