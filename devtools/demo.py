@@ -4,7 +4,7 @@ plane with a real node (pods really run, from images built here), `helm install`
 Ready, and one chat completion through the model's gateway Service with the OpenAI SDK.
 
 With --vllm, the second step: the same cluster then runs examples/vllm-cpu-tiny.yaml instead,
-real vLLM's CPU build in every pod (devtools/vllm_image.py) serving a tiny random-weight model
+real vLLM's CPU build in every pod (devtools/vllm_image.py) serving a tiny model trained here
 from a PersistentVolumeClaim (devtools/model_volume.py), prefill -> decode over NIXL.
 
     python -m devtools.demo              # or: make demo (root: the node runs containers)

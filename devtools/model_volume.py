@@ -11,7 +11,7 @@ from typing import Any
 
 # examples/vllm-cpu-tiny.yaml names this claim (spec.model.source.pvc.claimName).
 CLAIM_NAME = "tiny-qwen3-model"
-# A random-weight model of a few MiB: the size only has to cover it for the binder.
+# A model of a few MiB: the size only has to cover it for the binder.
 CAPACITY = "1Gi"
 
 
