@@ -81,7 +81,8 @@ class SliceTransport(ApiModel):
     says why); unset: the probe has not reported yet."""
     reason: str
     """Verified, Probing, TCPFallback, NoRDMADevice, RDMALinkDown, DataCorrupted,
-    ProbeFailed or WaitingForPlacement."""
+    ProbeFailed, ProbeUnschedulable (a probe pod cannot be scheduled: no verdict; the probe
+    runs again) or WaitingForPlacement."""
     message: str = ""
     """What the probe saw, for humans."""
     nodes: list[str] = Field(default_factory=list)

@@ -26,6 +26,10 @@ PROBE_MOUNT = "/opt/pdserve-probe"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
+# Each of a slice's two probe pods, on the engines' nodes (the probe moves 64 MiB with NIXL).
+PROBE_REQUESTS = {"cpu": "500m", "memory": "1Gi"}
+
+
 def probe_script() -> str:
     return resources.files("pdserve.probe").joinpath("kvprobe.py").read_text()
 
@@ -139,7 +143,7 @@ def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) ->
         ],
         "ports": [{"name": "nixl", "containerPort": PROBE_PORT, "protocol": "TCP"}],
         "resources": {
-            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "requests": dict(PROBE_REQUESTS),
             "limits": {"memory": "2Gi", **extended},
         },
         "volumeMounts": [{"name": "probe", "mountPath": PROBE_MOUNT, "readOnly": True}],

@@ -68,7 +68,12 @@ from pdserve.controller.status import (
     compute_status,
     engine_pods,
 )
-from pdserve.controller.transport import node_pairs, pod_annotation_patches, slice_verdicts
+from pdserve.controller.transport import (
+    node_pairs,
+    pod_annotation_patches,
+    probe_jobs_to_rerun,
+    slice_verdicts,
+)
 from pdserve.kube.client import KINDS, Kube, KubeError, kind_of
 
 log = logging.getLogger("pdserve.reconcile")
@@ -78,6 +83,8 @@ SCALED_OBJECT = KINDS[("keda.sh/v1alpha1", "ScaledObject")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 EVENT = KINDS[("v1", "Event")]
+JOB = KINDS[("batch/v1", "Job")]
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"  # the Job controller's, on its pods
 
 
 @dataclass(frozen=True)
@@ -419,7 +426,20 @@ async def _converge(
             workloads.setdefault(Component(component), []).append(result)
     pods = await model_pods(kube, cache, dm.namespace, dm.name)
     engines = engine_pods(pods)
-    verdicts = slice_verdicts(dm, engines, component_pods(pods, Component.preflight))
+    # The pods of the Jobs that exist now: a Job made again under the same name must not be
+    # judged by its deleted predecessor's pods, which the garbage collector removes later.
+    jobs = {o["metadata"].get("uid") for k, o in results.items() if k[1] == JOB.kind}
+    probes = [
+        p for p in component_pods(pods, Component.preflight)
+        if p["metadata"].get("labels", {}).get(JOB_UID_LABEL) in jobs
+    ]  # fmt: skip
+    verdicts = slice_verdicts(dm, engines, probes)
+    for job in probe_jobs_to_rerun(verdicts, probes):
+        # The next pass makes it again (the Job is one of the model's children).
+        await kube.delete(JOB, dm.namespace, job)
+        if cache is not None:
+            cache.discard(JOB, dm.namespace, job)
+        outcome.pruned.append(f"Job/{job} (a probe pod could not be scheduled: probing again)")
     for pod_name, value in pod_annotation_patches(verdicts, engines):
         annotation = {KV_TRANSPORT_ANNOTATION: value}
         if await annotate_pod(kube, dm.namespace, pod_name, annotation, cache):

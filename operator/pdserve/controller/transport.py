@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.status import SliceTransport
-from pdserve.builders.preflight import NodePair, job_name, wants_preflight
+from pdserve.builders.preflight import PROBE_REQUESTS, NodePair, job_name, wants_preflight
 from pdserve.contract.names import COMPONENT_LABEL, KV_TRANSPORT_ANNOTATION, SLICE_LABEL, Component
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -62,11 +62,22 @@ def report_of(pod: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def unschedulable(pod: Mapping[str, Any]) -> str | None:
+    """`<pod>: <the scheduler's words>` for a pod the scheduler cannot place; None otherwise."""
+    for condition in pod.get("status", {}).get("conditions", []):
+        if (condition.get("type"), condition.get("status"), condition.get("reason")) == (
+            "PodScheduled", "False", "Unschedulable",
+        ):  # fmt: skip
+            return f"{pod['metadata']['name']}: {condition.get('message') or 'Unschedulable'}"
+    return None
+
+
 def judge(
     dm: DisaggregatedModel,
     slice_index: int,
     pair: NodePair | None,
     reports: Sequence[dict[str, Any]],
+    waiting: Sequence[str] = (),
 ) -> SliceTransport:
     """Whether the slice's KV path does what the spec asks: RDMA when placement.rdma is set
     (same-node pairs included: the NIC loops back between pods), intact data in any case."""
@@ -80,6 +91,17 @@ def judge(
     base: dict[str, Any] = {"slice": slice_index, "nodes": pair.nodes, "job": job}
     failed = next((r for r in reports if not r.get("ok")), None)
     client = next((r for r in reports if r.get("role") == "client" and r.get("ok")), None)
+    if waiting:
+        # Not a finding about the KV path: the pair never ran together (its peer's timeout is
+        # a consequence). The Job runs again once this is seen (probe_jobs_to_rerun).
+        asks = " and ".join(f"{v} {k}" for k, v in PROBE_REQUESTS.items())
+        peer = f" ({failed.get('role', 'probe')}: {failed.get('error')})" if failed else ""
+        return SliceTransport(
+            **base,
+            reason="ProbeUnschedulable",
+            message=f"probe pod {'; '.join(waiting)}{peer}. Each probe pod asks {asks} on "
+            "the engines' nodes: free that on them, or set spec.kvTransfer.verify Off",
+        )
     if failed is not None:
         error = failed.get("error") or "the probe failed"
         return SliceTransport(
@@ -155,15 +177,35 @@ def slice_verdicts(
     for slice_index in range(dm.spec.placement.slices):
         pair = pairs.get(slice_index)
         reports: list[dict[str, Any]] = []
+        waiting: list[str] = []
         if pair is not None:
-            job = job_name(dm, slice_index, pair)
-            for pod in probe_pods:
-                if pod["metadata"].get("labels", {}).get(JOB_NAME_LABEL) == job:
-                    report = report_of(pod)
-                    if report is not None:
-                        reports.append(report)
-        verdicts.append(judge(dm, slice_index, pair, reports))
+            for pod in job_pods(probe_pods, job_name(dm, slice_index, pair)):
+                report = report_of(pod)
+                if report is not None:
+                    reports.append(report)
+                if (unplaced := unschedulable(pod)) is not None:
+                    waiting.append(unplaced)
+        verdicts.append(judge(dm, slice_index, pair, reports, waiting))
     return verdicts
+
+
+def job_pods(probe_pods: Sequence[Mapping[str, Any]], job: str) -> list[Mapping[str, Any]]:
+    return [p for p in probe_pods if p["metadata"].get("labels", {}).get(JOB_NAME_LABEL) == job]
+
+
+def probe_jobs_to_rerun(
+    verdicts: Sequence[SliceTransport], probe_pods: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """Jobs whose probe can no longer conclude: one pod cannot be scheduled and the other has
+    finished without it (its wait for the peer timed out). Deleted, they are made again by the
+    next reconcile, and the pair probes once both run (a Job never retries: backoffLimit 0)."""
+    return [
+        verdict.job
+        for verdict in verdicts
+        if verdict.reason == "ProbeUnschedulable"
+        and verdict.job is not None
+        and any(report_of(pod) is not None for pod in job_pods(probe_pods, verdict.job))
+    ]
 
 
 def verified_condition(verdicts: Sequence[SliceTransport]) -> tuple[bool | None, str, str]:

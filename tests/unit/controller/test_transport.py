@@ -13,6 +13,7 @@ from pdserve.builders.preflight import NodePair, job_name, preflight
 from pdserve.controller.transport import (
     node_pairs,
     pod_annotation_patches,
+    probe_jobs_to_rerun,
     report_of,
     slice_verdicts,
     verified_condition,
@@ -213,6 +214,56 @@ def test_pending_reports_and_bad_messages() -> None:
     assert report_of(probe_pod("j", 0, "Traceback: boom")) == {
         "ok": False, "error": "probe container exited 0 (Completed) without a report",
     }  # fmt: skip
+
+
+INSUFFICIENT_CPU = (
+    "0/1 nodes are available: 1 Insufficient cpu. preemption: 0/1 nodes are available: "
+    "1 No preemption victims found for incoming pod."
+)
+
+
+def unschedulable_pod(job: str, index: int) -> dict[str, Any]:
+    """A probe pod the scheduler cannot place, as the API server shows it."""
+    return {
+        "metadata": {"name": f"{job}-{index}", "labels": {"batch.kubernetes.io/job-name": job}},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": INSUFFICIENT_CPU},
+        ]},
+    }  # fmt: skip
+
+
+def test_a_probe_pod_that_cannot_be_scheduled_is_no_transport_failure_and_runs_again() -> None:
+    dm = model()
+    job = job_name(dm, 0, PAIRS[0])
+    engines = [engine_pod(f"m-{role}-s0-0", role, 0, node)
+               for role, node in (("prefill", "gpu-a"), ("decode", "gpu-b"))]  # fmt: skip
+    # The server runs, waiting for its peer: no verdict, and the scheduler's words.
+    pending = [probe_pod(job, 0, None), unschedulable_pod(job, 1)]
+    [verdict, _] = slice_verdicts(dm, engines, pending)
+    assert (verdict.verified, verdict.reason) == (None, "ProbeUnschedulable")
+    assert verdict.message == (
+        f"probe pod {job}-1: {INSUFFICIENT_CPU}. Each probe pod asks 500m cpu and 1Gi memory "
+        "on the engines' nodes: free that on them, or set spec.kvTransfer.verify Off"
+    )
+    assert verified_condition([verdict])[0] is None
+    assert probe_jobs_to_rerun([verdict], pending) == []
+    # The server gave up waiting: still no finding about the KV path, and the Job runs again.
+    timed_out = {
+        "role": "server",
+        "ok": False,
+        "error": "TimeoutError: timed out after 120s waiting for the client's metadata",
+    }
+    finished = [probe_pod(job, 0, timed_out), unschedulable_pod(job, 1)]
+    [verdict, _] = slice_verdicts(dm, engines, finished)
+    assert (verdict.verified, verdict.reason) == (None, "ProbeUnschedulable")
+    assert "(server: TimeoutError: timed out after 120s" in verdict.message
+    assert probe_jobs_to_rerun([verdict], finished) == [job]
+    # Both placed and a real failure: a finding, not rerun.
+    failed = [probe_pod(job, 0, timed_out), probe_pod(job, 1, None)]
+    [verdict, _] = slice_verdicts(dm, engines, failed)
+    assert (verdict.verified, verdict.reason) == (False, "ProbeFailed")
+    assert probe_jobs_to_rerun([verdict], failed) == []
 
 
 def test_engine_pods_get_their_slices_verdict_once() -> None:
