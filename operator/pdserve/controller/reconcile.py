@@ -69,6 +69,7 @@ from pdserve.controller.status import (
     engine_pods,
 )
 from pdserve.controller.transport import (
+    JOB_UID_LABEL,
     node_pairs,
     pod_annotation_patches,
     probe_jobs_to_rerun,
@@ -84,7 +85,6 @@ CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 EVENT = KINDS[("v1", "Event")]
 JOB = KINDS[("batch/v1", "Job")]
-JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"  # the Job controller's, on its pods
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pdserve.builders.preflight import PROBE_REQUESTS, NodePair, job_name, wants
 from pdserve.contract.names import COMPONENT_LABEL, KV_TRANSPORT_ANNOTATION, SLICE_LABEL, Component
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"  # the Job controller's, on its pods
 JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
