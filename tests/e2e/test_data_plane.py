@@ -84,10 +84,19 @@ def requests_ok(base: str, route: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def fallbacks(base: str) -> list[str]:
-    """The data plane's hand-overs to the Python gateway, by reason (what a failure shows)."""
-    return [line for line in metrics_of(base).splitlines()
-            if line.startswith("pdserve_gateway_dataplane_fallbacks_total")]  # fmt: skip
+def why_not_served(cluster: Cluster, base: str) -> str:
+    """What a failure shows: the data plane's hand-overs and the Python gateway's fallbacks by
+    reason, the gateway's `/status` (the data plane's route and why it hands over, each
+    replica's check) and the end of its log."""
+    counted = [line for line in metrics_of(base).splitlines()
+               if line.startswith(("pdserve_gateway_dataplane_fallbacks_total",
+                                   "pdserve_gateway_fallbacks_total"))]  # fmt: skip
+    status = httpx.get(f"{base}/status", timeout=10).text
+    log = cluster.kubectl(
+        "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=gateway", "--tail=40",
+        check=False,
+    )  # fmt: skip
+    return f"fallbacks: {counted}; /status: {status}; gateway log:\n{log.stdout}{log.stderr}"
 
 
 def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
@@ -125,16 +134,21 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
         )
     assert "no-such-model" in str(unknown.value)
 
+    # Its counts reach /metrics once a second, after the answer: a request's count shows up
+    # in a later poll, so every poll compares with the count from before the first.
+    before = served_by_data_plane(base, route)
+
     def fast_path_serves() -> bool:
-        before = served_by_data_plane(base, route)
         chat()
-        return served_by_data_plane(base, route) > before  # its counts reach /metrics every second
+        return served_by_data_plane(base, route) > before
 
     try:
         wait_until("the data plane to serve P/D requests itself", fast_path_serves, timeout=90,
                    interval=1)  # fmt: skip
     except ControlPlaneError as error:
-        raise AssertionError(f"{error}; hand-overs: {fallbacks(base)}") from None
+        raise AssertionError(f"{error}; {why_not_served(cluster, base)}") from None
+    shown = httpx.get(f"{base}/status", timeout=10).json()["dataPlane"]
+    assert (shown["route"], shown.get("handsOverBecause")) == ("pd", None), shown
     # Then streamed and not, each served by it, and counted in the gateway's own request
     # metrics too, as the Python gateway counts what it serves.
     before = served_by_data_plane(base, route)

@@ -360,6 +360,7 @@ class Gateway:
                 "replicaCheck": (
                     self.replica_contract.status() if self.replica_contract else "Off"
                 ),
+                "dataPlane": self.data_plane.status() if self.data_plane else "Off",
             }
         )
 

@@ -27,7 +27,13 @@ import aiohttp
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
-from pdserve.gateway.fastpath import admission_table, route_of, routing_table, same_table
+from pdserve.gateway.fastpath import (
+    admission_table,
+    route_of,
+    routing_table,
+    same_table,
+    served_route,
+)
 from pdserve.gateway.metrics import LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.settings import GatewaySettings
@@ -244,6 +250,20 @@ class DataPlane:
                     await self.fold_stats(session)
             except (aiohttp.ClientError, TimeoutError, ValueError) as error:
                 log.warning("data plane control call failed: %s", error)
+            except Exception:
+                # This loop is what keeps the data plane's table current: it must outlive a
+                # defect in one pass, never end with it and leave a stale table serving.
+                log.exception("data plane table push or stats poll failed")
+
+    def status(self) -> dict[str, Any]:
+        """What `/status` shows of the data plane: the route of the table it serves by, the
+        table's version and, while it hands every request to this gateway, why."""
+        pushed = (self.pushed or {}).get("models", {}).get(self.config.model, {})
+        shown: dict[str, Any] = {"route": pushed.get("route"), "tableVersion": self.version}
+        why = served_route(self.config, self.endpoints, self.settings)[3]
+        if why is not None:
+            shown["handsOverBecause"] = why
+        return shown
 
     async def drain(self) -> None:
         """This gateway drains: the data plane closes each connection after its answer too."""

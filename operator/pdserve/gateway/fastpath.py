@@ -51,25 +51,29 @@ def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str
 
 def engines(
     config: GatewayConfig, endpoints: Endpoints, route: str
-) -> tuple[list[str], list[dict[str, list[str]]]]:
+) -> tuple[list[str], list[dict[str, list[str]]], str | None]:
     """The render servers (behind which the engines take token ids; none for OpenAI engines)
     and the engines the data plane may pair: per KV-compatibility digest and slice, the prefill
     replicas and the decode replicas that can pull their KV, as the Python gateway would choose
     them (one parity-consistent set of every pool, healthy, replica-checked,
     transport-verified when Required); no groups when no complete set is routable (the Python
-    gateway then waits, or answers 503)."""
+    gateway then waits, falls back or answers 503), and then why."""
     needed = ["render", "decode"] if config.engine_api == "tokens" else ["decode"]
     try:
         selection = endpoints.select(needed, ["prefill"])
-    except NoEndpoints:
-        return [], []
+    except NoEndpoints as error:
+        return [], [], str(error)
     render = urls(selection.pools.get("render", []))
     decode = selection.pools["decode"]
     if route == DECODE:
-        return render, [{"prefill": [], "decode": urls(decode)}]
+        return render, [{"prefill": [], "decode": urls(decode)}], None
     prefill = selection.pools.get("prefill", [])
+    if not prefill:
+        return render, [], "no healthy prefill endpoint (down after a failure, or held: /status)"
     if config.kv_transfer.verify == "Required":
         prefill = [e for e in prefill if e.kv_transport == "Verified"]
+        if not prefill:
+            return render, [], "no prefill replica whose KV transport is Verified"
     keyed: dict[tuple[str | None, str | None], list[Endpoint]] = {}
     for each in prefill:
         keyed.setdefault((each.kv_compat, each.slice), []).append(each)
@@ -78,7 +82,27 @@ def engines(
         pullers = Endpoints.same_slice(Endpoints.kv_compatible(decode, members[0]), members[0])
         if pullers:
             found.append({"prefill": urls(members), "decode": urls(pullers)})
-    return render, found
+    if not found:
+        return render, [], "no decode replica with a prefill replica's KV-compatibility digest"
+    return render, found, None
+
+
+def served_route(
+    config: GatewayConfig, endpoints: Endpoints, settings: GatewaySettings
+) -> tuple[str, list[str], list[dict[str, list[str]]], str | None]:
+    """The route the data plane takes now, its render servers and engine groups, and, while it
+    hands every request to the Python gateway, why (what `/status` shows a user who turned the
+    data plane on)."""
+    route, why = route_of(config, settings)
+    if route == PYTHON:
+        return PYTHON, [], [], why
+    render, engine_groups, why = engines(config, endpoints, route)
+    if not engine_groups:
+        return PYTHON, [], [], why  # the Python gateway holds, falls back or answers 503
+    every = [*render, *(url for g in engine_groups for pool in g.values() for url in pool)]
+    if any(not url.startswith("http://") for url in every):
+        return PYTHON, [], [], "an engine or render URL is not plain http:// (Python only)"
+    return route, render, engine_groups, None
 
 
 def urls(endpoints: Iterable[Endpoint]) -> list[str]:
@@ -109,15 +133,7 @@ def routing_table(
 ) -> dict[str, Any]:
     """The table the data plane is sent (`version` orders the pushes; `admission`: from
     admission_table, by default this replica alone)."""
-    route, _ = route_of(config, settings)
-    render, engine_groups = engines(config, endpoints, route) if route != PYTHON else ([], [])
-    if route != PYTHON and not engine_groups:
-        route = PYTHON  # the Python gateway holds, falls back or answers 503
-    every = [*render, *(url for g in engine_groups for pool in g.values() for url in pool)]
-    if any(not url.startswith("http://") for url in every):
-        route, render, engine_groups = PYTHON, [], []  # plain HTTP to engines only
-    if route == PYTHON:
-        render = []
+    route, render, engine_groups, _ = served_route(config, endpoints, settings)
     return {
         "version": version,
         "models": {config.model: {"route": route, "groups": engine_groups, "render": render}},

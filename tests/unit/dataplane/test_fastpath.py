@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.fairqueue import FairQueueSettings
-from pdserve.gateway.fastpath import admission_table, routing_table, same_table
+from pdserve.gateway.fastpath import admission_table, routing_table, same_table, served_route
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.gateway_fakes import MODEL, config
 
@@ -94,6 +94,40 @@ def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over(
     assert model(table_for(decode=[]))["route"] == "python"
     # Engines behind TLS: the data plane's client speaks plain HTTP only.
     assert model(table_for(decode=[Endpoint("https://d", "p1")]))["route"] == "python"
+
+
+def why_handed_over(
+    mode: str = "Disaggregated",
+    prefill: list[Endpoint] | None = None,
+    decode: list[Endpoint] | None = None,
+    *,
+    kv_transfer: dict[str, Any] | None = None,
+    settings: GatewaySettings | None = None,
+) -> str | None:
+    """What `/status` says of the data plane handing every request over (None: it serves)."""
+    cfg = config("openai", mode, kv_transfer)
+    endpoints = Endpoints(cfg)
+    endpoints.replace("prefill", prefill if prefill is not None else [Endpoint("http://p", "p1")])
+    endpoints.replace("decode", decode if decode is not None else [Endpoint("http://d", "p1")])
+    return served_route(cfg, endpoints, settings or GatewaySettings())[3]
+
+
+def test_status_says_why_the_data_plane_hands_every_request_over() -> None:
+    assert why_handed_over() is None
+    assert why_handed_over("Auto") == "routing mode Auto (decided per request)"
+    logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
+    assert "--request-log" in str(why_handed_over(settings=logged))
+    assert why_handed_over(decode=[]) == "no healthy decode endpoint"
+    held = Endpoint("http://p", "p1")
+    held.routable = False
+    assert "no healthy prefill endpoint" in str(why_handed_over(prefill=[held]))
+    unverified = Endpoint("http://p", "p1", kv_transport="Failed")
+    assert "Verified" in str(
+        why_handed_over(prefill=[unverified], kv_transfer={"verify": "Required"})
+    )
+    other_build = [Endpoint("http://p", "p1", kv_compat="b")]
+    assert "KV-compatibility" in str(why_handed_over(prefill=other_build))
+    assert "http://" in str(why_handed_over(decode=[Endpoint("https://d", "p1")]))
 
 
 def test_engines_pair_only_within_one_kv_compatibility_digest() -> None:
