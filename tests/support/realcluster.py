@@ -64,9 +64,13 @@ MODEL_NAMESPACE = "llm"
 OPERATOR_ACCOUNT = f"system:serviceaccount:{RELEASE_NAMESPACE}:pdserve"
 
 
-def ensure_namespace(cluster: Cluster, name: str, *objects: dict[str, Any]) -> None:
-    """The namespace (whether or not an earlier test made it) and `objects`, applied."""
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+def ensure_namespace(
+    cluster: Cluster, name: str, *objects: dict[str, Any], labels: dict[str, str] | None = None
+) -> None:
+    """The namespace (whether or not an earlier test made it) with `labels`, and `objects`,
+    applied."""
+    metadata: dict[str, Any] = {"name": name, **({"labels": labels} if labels else {})}
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}
     listing = {"apiVersion": "v1", "kind": "List", "items": [namespace, *objects]}
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(listing))
 

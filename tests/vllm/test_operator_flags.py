@@ -23,8 +23,8 @@ import pytest
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import VLLM_VERSION, ensure_vllm_cpu
 from pdserve.builders import build_all
-from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR
 from pdserve.contract.names import COMPONENT_LABEL
+from pdserve.contract.pod_layout import CHAT_TEMPLATE_DIR
 from pdserve.manifests import load_resources
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,10 +5,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pdserve.api.base import ApiModel
 from pdserve.api.common import LabelMap, PreservedObject, SecretKeyRef
+from pdserve.api.overrides import PodOverrides
 from pdserve.api.requirements import ResourceRequirements
 
 
@@ -65,6 +66,23 @@ class GatewaySpec(ApiModel):
     """Node labels the gateway pods require."""
     tolerations: list[PreservedObject] = Field(default_factory=list)
     """Tolerations of the gateway pods."""
+    pod_overrides: PodOverrides = Field(default_factory=PodOverrides)
+    """Pod fields of the cluster's own, merged onto the gateway pods (all of a pool's
+    podOverrides but serviceAccountName: the gateway's ServiceAccount is pdserve's, with the
+    rights its discovery needs)."""
+    service_annotations: LabelMap = Field(default_factory=dict)
+    """Annotations on the gateway Service (an internal load balancer, external-dns)."""
+
+    @field_validator("pod_overrides")
+    @classmethod
+    def _own_service_account(cls, overrides: PodOverrides) -> PodOverrides:
+        if overrides.service_account_name is not None:
+            raise ValueError(
+                "serviceAccountName: the gateway runs as the ServiceAccount pdserve creates "
+                "(<name>-gateway, with the rights its pod discovery needs); remove it"
+            )
+        return overrides
+
     request_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
     """Longest a whole request may take, from its first byte to its last (a non-streamed
     answer is bounded by this alone): then 504, or an error event in a stream. Raise it for

@@ -9,6 +9,7 @@ from pydantic import Field
 from pdserve.api.autoscaling import EngineAutoscalingSpec
 from pdserve.api.base import ApiModel
 from pdserve.api.common import EnvVar, LabelMap, PreservedObject
+from pdserve.api.overrides import PodOverrides
 from pdserve.api.requirements import ResourceRequirements, engine_default_resources
 
 
@@ -42,6 +43,10 @@ class VllmPoolFields(ApiModel):
     """Tolerations of the pool's pods (for engines: added to spec.placement's)."""
     pod_annotations: LabelMap = Field(default_factory=dict)
     """Annotations on the pool's pods."""
+    pod_overrides: PodOverrides = Field(default_factory=PodOverrides)
+    """Pod fields of the cluster's own (priority, scheduler, runtime class, ServiceAccount,
+    labels, volumes, init containers, sidecars, spread, affinity, securityContext), merged
+    onto the pods pdserve builds."""
 
 
 class EnginePoolSpec(VllmPoolFields):

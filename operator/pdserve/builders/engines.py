@@ -29,6 +29,7 @@ from pdserve.builders.rollout import RolloutPlan
 from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
 from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
+from pdserve.contract.pod_layout import SHM_MOUNT
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
 # After vLLM's --shutdown-timeout has run out (or the last request finished), the engine still
@@ -124,7 +125,7 @@ def engine_pool(
         # backed: what it holds counts as the container's memory, so it is capped.
         volumes.append({"name": "dshm",
                         "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(pool)}})  # fmt: skip
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        mounts.append({"name": "dshm", "mountPath": SHM_MOUNT})
     container: dict[str, Any] = {
         "name": "vllm",
         "image": dm.spec.image.engine,
@@ -164,6 +165,7 @@ def engine_pool(
             gpu_pool=True,
             affinity=engine_affinity(dm, slice_index),
             extra_spec=engine_pod_fields(dm),
+            overrides=pool.pod_overrides,
         )
         selector = {**selector_labels(dm, component), **slice_labels(dm, slice_index)}
         selector.pop(MODEL_LABEL)  # selectors are immutable: keep the one models always had

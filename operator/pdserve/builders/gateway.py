@@ -9,7 +9,7 @@ from pdserve.api import DisaggregatedModel
 from pdserve.api.render import EngineApi
 from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.names import child_name, meta, selector_labels
-from pdserve.builders.peer_key import PEER_KEY_DIR, PEER_KEY_FILE, peer_key_digest
+from pdserve.builders.peer_key import PEER_KEY_FILE, peer_key_digest
 from pdserve.builders.pods import http_probes, pdb, pod_annotations, pod_template, resources
 from pdserve.contract.names import (
     CONFIG_HASH_ANNOTATION,
@@ -24,8 +24,8 @@ from pdserve.contract.names import (
     Component,
     peer_key_secret_name,
 )
+from pdserve.contract.pod_layout import PEER_KEY_DIR, ROUTING_DIR
 from pdserve.contract.routing import (
-    ROUTING_DIR,
     ROUTING_KEY,
     VLLM_DECODER_KV_BLOCKS_TTL_SECONDS,
     VLLM_KV_LEASE_SECONDS,
@@ -180,6 +180,7 @@ def gateway(
         tolerations=[dict(t) for t in spec.tolerations],
         service_account=name,
         termination_grace_seconds=GATEWAY_DRAIN_SECONDS + GATEWAY_SHUTDOWN_SECONDS,
+        overrides=spec.pod_overrides,
     )
     labels_meta = meta(dm, Component.gateway)
     return [
@@ -202,7 +203,9 @@ def gateway(
          "spec": {"replicas": spec.replicas,
                   "selector": {"matchLabels": selector_labels(dm, Component.gateway)},
                   "template": template}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": labels_meta,
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {**labels_meta, **({"annotations": dict(spec.service_annotations)}
+                                        if spec.service_annotations else {})},
          "spec": {"type": spec.service_type,
                   "selector": selector_labels(dm, Component.gateway),
                   "ports": [{"name": "http", "port": spec.port, "targetPort": "http",

@@ -12,8 +12,8 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.builders.names import meta
 from pdserve.contract.names import PEER_KEY_SECRET_KEY, Component, peer_key_secret_name
+from pdserve.contract.pod_layout import PEER_KEY_DIR
 
-PEER_KEY_DIR = "/etc/pdserve/peer-key"
 PEER_KEY_FILE = f"{PEER_KEY_DIR}/{PEER_KEY_SECRET_KEY}"
 
 

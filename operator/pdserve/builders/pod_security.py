@@ -222,8 +222,8 @@ def pod_security_problem(
     reasons = [f"caused by {', '.join(causes)}"] if causes else []
     if own:
         reasons.append(
-            f"{', '.join(own)}: the vLLM images run as root and pdserve does not set a "
-            "restricted securityContext on its pods yet"
+            f"{', '.join(own)}: the engines run vLLM's images as root (the gateway and "
+            "render pods pass restricted)"
         )
     least = PodSecurityLevel.privileged if causes else PodSecurityLevel.baseline
     fix = f"label namespace {namespace} {ENFORCE_LABEL}={least.value} (or exempt it)"

@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 from pdserve.api import PARITY_KNOBS, DisaggregatedModel
 from pdserve.api.common import EnvVar
+from pdserve.api.overrides import PodOverrides
 from pdserve.api.placement import PlacementSpec
 from pdserve.api.requirements import ResourceRequirements
 from pdserve.builders.names import labels, meta, selector_labels
-from pdserve.builders.vllm_args import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, MODEL_MOUNT
+from pdserve.builders.overrides import with_overrides
+from pdserve.builders.vllm_args import CHAT_TEMPLATE_FILE
 from pdserve.contract.names import PARITY_HASH_ANNOTATION, Component
+from pdserve.contract.pod_layout import (
+    CHAT_TEMPLATE_DIR,
+    HF_CACHE,
+    MODEL_MOUNT,
+    NON_ROOT_HOME,
+)
 
-HF_CACHE = "/root/.cache/huggingface"
+NON_ROOT_UID = 10001
+"""The user pdserve's images run as (images/Dockerfile). vLLM's images run as root and define
+no other user, so the CPU pods name it themselves."""
+# Pod Security "restricted" (kubernetes.io/docs/concepts/security/pod-security-standards):
+# non-root, a RuntimeDefault seccomp profile, no privilege escalation, every capability dropped.
+# The CPU pods (gateway, render) need none of what it forbids.
+RESTRICTED_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": NON_ROOT_UID,
+    "runAsGroup": NON_ROOT_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+RESTRICTED_CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
 # Render and gateway pods need no GPU: keep them off GPU nodes when other nodes have room
 # (NVIDIA GPU feature discovery labels GPU nodes nvidia.com/gpu.present=true).
 CPU_POOL_AFFINITY: dict[str, Any] = {
@@ -99,13 +123,18 @@ def http_probes(path: str, *, slow_start: bool) -> dict[str, Any]:
 
 
 def model_volumes(
-    dm: DisaggregatedModel, cache_gib: int | None = None
+    dm: DisaggregatedModel, cache_gib: int | None = None, *, non_root: bool = False
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts) for weights/tokenizer and the chat template; `cache_gib` sizes the
-    Hugging Face download's emptyDir (None: unsized)."""
+    Hugging Face download's emptyDir (None: unsized). `non_root`: the pod runs as NON_ROOT_UID
+    with HOME on an emptyDir, which also holds Hugging Face's downloads (root's home is not
+    readable to it)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     pvc = dm.spec.model.source.pvc
+    if non_root:
+        volumes.append({"name": "home", "emptyDir": {}})
+        mounts.append({"name": "home", "mountPath": NON_ROOT_HOME})
     if pvc is not None:
         volumes.append(
             {
@@ -114,7 +143,7 @@ def model_volumes(
             }
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    else:
+    elif not non_root:
         volumes.append(
             {"name": "hf-cache", "emptyDir": {"sizeLimit": f"{cache_gib}Gi"} if cache_gib else {}}
         )
@@ -148,8 +177,10 @@ def pod_template(
     gpu_pool: bool = False,
     affinity: dict[str, Any] | None = None,
     extra_spec: Mapping[str, Any] | None = None,
+    overrides: PodOverrides | None = None,
 ) -> dict[str, Any]:
-    """`affinity` is the GPU pools' (from builders.placement); CPU pools get CPU_POOL_AFFINITY."""
+    """`affinity` is the GPU pools' (from builders.placement); CPU pools get CPU_POOL_AFFINITY
+    and run as RESTRICTED_POD_SECURITY; the pool's `overrides` are merged last."""
     # spec.placement is for the GPU engines; CPU pods (render, gateway) must not be pinned to
     # GPU nodes by it.
     placement = dm.spec.placement if gpu_pool else PlacementSpec()
@@ -170,16 +201,20 @@ def pod_template(
             spec["affinity"] = affinity
     else:
         spec["affinity"] = CPU_POOL_AFFINITY
+        spec["securityContext"] = copy.deepcopy(RESTRICTED_POD_SECURITY)
+        for container in containers:
+            container["securityContext"] = copy.deepcopy(RESTRICTED_CONTAINER_SECURITY)
     spec.update(extra_spec or {})
     if dm.spec.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": n} for n in dm.spec.image.pull_secrets]
     spec["terminationGracePeriodSeconds"] = termination_grace_seconds
     if volumes:
         spec["volumes"] = volumes
-    return {
+    template = {
         "metadata": {"labels": labels(dm, component), "annotations": annotations},
         "spec": spec,
     }
+    return with_overrides(template, overrides) if overrides is not None else template
 
 
 def pod_annotations(parity: str, extra: dict[str, str]) -> dict[str, str]:

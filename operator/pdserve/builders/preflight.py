@@ -20,9 +20,9 @@ from pdserve.builders.placement import (
     engine_security_context,
 )
 from pdserve.contract.names import SLICE_LABEL, Component
+from pdserve.contract.pod_layout import PROBE_MOUNT
 
 PROBE_PORT = 5590  # not the engines' side-channel port: host-network probes share their nodes
-PROBE_MOUNT = "/opt/pdserve-probe"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
@@ -136,10 +136,10 @@ def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) ->
             *[e for e in nixl_env(dm) if e["name"].startswith("UCX_")],
             {"name": "PROBE_PEER", "value": f"{name}.{dm.namespace}.svc"},
             {"name": "PROBE_PORT", "value": str(PROBE_PORT)},
+            # No GPU is allocated (the engines hold them), and none is asked for by
+            # NVIDIA_VISIBLE_DEVICES=all: hardened NVIDIA runtimes ignore it in unprivileged
+            # containers, and a pod that sees GPUs it did not request is what they forbid.
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-            # No GPU is allocated (the engines hold them); this lets nvidia-smi read the
-            # node's P2P matrix where the NVIDIA runtime honours the variable.
-            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
         ],
         "ports": [{"name": "nixl", "containerPort": PROBE_PORT, "protocol": "TCP"}],
         "resources": {

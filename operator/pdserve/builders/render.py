@@ -31,6 +31,7 @@ from pdserve.builders.scaling import (
 )
 from pdserve.builders.vllm_args import render_args
 from pdserve.contract.names import RENDER_PORT, Component
+from pdserve.contract.pod_layout import NON_ROOT_HOME
 
 # Grace after the drain: the server finishes in-flight derender calls on SIGTERM.
 SHUTDOWN_SECONDS = 30
@@ -52,14 +53,16 @@ def render_pool(
 ) -> list[dict[str, Any]]:
     render = dm.spec.render
     name = child_name(dm, Component.render)
-    volumes, mounts = model_volumes(dm)
+    volumes, mounts = model_volumes(dm, non_root=True)
     container = {
         "name": "render",
         "image": dm.spec.image.render_image,
         "imagePullPolicy": dm.spec.image.pull_policy,
         "command": ["vllm", "launch", "render"],
         "args": render_args(dm, RENDER_PORT),
-        "env": common_env(dm) + env_list(render.env),
+        # vLLM's images are built for root: HOME moves to a writable emptyDir (the pod runs as
+        # NON_ROOT_UID), where vLLM and Hugging Face keep what they write.
+        "env": [{"name": "HOME", "value": NON_ROOT_HOME}, *common_env(dm), *env_list(render.env)],
         "ports": [{"name": "http", "containerPort": RENDER_PORT, "protocol": "TCP"}],
         "resources": resources(
             render.resources.model_copy(
@@ -82,6 +85,7 @@ def render_pool(
         node_selector=render.node_selector,
         tolerations=[dict(t) for t in render.tolerations],
         termination_grace_seconds=render.drain_seconds + SHUTDOWN_SECONDS,
+        overrides=render.pod_overrides,
     )
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(dm, Component.render)},

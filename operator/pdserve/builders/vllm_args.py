@@ -16,10 +16,9 @@ from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.api.parity import ParityKnob, Render, Scope
 from pdserve.api.render import EngineApi
 from pdserve.builders.parity import canonical_json
+from pdserve.contract.pod_layout import CHAT_TEMPLATE_DIR, MODEL_MOUNT
 
-CHAT_TEMPLATE_DIR = "/etc/pdserve/chat-template"
 CHAT_TEMPLATE_FILE = "template.jinja"
-MODEL_MOUNT = "/models"
 
 
 def model_argument(dm: DisaggregatedModel) -> str:

@@ -13,7 +13,6 @@ from pydantic.alias_generators import to_camel
 from pdserve.validation import format_validation_error
 
 ROUTING_KEY = "routing.json"  # the ConfigMap's key, mounted as ROUTING_DIR/ROUTING_KEY
-ROUTING_DIR = "/etc/pdserve/routing"
 
 
 class _Model(BaseModel):

@@ -189,9 +189,12 @@ def test_a_hub_download_is_sized_from_the_model_and_asks_for_the_disk() -> None:
         assert cache["emptyDir"] == {"sizeLimit": "19Gi"}
         requests = pod(engine)["containers"][0]["resources"]["requests"]
         assert requests["ephemeral-storage"] == "19Gi"
-    render = built["Deployment/qwen-render"]
-    [cache] = [v for v in pod(render)["volumes"] if v["name"] == "hf-cache"]
-    assert cache["emptyDir"] == {}
+    # Render runs as a non-root user: the tokenizer's download lands in its HOME's emptyDir.
+    render = pod(built["Deployment/qwen-render"])
+    [home] = [v for v in render["volumes"] if v["name"] == "home"]
+    assert home["emptyDir"] == {}
+    assert {"name": "HOME", "value": "/home/pdserve"} in render["containers"][0]["env"]
+    assert {"name": "home", "mountPath": "/home/pdserve"} in render["containers"][0]["volumeMounts"]
     for key, obj in objects(model(model={"name": "acme/secret-70b"})).items():
         if key.startswith("StatefulSet/"):
             assert "ephemeral-storage" not in pod(obj)["containers"][0]["resources"]["requests"]

@@ -62,14 +62,17 @@ def test_host_network_adds_host_namespaces_and_the_ports_the_server_gives_it() -
     assert "spec.placement.rdma.hostNetwork (host ports)" in message
 
 
-def test_restricted_refuses_every_pool_and_says_baseline_is_enough_without_rdma() -> None:
+def test_restricted_refuses_the_engines_only_and_says_baseline_is_enough_without_rdma() -> None:
     message = judged(model(), PodSecurityLevel.restricted)
     assert message is not None
-    for pool in ("prefill", "decode", "render", "gateway"):
+    for pool in ("prefill", "decode"):
         assert f"{pool}: allowPrivilegeEscalation != false" in message
+    # The CPU pods run as a non-root user with the restricted securityContext.
+    assert "render:" not in message
+    assert "gateway:" not in message
     assert "runAsNonRoot != true" in message
     assert "seccompProfile" in message
-    assert "the vLLM images run as root" in message
+    assert "the engines run vLLM's images as root" in message
     assert message.endswith(
         "Fix: label namespace llm pod-security.kubernetes.io/enforce=baseline (or exempt it)"
     )
