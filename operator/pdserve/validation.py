@@ -3,7 +3,10 @@ first (`spec.render.workers: ...`), for the operator's events and the gateway's 
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import copy
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -37,3 +40,32 @@ def format_validation_error(
         else:
             problems.append(f"{path}: {message}")
     return problems
+
+
+def without_unknown_fields(model: type[BaseModel], body: Any) -> tuple[Any, list[str]]:
+    """`body` less every field `model` does not know (a newer writer's), and those fields'
+    paths; `body` itself is left as it was. Other problems are left for the caller's own
+    validation to report."""
+    known = copy.deepcopy(body)
+    unknown: list[str] = []
+    try:
+        model.model_validate(known)
+    except ValidationError as error:
+        for item in error.errors(include_url=False):
+            if item["type"] == "extra_forbidden" and _drop(known, tuple(item["loc"])):
+                unknown.append(field_path(tuple(item["loc"])))
+    return known, unknown
+
+
+def _drop(body: Any, loc: tuple[int | str, ...]) -> bool:
+    """Remove the field at `loc` from `body`; False when the path does not lead to it."""
+    node = body
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False

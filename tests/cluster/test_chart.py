@@ -118,6 +118,17 @@ def test_default_rendering_is_secure_and_cluster_wide(tmp_path: Path) -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert container["image"] == "ghcr.io/pdserve/pdserve:0.1.0"
+    # The gateways of models that name no image run the operator's own, whatever it is set to.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PDSERVE_GATEWAY_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.0"
+    moved = render(tmp_path, "image.repository=registry.example/pdserve", "image.tag=0.2.0")
+    [upgraded] = by_kind(moved, "Deployment")
+    [operator] = upgraded["spec"]["template"]["spec"]["containers"]
+    assert (
+        {e["name"]: e.get("value") for e in operator["env"]}["PDSERVE_GATEWAY_IMAGE"]
+        == (operator["image"])
+        == "registry.example/pdserve:0.2.0"
+    )
     assert "--webhook-port=9443" in container["args"]
     [cluster_role] = by_kind(docs, "ClusterRole")
     verbs = {v for rule in cluster_role["rules"] for v in rule["verbs"]}

@@ -47,8 +47,11 @@ class ImageSpec(ApiModel):
     """vLLM image for the render pool, which runs on CPU nodes. Default: when engine is vLLM's
     own CUDA image (vllm/vllm-openai:vX.Y.Z), vLLM's CPU image of the same release
     (vllm/vllm-openai-cpu:vX.Y.Z), a fraction of the CUDA image's ~10 GB; otherwise engine."""
-    gateway: Annotated[str, Field(min_length=1)] = DEFAULT_GATEWAY_IMAGE
-    """pdserve gateway image."""
+    gateway: Annotated[str, Field(min_length=1)] | None = None
+    """pdserve gateway image. Default: the operator's own (its --gateway-image, which the chart
+    sets to the operator's image), resolved on every reconcile, so an operator upgrade moves
+    the gateways of every model that names none (a model created before 0.2 stored the old
+    default here: remove the field to follow the operator)."""
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """imagePullPolicy of every container."""
     pull_secrets: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Annotated, Any
 
@@ -12,7 +11,7 @@ from pdserve.api.base import ApiModel
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.contract.resource import API_VERSION, KIND
-from pdserve.validation import field_path, format_validation_error
+from pdserve.validation import format_validation_error, without_unknown_fields
 
 # Child names are "<name>-prefill", "<name>-decode", "<name>-render", "<name>-gateway" (and
 # "-s<n>" slices later). A StatefulSet's pods carry the label controller-revision-hash =
@@ -119,26 +118,5 @@ def parse_stored(body: Any) -> tuple[DisaggregatedModel, list[str]]:
     parse_resource, which refuses them (a typo there has no CRD to catch it)."""
     if not isinstance(body, dict):
         return parse_resource(body), []
-    known = copy.deepcopy(body)
-    unknown: list[str] = []
-    try:
-        DisaggregatedModel.model_validate(known)
-    except ValidationError as error:
-        for item in error.errors(include_url=False):
-            if item["type"] == "extra_forbidden" and _drop(known, tuple(item["loc"])):
-                unknown.append(field_path(tuple(item["loc"])))
+    known, unknown = without_unknown_fields(DisaggregatedModel, body)
     return parse_resource(known), [f"{path}: {NEWER_FIELD}" for path in unknown]
-
-
-def _drop(body: Any, loc: tuple[int | str, ...]) -> bool:
-    """Remove the field at `loc` from `body`; False when the path does not lead to it."""
-    node = body
-    for part in loc[:-1]:
-        try:
-            node = node[part]
-        except (KeyError, IndexError, TypeError):
-            return False
-    if isinstance(node, dict) and loc and loc[-1] in node:
-        del node[loc[-1]]
-        return True
-    return False

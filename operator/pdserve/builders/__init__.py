@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
 from pdserve.builders.engines import engine_pool
 from pdserve.builders.gateway import endpoint, gateway, routing_config
 from pdserve.builders.names import child_name
@@ -40,6 +41,7 @@ def build_all(
     plan: ReplicaPlan | None = None,
     peer_key: str | None = None,
     rollout: RolloutPlan | None = None,
+    gateway_image: str = DEFAULT_GATEWAY_IMAGE,
 ) -> list[dict[str, Any]]:
     """Every child object pdserve owns for this resource, in apply order. `network`: also the
     model's NetworkPolicies (None: none, and the operator prunes those it made before).
@@ -48,7 +50,8 @@ def build_all(
     wants_peer_key); None: no peer-key Secret, and the gateway replicas send their first API
     key to each other, or without one have their holds refused and each admits long prefills
     alone (`pdserve manifests`, which never writes a key into a file).
-    `rollout`: engine StatefulSets held mid engine upgrade (None: none)."""
+    `rollout`: engine StatefulSets held mid engine upgrade (None: none). `gateway_image`:
+    the gateway's image when spec.image.gateway names none (the operator's own)."""
     parity = parity_hash(dm, chat_template_digest)
     objects: list[dict[str, Any]] = []
     if dm.spec.disaggregated:
@@ -60,7 +63,7 @@ def build_all(
     key = peer_key if wants_peer_key(dm) else None
     if key is not None:
         objects.append(peer_key_secret(dm, key))
-    objects += gateway(dm, parity, key)
+    objects += gateway(dm, parity, key, dm.spec.image.gateway or gateway_image)
     if network is not None:
         objects += network_policies(dm, network)
     return sorted(objects, key=object_key)

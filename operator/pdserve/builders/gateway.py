@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
 from pdserve.api.render import EngineApi
 from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.names import child_name, meta, selector_labels
@@ -27,6 +28,7 @@ from pdserve.contract.names import (
 from pdserve.contract.pod_layout import PEER_KEY_DIR, ROUTING_DIR
 from pdserve.contract.routing import (
     ROUTING_KEY,
+    SCHEMA_VERSION,
     VLLM_DECODER_KV_BLOCKS_TTL_SECONDS,
     VLLM_KV_LEASE_SECONDS,
     GatewayConfig,
@@ -69,6 +71,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
         tokens_only = spec.render.engine_api is EngineApi.tokens_only
         tokens_engines["tokens_engines"] = "tokens_only" if tokens_only else "scale_out"
     return GatewayConfig(
+        schema_version=SCHEMA_VERSION,
         model=dm.served_model_name,
         namespace=dm.namespace,
         parity_hash=parity,
@@ -103,10 +106,14 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
 
 
 def gateway(
-    dm: DisaggregatedModel, parity: str, peer_key: str | None = None
+    dm: DisaggregatedModel,
+    parity: str,
+    peer_key: str | None = None,
+    image: str = DEFAULT_GATEWAY_IMAGE,
 ) -> list[dict[str, Any]]:
     """`peer_key`: the replicas' key for each other's admission endpoints, mounted from its
-    Secret (builders.peer_key); None: none, and the replicas send their first API key."""
+    Secret (builders.peer_key); None: none, and the replicas send their first API key.
+    `image`: the gateway's (spec.image.gateway, else the operator's own)."""
     spec = dm.spec.gateway
     name = child_name(dm, Component.gateway)
     # Indented so a GitOps diff of the ConfigMap shows which setting changed.
@@ -122,7 +129,7 @@ def gateway(
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})  # fmt: skip
     container: dict[str, Any] = {
         "name": "gateway",
-        "image": dm.spec.image.gateway,
+        "image": image,
         "imagePullPolicy": dm.spec.image.pull_policy,
         "command": ["pdserve", "gateway"],
         "args": [

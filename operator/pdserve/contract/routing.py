@@ -4,15 +4,27 @@ SLOs), plus, outside a cluster, a static list of endpoints with their parity has
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from pdserve.validation import format_validation_error
+from pdserve.validation import format_validation_error, without_unknown_fields
+
+log = logging.getLogger("pdserve.gateway")
 
 ROUTING_KEY = "routing.json"  # the ConfigMap's key, mounted as ROUTING_DIR/ROUTING_KEY
+SCHEMA_VERSION = 2
+"""The routing file's schema as this pdserve writes and reads it (a file without
+`schemaVersion` is 1). The skew rule, which lets the operator and the gateways roll separately
+(an operator upgrade or rollback, a gateway image pinned in spec.image.gateway): a gateway
+reads a file of its own version or older, since every key added later has a default; it reads
+a newer file too, leaving out the keys it does not know (logged, so what the newer operator
+asked for is seen to be off until the gateway is upgraded). A key may be added, never renamed
+or given another meaning; each added key raises SCHEMA_VERSION. A key this gateway does not
+know in a file of its own version or older is an error: a typo in a hand-written file."""
 
 
 class _Model(BaseModel):
@@ -97,6 +109,8 @@ class StaticEndpoints(_Model):
 
 
 class GatewayConfig(_Model):
+    schema_version: int = Field(default=1, ge=1)
+    """SCHEMA_VERSION of the pdserve that wrote the file."""
     model: str
     namespace: str = "default"
     parity_hash: str | None = None
@@ -139,11 +153,21 @@ class ConfigError(ValueError):
 
 
 def load_config(path: Path) -> GatewayConfig:
-    """Parse the routing file; ConfigError names the file and every bad field."""
+    """Parse the routing file by the skew rule (SCHEMA_VERSION); ConfigError names the file
+    and every bad field."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ConfigError(f"{path}: {error}") from None
+    version = raw.get("schemaVersion", 1) if isinstance(raw, dict) else 1
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raw, newer = without_unknown_fields(GatewayConfig, raw)
+        if newer:
+            log.warning(
+                "%s: schema version %d, newer than this gateway's %d: left out %s (off until "
+                "the gateway runs the operator's pdserve version)",
+                path, version, SCHEMA_VERSION, ", ".join(newer),
+            )  # fmt: skip
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as error:

@@ -22,6 +22,7 @@ from pdserve.api import (
 )
 from pdserve.api.advice import admission_warnings
 from pdserve.api.autoscaling import RenderAutoscaler
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
 from pdserve.api.status import DisaggregatedModelStatus
 from pdserve.builders import (
     KIND_ORDER,
@@ -272,6 +273,7 @@ async def reconcile(
     warned: set[str] | None = None,
     peer_master: PeerMaster | None = None,
     cache: ClusterCache | None = None,
+    gateway_image: str = DEFAULT_GATEWAY_IMAGE,
 ) -> Outcome:
     """Converge the children of `body` and return what the pass did, events to post included.
     `network`: the operator's NetworkPolicy settings (None: the model gets none, and loses those
@@ -282,13 +284,15 @@ async def reconcile(
     keys or several gateway replicas gets its gateways' peer key (None: a model with API keys
     fails its pass, one without is Degraded: its replicas cannot share the long-prefill limit).
     `cache`: what the operator's watches hold, read instead of the API server where it can be
-    and told of every write (None: every read is a request). A pass that fails part-way raises
+    and told of every write (None: every read is a request). `gateway_image`: the gateway's
+    image where the spec names none (the operator's own). A pass that fails part-way raises
     PassFailed with what it did until then."""
     outcome = Outcome()
     try:
         await _converge(
             kube, body, outcome, now=now, network=network, health=health,
             autoscaler=autoscaler, warned=warned, peer_master=peer_master, cache=cache,
+            gateway_image=gateway_image,
         )  # fmt: skip
     except (Exception, asyncio.CancelledError) as error:  # cancelled too: still told
         raise PassFailed(outcome, error) from error
@@ -307,6 +311,7 @@ async def _converge(
     warned: set[str] | None,
     peer_master: PeerMaster | None,
     cache: ClusterCache | None,
+    gateway_image: str,
 ) -> None:
     """The pass itself; `outcome` (the pass's own, not a caller's) is filled as it goes."""
     meta = body["metadata"]
@@ -366,6 +371,7 @@ async def _converge(
         plan=plan,
         peer_key=gateway_key,
         rollout=rollout,
+        gateway_image=gateway_image,
     )
     built += preflight(dm, node_pairs(engine_pods(pods_before)))
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]

@@ -166,6 +166,7 @@ class Reconciler:
                 self.kube, body, network=self.settings.network_policies, health=self.health,
                 autoscaler=self.autoscaler, warned=self.warned_forbidden,
                 peer_master=self.peer_master, cache=self.cache,
+                gateway_image=self.settings.gateway_image,
             )  # fmt: skip
         except PassFailed as failed:
             outcome, error = failed.outcome, failed.error

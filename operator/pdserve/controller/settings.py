@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
 from pdserve.builders.network import NetworkPolicyOptions, check_peer
 
 NAMESPACE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -52,6 +53,10 @@ class OperatorSettings:
     leader_election: LeaderElectionSettings | None = None
     """Reconcile only while holding the leader Lease (several replicas); None: always (one
     replica)."""
+    gateway_image: str = DEFAULT_GATEWAY_IMAGE
+    """The gateway image of every model whose spec.image.gateway names none: the operator's own
+    (env PDSERVE_GATEWAY_IMAGE; the chart sets it to the operator's image), so an operator
+    upgrade moves those gateways with it."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     """The NetworkPolicy flags (`pdserve operator` and `pdserve manifests`)."""
+    parser.add_argument(
+        "--gateway-image", metavar="IMAGE",
+        help="the gateway image of models whose spec.image.gateway names none: the operator's "
+        f"own (env PDSERVE_GATEWAY_IMAGE; default {DEFAULT_GATEWAY_IMAGE})",
+    )  # fmt: skip
     net = parser.add_argument_group("NetworkPolicies per model")
     net.add_argument(
         "--network-policies", action=argparse.BooleanOptionalAction, default=None,
@@ -252,6 +262,9 @@ def from_arguments(
         log_level=log_level,
         kubeconfig=args.kubeconfig or env.get("PDSERVE_KUBECONFIG"),
         liveness_endpoint=args.liveness,
+        gateway_image=args.gateway_image
+        or env.get("PDSERVE_GATEWAY_IMAGE")
+        or DEFAULT_GATEWAY_IMAGE,
     )
 
 

@@ -5,11 +5,16 @@ names, paths or wiring is refused naming the field and the fix."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
 
+from pdserve.api import DisaggregatedModel
+from pdserve.api.images import DEFAULT_GATEWAY_IMAGE
+from pdserve.builders import build_all
 from pdserve.builders.pods import RESTRICTED_POD_SECURITY
+from pdserve.controller.settings import OperatorSettings, add_arguments, from_arguments
 from tests.unit.builders.test_engine_lifecycle import container, objects, pod, problems
 from tests.unit.builders.test_scaling_builders import model
 
@@ -126,3 +131,30 @@ def test_what_would_collide_with_pdserves_pods_is_refused_naming_the_field(
 def test_the_gateway_keeps_its_own_service_account() -> None:
     message = problems(gateway={"podOverrides": {"serviceAccountName": "mine"}})
     assert "spec.gateway.podOverrides: serviceAccountName: the gateway runs as" in (message)
+
+
+# ---- the gateway's image: the operator's own unless the spec names one ---------------------
+
+
+def settings_of(argv: list[str], env: dict[str, str]) -> OperatorSettings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_arguments(parser.parse_args(argv), env)
+
+
+def test_the_gateway_runs_the_operators_image_unless_the_spec_names_one() -> None:
+    def image(dm: DisaggregatedModel, operators: str) -> str:
+        built = {f"{o['kind']}/{o['metadata']['name']}": o
+                 for o in build_all(dm, gateway_image=operators)}  # fmt: skip
+        return str(container(built["Deployment/qwen-gateway"])["image"])
+
+    # Nothing stored in the object: an operator upgrade moves the gateway with it.
+    assert "gateway" not in model().to_json()["spec"]["image"]
+    assert image(model(), "registry.example/pdserve:0.2.0") == "registry.example/pdserve:0.2.0"
+    pinned = model(image={"gateway": "registry.example/pdserve:0.1.5"})
+    assert image(pinned, "registry.example/pdserve:0.2.0") == "registry.example/pdserve:0.1.5"
+    # The operator's own image comes from the chart's environment, or the flag.
+    env = {"PDSERVE_GATEWAY_IMAGE": "registry.example/pdserve:0.2.0"}
+    assert settings_of([], env).gateway_image == "registry.example/pdserve:0.2.0"
+    assert settings_of(["--gateway-image", "mine:1"], env).gateway_image == "mine:1"
+    assert settings_of([], {}).gateway_image == DEFAULT_GATEWAY_IMAGE

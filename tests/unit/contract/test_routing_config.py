@@ -11,6 +11,7 @@ import pytest
 from pdserve.builders import build_all, parity_hash, routing_config
 from pdserve.contract.routing import (
     ROUTING_KEY,
+    SCHEMA_VERSION,
     ConfigError,
     GatewayConfig,
     config_text_of,
@@ -81,3 +82,50 @@ def test_only_tokens_only_engines_behind_render_make_the_gateway_refuse(
     if tokens_engines is not None:
         body["tokensEngines"] = tokens_engines
     assert GatewayConfig.model_validate(body).tokens_only_engines is refuses
+
+
+# ---- skew between the operator and the gateways (SCHEMA_VERSION's rule) --------------------
+
+SCHEMAS = sorted((Path(__file__).parent / "routing_schemas").glob("*.json"), key=lambda p: p.stem)
+"""A file each earlier schema version's operator wrote (for examples/sim-qwen3.yaml): each new
+SCHEMA_VERSION adds its own, and a gateway must keep reading all of them."""
+
+
+def test_the_operator_writes_this_schema_version_and_its_file_is_kept() -> None:
+    text, written = configmap_text(REPO / "examples" / "sim-qwen3.yaml")
+    assert written.schema_version == SCHEMA_VERSION
+    assert [int(p.stem) for p in SCHEMAS] == list(range(1, SCHEMA_VERSION + 1)), (
+        f"add routing_schemas/{SCHEMA_VERSION}.json: the file this operator writes"
+    )
+    assert json.loads(SCHEMAS[-1].read_text()) == json.loads(text)
+
+
+@pytest.mark.parametrize("path", SCHEMAS, ids=lambda p: f"schema-{p.stem}")
+def test_a_gateway_reads_the_files_of_older_operators(path: Path) -> None:
+    config = load_config(path)
+    assert config.model == "sim-qwen3"
+    assert config.schema_version == int(path.stem)
+
+
+def test_a_gateway_reads_a_newer_operators_file_leaving_out_what_it_does_not_know(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    text, written = configmap_text(REPO / "examples" / "sim-qwen3.yaml")
+    body = json.loads(text)
+    body["schemaVersion"] = SCHEMA_VERSION + 1
+    body["routing"]["prefixAwareness"] = "Strict"  # keys a newer pdserve added
+    body["tenants"] = [{"name": "a"}]
+    file = tmp_path / ROUTING_KEY
+    file.write_text(json.dumps(body))
+    with caplog.at_level("WARNING", logger="pdserve.gateway"):
+        config = load_config(file)
+    assert config.model_copy(update={"schema_version": SCHEMA_VERSION}) == written
+    [warning] = caplog.messages
+    assert f"newer than this gateway's {SCHEMA_VERSION}" in warning
+    assert "routing.prefixAwareness" in warning
+    assert "tenants" in warning
+    # The same keys in a file of this gateway's own version: a typo, refused.
+    body["schemaVersion"] = SCHEMA_VERSION
+    file.write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match=r"routing\.prefixAwareness: unknown key"):
+        load_config(file)
