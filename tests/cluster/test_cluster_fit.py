@@ -144,7 +144,12 @@ assert CLIQUE_0 != CLIQUE_2
 
 # What the examples reference and a cluster must hold before they are applied.
 PV_SIZE = "2Ti"
-MODEL_CLAIMS = ("model-store", CLAIM_NAME)  # spec.model.source.pvc.claimName of the examples
+MODEL_CLAIMS = {
+    "model-store": "ReadOnlyMany",
+    CLAIM_NAME: "ReadOnlyMany",
+    "hf-cache": "ReadWriteMany",
+}
+"""The examples' spec.model.source.pvc.claimName and source.hf.cache.claimName, by access mode."""
 
 
 def _example(path: Path) -> dict[str, Any]:
@@ -247,18 +252,18 @@ def prerequisites(http: httpx.Client, namespace: str) -> None:
     """What the examples reference: the model PVCs (each bound to a PV of its own), the
     chat-template ConfigMap, the registry pull secret and the Hugging Face token."""
     ns = f"/api/v1/namespaces/{namespace}"
-    for claim in MODEL_CLAIMS:
+    for claim, mode in MODEL_CLAIMS.items():
         pv_name = f"{namespace}-{claim}"
         _create(http, "/api/v1/persistentvolumes", {
             "metadata": {"name": pv_name},
-            "spec": {"capacity": {"storage": PV_SIZE}, "accessModes": ["ReadOnlyMany"],
+            "spec": {"capacity": {"storage": PV_SIZE}, "accessModes": [mode],
                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
                      "nfs": {"server": "192.0.2.10", "path": f"/models/{claim}"},
                      "claimRef": {"namespace": namespace, "name": claim}},
         })  # fmt: skip
         _create(http, f"{ns}/persistentvolumeclaims", {
             "metadata": {"name": claim},
-            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+            "spec": {"accessModes": [mode], "storageClassName": "",
                      "volumeName": pv_name, "resources": {"requests": {"storage": PV_SIZE}}},
         })  # fmt: skip
     _create(
@@ -846,8 +851,9 @@ def render_table(outcomes: Mapping[str, Outcome]) -> str:
         "to the profile by adding `placement.gpuProducts: [<product>]` (which also makes the",
         "memory-fit check judge it); the CPU examples (simulator, real vLLM's CPU build) run on",
         "the CPU nodes (a required node affinity on `nvidia.com/gpu.present` DoesNotExist is",
-        "added). Its prerequisites exist: the `model-store` and `tiny-qwen3-model` PVCs bound to",
-        "PVs, the `qwq-chat-template` ConfigMap, the `registry-creds` pull secret and the",
+        "added). Its prerequisites exist: the `model-store` and `tiny-qwen3-model` PVCs and the",
+        "`hf-cache` model cache PVC bound to PVs, the `qwq-chat-template` ConfigMap, the",
+        "`registry-creds` pull secret and the",
         "`hf-token` Secret. The plane has no Multus: a",
         "`placement.rdma.networks` annotation is applied but attaches nothing, and no GPU node",
         "carries a taint, so tolerations are not exercised. Each case is deleted before the next",

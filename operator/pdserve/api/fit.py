@@ -183,9 +183,12 @@ DOWNLOAD_HEADROOM = 1.2
 
 def hf_cache_gib(spec: DisaggregatedModelSpec) -> int | None:
     """GiB an engine pod's Hugging Face download needs (the emptyDir's sizeLimit and the pod's
-    ephemeral-storage request), when the weights come from the Hub and the shape is known."""
+    ephemeral-storage request), when the weights come from the Hub into the pod's own emptyDir
+    (no source.hf.cache) and the shape is known."""
     shape = shape_of(spec)
-    if spec.model.source.pvc is not None or shape is None:
+    source = spec.model.source
+    cached = source.hf is not None and source.hf.cache is not None
+    if source.pvc is not None or cached or shape is None:
         return None
     size = shape.parameters_billions * 1e9 * shape.bytes_per_parameter * DOWNLOAD_HEADROOM
     return max(1, math.ceil(size / GIB))

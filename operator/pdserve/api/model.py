@@ -12,12 +12,46 @@ from pdserve.api.model_shape import ModelShape
 from pdserve.api.parity import Parity, Scope
 
 
+def _one_cache(cache: ModelCache) -> str | None:
+    if (cache.claim_name is None) == (cache.host_path is None):
+        return "set exactly one of claimName and hostPath"
+    return None
+
+
+ONE_CACHE = CrossFieldRule(
+    "has(self.claimName) != has(self.hostPath)",
+    "set exactly one of claimName and hostPath",
+    None,
+    _one_cache,
+)
+
+
+class ModelCache(ApiModel):
+    """Where the engine pods keep the Hub download, so the weights are downloaded once instead
+    of on every pod start into a pod's own emptyDir: exactly one of claimName and hostPath."""
+
+    model_config = with_rules([ONE_CACHE])
+
+    claim_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    """A PersistentVolumeClaim mounted writable as every engine pod's Hugging Face cache
+    (ReadWriteMany for pods on several nodes); the first pod downloads, the others find the
+    files (the Hub client locks each file while it downloads it)."""
+    host_path: Annotated[str, Field(pattern=r"^/.+")] | None = None
+    """A directory on each node (created if missing) mounted as the cache: each node downloads
+    once. A hostPath volume needs Pod Security privileged in the model's namespace."""
+
+
 class HuggingFaceSource(ApiModel):
     """Download the model from the Hugging Face Hub when a pod starts."""
 
     token_secret_ref: SecretKeyRef | None = None
     """Secret key holding an HF token (exported as HF_TOKEN), for gated or private models. The
     token is only ever read from this Secret, never written into a manifest."""
+    cache: ModelCache | None = None
+    """Keep the engines' download in a cache shared across pod starts. Unset: each engine pod
+    downloads into an emptyDir of its own, sized (and asked of the node as ephemeral-storage)
+    from the model's shape when pdserve knows it. The render pods download the tokenizer files
+    only, into their own HOME."""
 
 
 class PvcSource(ApiModel):

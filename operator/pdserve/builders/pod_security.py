@@ -195,6 +195,13 @@ _CAUSES = {
     "hostPort": "spec.placement.rdma.hostNetwork (host ports)",
     "non-default capabilities": "spec.placement.rdma (capability IPC_LOCK, which RDMA needs to "
     "register memory with the NIC)",
+    "hostPath volumes": "spec.model.source.hf.cache.hostPath (a hostPath volume)",
+}
+_WITHOUT = {
+    "host namespaces": "remove placement.rdma (NIXL then moves KV over TCP)",
+    "hostPort": "remove placement.rdma (NIXL then moves KV over TCP)",
+    "non-default capabilities": "remove placement.rdma (NIXL then moves KV over TCP)",
+    "hostPath volumes": "use a claimName for the model cache",
 }
 
 
@@ -227,8 +234,9 @@ def pod_security_problem(
         )
     least = PodSecurityLevel.privileged if causes else PodSecurityLevel.baseline
     fix = f"label namespace {namespace} {ENFORCE_LABEL}={least.value} (or exempt it)"
-    if causes:
-        fix += ", or remove placement.rdma (NIXL then moves KV over TCP)"
+    alternatives = sorted({_WITHOUT[c] for c in checks | needs_privileged if c in _WITHOUT})
+    if alternatives:
+        fix += ", or " + ", or ".join(alternatives)
     return (
         f"namespace {namespace} enforces Pod Security {level.value!r} ({ENFORCE_LABEL}), which "
         f"refuses these pods ({broken}): {'; '.join(reasons)}. Fix: {fix}"

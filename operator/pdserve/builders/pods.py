@@ -144,9 +144,7 @@ def model_volumes(
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif not non_root:
-        volumes.append(
-            {"name": "hf-cache", "emptyDir": {"sizeLimit": f"{cache_gib}Gi"} if cache_gib else {}}
-        )
+        volumes.append({"name": "hf-cache", **hub_cache_volume(dm, cache_gib)})
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
     template = dm.spec.serving.chat_template
     if template is not None:
@@ -161,6 +159,18 @@ def model_volumes(
         )
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
     return volumes, mounts
+
+
+def hub_cache_volume(dm: DisaggregatedModel, cache_gib: int | None) -> dict[str, Any]:
+    """The engines' Hugging Face cache: spec.model.source.hf.cache's claim or node directory,
+    else an emptyDir of the pod's own (sized by `cache_gib` when known)."""
+    hf = dm.spec.model.source.hf
+    cache = hf.cache if hf is not None else None
+    if cache is not None and cache.claim_name is not None:
+        return {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    if cache is not None and cache.host_path is not None:
+        return {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+    return {"emptyDir": {"sizeLimit": f"{cache_gib}Gi"} if cache_gib else {}}
 
 
 def pod_template(

@@ -15,7 +15,7 @@ from pdserve.api.autoscaling import EngineAutoscalingSpec, RenderAutoscalingSpec
 from pdserve.api.base import CEL, ApiModel, CrossFieldRule, RuleViolation, rules_of
 from pdserve.api.crd import build_crd, structural_schema
 from pdserve.api.kv_transfer import KvTransferSpec
-from pdserve.api.model import ModelSource
+from pdserve.api.model import ModelCache, ModelSource
 from pdserve.api.placement import (
     HOST_NETWORK_SPLITS_A_NODE_DOMAIN,
     ONE_CLAIM_SOURCE,
@@ -53,6 +53,10 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (ModelSource, {"hf": {}}, None),
     (ModelSource, {"pvc": {"claimName": "weights"}}, None),
     (ModelSource, {"hf": {}, "pvc": {"claimName": "weights"}}, "set only one of hf and pvc"),
+    (ModelCache, {"claimName": "hf-cache"}, None),
+    (ModelCache, {"hostPath": "/var/lib/hf"}, None),
+    (ModelCache, {}, "set exactly one of claimName and hostPath"),
+    (ModelCache, {"claimName": "c", "hostPath": "/h"}, "set exactly one of claimName and hostPath"),
     (ServingSpec, {}, None),
     (ServingSpec, {"enableAutoToolChoice": False}, None),
     (ServingSpec, {"enableAutoToolChoice": True, "toolCallParser": "hermes"}, None),
@@ -240,7 +244,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 16
+    assert len(rules) == 17
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

@@ -198,3 +198,33 @@ def test_a_hub_download_is_sized_from_the_model_and_asks_for_the_disk() -> None:
     for key, obj in objects(model(model={"name": "acme/secret-70b"})).items():
         if key.startswith("StatefulSet/"):
             assert "ephemeral-storage" not in pod(obj)["containers"][0]["resources"]["requests"]
+
+
+@pytest.mark.parametrize(
+    ("cache", "volume"),
+    [({"claimName": "hf-cache"}, {"persistentVolumeClaim": {"claimName": "hf-cache"}}),
+     ({"hostPath": "/var/lib/hf"}, {"hostPath": {"path": "/var/lib/hf",
+                                                 "type": "DirectoryOrCreate"}})],
+    ids=["claim", "hostPath"],
+)  # fmt: skip
+def test_a_model_cache_holds_the_engines_download_across_pod_starts(
+    cache: dict[str, str], volume: dict[str, Any]
+) -> None:
+    """Weights downloaded once into the cache instead of each pod's emptyDir: the engines
+    mount it where Hugging Face keeps its downloads and ask the node for no disk for them."""
+    built = objects(model(model={"name": "Qwen/Qwen3-8B", "source": {"hf": {"cache": cache}}}))
+    for key in ("StatefulSet/qwen-prefill", "StatefulSet/qwen-decode"):
+        [hub] = [v for v in pod(built[key])["volumes"] if v["name"] == "hf-cache"]
+        assert hub == {"name": "hf-cache", **volume}
+        assert {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"} in container(
+            built[key]
+        )["volumeMounts"]
+        assert "ephemeral-storage" not in container(built[key])["resources"].get("requests", {})
+    # Render fetches the tokenizer files only, into its own HOME (it runs as another user).
+    render = pod(built["Deployment/qwen-render"])
+    assert [v["name"] for v in render["volumes"]] == ["home"]
+
+
+def test_a_model_cache_names_exactly_one_place() -> None:
+    message = problems(model={"name": "m", "source": {"hf": {"cache": {}}}})
+    assert "spec.model.source.hf.cache: set exactly one of claimName and hostPath" in message

@@ -120,3 +120,18 @@ def test_a_pass_reports_the_refusal_as_placement_false() -> None:
         "PodSecurity",
         message,
     )
+
+
+def test_a_node_directory_as_model_cache_needs_privileged_and_a_claim_does_not() -> None:
+    def cached(cache: dict[str, str]) -> Any:
+        return model(model={"name": "Qwen/Qwen3-8B", "source": {"hf": {"cache": cache}}})
+
+    assert judged(cached({"claimName": "hf-cache"}), PodSecurityLevel.baseline) is None
+    message = judged(cached({"hostPath": "/var/lib/hf"}), PodSecurityLevel.baseline)
+    assert message is not None
+    assert "prefill: hostPath volumes; decode: hostPath volumes" in message
+    assert "spec.model.source.hf.cache.hostPath (a hostPath volume)" in message
+    assert message.endswith(
+        "Fix: label namespace llm pod-security.kubernetes.io/enforce=privileged (or exempt it), "
+        "or use a claimName for the model cache"
+    )
