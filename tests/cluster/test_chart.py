@@ -4,6 +4,7 @@ a kwok node, its RBAC enough for its job and no more)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from devtools.clitools import Kubectl, ensure_cli_tools
-from devtools.localplane import wait_until
+from devtools.localplane import ControlPlane, wait_until
 from devtools.resources import KEDA_CRD
 from pdserve.builders.scaling import (
     GATEWAY_BUSY_METRIC,
@@ -25,6 +26,10 @@ from pdserve.builders.scaling import (
 )
 from pdserve.contract.names import LEADER_LEASE_NAME, PEER_MASTER_SECRET_NAME
 from pdserve.controller.children import MANAGED_KINDS
+from pdserve.controller.settings import WebhookSettings
+from pdserve.controller.webhook_cert import SECRET, WEBHOOK_CONFIGURATION, serve_own_certificate
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import load_credentials
 
 pytestmark = pytest.mark.cluster
 
@@ -139,7 +144,19 @@ def test_default_rendering_is_secure_and_cluster_wide(tmp_path: Path) -> None:
     [webhook] = by_kind(docs, "ValidatingWebhookConfiguration")
     [hook] = webhook["webhooks"]
     assert hook["clientConfig"]["service"]["path"] == "/spec"
-    assert hook["clientConfig"]["caBundle"]
+    # Nothing random in a render: no CA, no certificate, no Secret. The operator makes its
+    # certificate at start-up (Secret pdserve-webhook-tls) and puts the CA into caBundle, a
+    # field the chart leaves alone; two renders, as helm template / Argo CD / Flux make them,
+    # are the same bytes.
+    assert "caBundle" not in hook["clientConfig"]
+    assert not by_kind(docs, "Secret")
+    assert {"--webhook-cert-secret=pdserve-webhook-tls",
+            "--webhook-service-name=pdserve-webhook.pdserve-system.svc",
+            "--webhook-configuration=pdserve-validate"} <= set(container["args"])  # fmt: skip
+    assert not [a for a in container["args"] if a.startswith(("--webhook-cert=", "--webhook-key="))]
+    again = helm("template", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, tmp=tmp_path)
+    first = helm("template", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, tmp=tmp_path)
+    assert again.stdout == first.stdout
 
 
 def test_default_operator_runs_two_replicas_behind_a_leader_lease(tmp_path: Path) -> None:
@@ -265,7 +282,9 @@ def can_i(
     return answer.stdout.strip()
 
 
-def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kubectl) -> None:
+def test_chart_installs_into_the_real_control_plane(
+    tmp_path: Path, kubectl: Kubectl, control_plane: ControlPlane
+) -> None:
     kubectl("apply", "--server-side", "-f", str(CHART / "crds"), check=True)
     # KEDA's ScaledObject kind (a minimal CRD): `auth can-i` answers only for known resources.
     kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(KEDA_CRD), check=True)
@@ -326,6 +345,16 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
         assert can_i(kubectl, account, "get", master, RELEASE_NAMESPACE) == "yes"
         assert can_i(kubectl, account, "get", master) == "no"  # not a master in a user's namespace
         assert can_i(kubectl, account, "create", "secrets", RELEASE_NAMESPACE) == "yes"
+        # The webhook's certificate: its one Secret, read and remade, in the release namespace;
+        # its CA put into the chart's own webhook configuration only.
+        tls = "secrets/pdserve-webhook-tls"
+        for verb in ("get", "update"):
+            assert can_i(kubectl, account, verb, tls, RELEASE_NAMESPACE) == "yes", verb
+            assert can_i(kubectl, account, verb, tls) == "no", verb
+        hooks = "validatingwebhookconfigurations.admissionregistration.k8s.io"
+        for verb in ("get", "patch"):
+            assert can_i(kubectl, account, verb, f"{hooks}/pdserve-validate") == "yes", verb
+            assert can_i(kubectl, account, verb, f"{hooks}/other") == "no", verb
         assert can_i(kubectl, account, "patch", "pods") == "yes"
         # The leader Lease: get and update on its name alone, in the release namespace.
         lease = f"leases.coordination.k8s.io/{LEADER_LEASE_NAME}"
@@ -351,6 +380,7 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
             return {verb: can_i(kubectl, account, verb, resource) for verb in want} == want
 
         wait_until("NetworkPolicy RBAC to be prune-only", switched, timeout=10)
+        operator_puts_its_ca_into_the_charts_webhook_configuration(control_plane, tmp_path, kubectl)
     finally:
         kubectl(
             "delete", "validatingwebhookconfiguration", "pdserve-validate", "--ignore-not-found"
@@ -361,6 +391,56 @@ def test_chart_installs_into_the_real_control_plane(tmp_path: Path, kubectl: Kub
         return "pdserve-validate" not in listed.stdout
 
     wait_until("the chart's webhook configuration to be deleted", gone, timeout=30)
+
+
+def operator_puts_its_ca_into_the_charts_webhook_configuration(
+    plane: ControlPlane, tmp_path: Path, kubectl: Kubectl
+) -> None:
+    """What the operator does at start-up with the chart's flags (--webhook-cert-secret ...),
+    against the installed chart: its certificate made into the Secret, the CA put into the
+    configuration's caBundle; a second start writes nothing, and the chart applied again (a
+    `helm upgrade`, a GitOps sync: the chart has no caBundle) leaves the CA in place."""
+    [deployment] = by_kind(render(tmp_path), "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    flag = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
+    hook = WebhookSettings(
+        port=9443, cert_file=str(tmp_path / "webhook" / "tls.crt"),
+        key_file=str(tmp_path / "webhook" / "tls.key"),
+        cert_secret=flag["--webhook-cert-secret"],
+        service_names=(flag["--webhook-service-name"],),
+        configuration=flag["--webhook-configuration"],
+    )  # fmt: skip
+
+    async def start() -> tuple[str, str]:
+        kube = Kube(load_credentials(str(plane.kubeconfig())))
+        try:
+            await serve_own_certificate(kube, RELEASE_NAMESPACE, hook)
+            secret = await kube.get(SECRET, RELEASE_NAMESPACE, "pdserve-webhook-tls")
+            configuration = await kube.get(WEBHOOK_CONFIGURATION, None, "pdserve-validate")
+        finally:
+            await kube.close()
+        assert secret is not None
+        assert configuration is not None
+        [webhook] = configuration["webhooks"]
+        assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        versions = (
+            secret["metadata"]["resourceVersion"],
+            configuration["metadata"]["resourceVersion"],
+        )
+        return versions
+
+    try:
+        first = asyncio.run(start())
+        assert asyncio.run(start()) == first  # nothing written the second time
+        chart = [d for d in render(tmp_path, "webhook.failurePolicy=Ignore")
+                 if d["kind"] == "ValidatingWebhookConfiguration"]  # fmt: skip
+        again = kubectl("apply", "--server-side", "--field-manager=helm", "-f", "-",
+                        stdin=yaml.safe_dump_all(chart))  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        assert asyncio.run(start()) == first
+    finally:
+        kubectl("delete", "secret", "pdserve-webhook-tls", "-n", RELEASE_NAMESPACE,
+                "--ignore-not-found")  # fmt: skip
 
 
 def test_pod_monitor_scrapes_every_managed_pool(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ class FakeKube:
 
     def _fail(self, verb: str, path: str, status: int = 500) -> None:
         """Raise as the API server would when `verb` is the one to fail (always for 403)."""
-        if verb == self.fail_on or status in (403, 409):
+        if verb == self.fail_on or status in (403, 404, 409):
             request = httpx.Request("GET", f"https://api.test{path}")
             raise KubeError(httpx.Response(status, json={"message": verb}, request=request))
 
@@ -132,6 +132,17 @@ class FakeKube:
             "generation", 0
         ) + 1
         return copy.deepcopy(self.put(stored))
+
+    async def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT: 409 when metadata.resourceVersion is not the stored one (someone wrote since)."""
+        meta = obj["metadata"]
+        self.writes.append(f"replace {obj['kind']}/{meta['name']}")
+        before = self.objects.get((obj["kind"], meta.get("namespace", ""), meta["name"]))
+        if before is None:
+            self._fail("replace", meta["name"], 404)
+        elif meta.get("resourceVersion") != before["metadata"].get("resourceVersion"):
+            self._fail("replace", meta["name"], 409)
+        return copy.deepcopy(self.put(obj))
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         if obj["kind"] == "Event":

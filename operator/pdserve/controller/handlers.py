@@ -21,6 +21,7 @@ from pdserve.controller.leader import LeaderElector
 from pdserve.controller.pod_security import pod_security_refusal
 from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
+from pdserve.controller.webhook_cert import serve_own_certificate
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import Credentials
 
@@ -110,6 +111,11 @@ def build_registry(
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
         hook = operator_settings.webhook
+        kube = Kube(credentials)
+        if hook is not None and hook.cert_secret is not None:
+            # The settings insist on the namespace with --webhook-cert-secret.
+            assert operator_settings.operator_namespace is not None
+            await serve_own_certificate(kube, operator_settings.operator_namespace, hook)
         if hook is not None:
             settings.admission.server = kopf.WebhookServer(
                 addr=hook.listen, port=hook.port, host=hook.host, certfile=hook.cert_file,
@@ -118,7 +124,6 @@ def build_registry(
             if hook.manage:
                 settings.admission.managed = WEBHOOK_CONFIGURATION
         election = operator_settings.leader_election
-        kube = Kube(credentials)
         reconciler = running.reconciler = Reconciler(
             kube, operator_settings, leading=election is None, watch=True
         )

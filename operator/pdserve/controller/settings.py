@@ -82,6 +82,14 @@ class WebhookSettings:
     """CA bundle the API server verifies the webhook with (default: the certificate itself)."""
     manage: bool = False
     """Create/patch the ValidatingWebhookConfiguration `validate.pdserve.io` at startup."""
+    cert_secret: str | None = None
+    """Keep the certificate in this Secret of the operator's namespace, made at start-up when
+    missing, and write it to cert_file/key_file (controller/webhook_cert.py); None: the files
+    exist (cert-manager, or a test's own)."""
+    service_names: tuple[str, ...] = ()
+    """DNS names the API server calls the webhook by (its Service's): the made certificate's."""
+    configuration: str | None = None
+    """The ValidatingWebhookConfiguration whose webhooks get the CA as caBundle."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +148,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hook.add_argument("--webhook-listen", default="0.0.0.0", help="listen address (0.0.0.0)")
     hook.add_argument("--webhook-host", help="host the API server reaches the webhook by")
     hook.add_argument("--webhook-ca", help="CA file for the webhook configuration's caBundle")
+    hook.add_argument(
+        "--webhook-cert-secret", metavar="NAME",
+        help="keep the webhook's certificate in this Secret of the operator's namespace, made "
+        "at start-up when missing, and write it to --webhook-cert-dir (the Helm chart's default)",
+    )  # fmt: skip
+    hook.add_argument(
+        "--webhook-cert-dir", default="/tmp/pdserve-webhook",
+        help="where --webhook-cert-secret's certificate is written (/tmp/pdserve-webhook)",
+    )  # fmt: skip
+    hook.add_argument(
+        "--webhook-service-name", dest="webhook_service_names", action="append", metavar="DNS",
+        help="a DNS name the API server calls the webhook by (repeatable): the certificate's",
+    )  # fmt: skip
+    hook.add_argument(
+        "--webhook-configuration", metavar="NAME",
+        help="ValidatingWebhookConfiguration whose webhooks get the certificate's CA as caBundle",
+    )  # fmt: skip
     hook.add_argument(
         "--webhook-manage", action="store_true",
         help="create/patch ValidatingWebhookConfiguration validate.pdserve.io at startup "
@@ -233,21 +258,37 @@ def from_arguments(
     if log_level not in ("DEBUG", "INFO", "WARNING"):
         raise ValueError(f"PDSERVE_LOG_LEVEL must be DEBUG, INFO or WARNING, got {log_level!r}")
     webhook = None
+    namespace = operator_namespace(env)
     if args.webhook_port is not None:
-        if not (args.webhook_cert and args.webhook_key):
+        cert, key = args.webhook_cert, args.webhook_key
+        if args.webhook_cert_secret:
+            if cert or key:
+                raise ValueError("--webhook-cert-secret writes the certificate itself: drop "
+                                 "--webhook-cert and --webhook-key")  # fmt: skip
+            if not args.webhook_service_names:
+                raise ValueError("--webhook-cert-secret needs --webhook-service-name: the DNS "
+                                 "name the API server calls the webhook by")  # fmt: skip
+            if namespace is None:
+                raise ValueError("--webhook-cert-secret needs the operator's namespace: set "
+                                 "PDSERVE_OPERATOR_NAMESPACE")  # fmt: skip
+            cert = f"{args.webhook_cert_dir}/tls.crt"
+            key = f"{args.webhook_cert_dir}/tls.key"
+        elif not (cert and key):
             raise ValueError(
-                "--webhook-port needs --webhook-cert and --webhook-key (TLS is required)"
+                "--webhook-port needs --webhook-cert and --webhook-key, or --webhook-cert-secret "
+                "(TLS is required)"
             )
         if args.webhook_manage and not args.webhook_host:
             raise ValueError(
                 "--webhook-manage needs --webhook-host: the address the API server uses"
             )
         webhook = WebhookSettings(
-            port=args.webhook_port, cert_file=args.webhook_cert, key_file=args.webhook_key,
+            port=args.webhook_port, cert_file=cert, key_file=key,
             listen=args.webhook_listen, host=args.webhook_host, ca_file=args.webhook_ca,
-            manage=args.webhook_manage,
+            manage=args.webhook_manage, cert_secret=args.webhook_cert_secret,
+            service_names=tuple(args.webhook_service_names or ()),
+            configuration=args.webhook_configuration,
         )  # fmt: skip
-    namespace = operator_namespace(env)
     return OperatorSettings(
         operator_namespace=namespace,
         leader_election=leader_election_settings(args, env, namespace),

@@ -54,6 +54,8 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("batch/v1", "Job", "jobs"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("coordination.k8s.io/v1", "Lease", "leases"),
+        Kind("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration",
+             "validatingwebhookconfigurations", namespaced=False),
         Kind(f"{GROUP}/{VERSION}", "DisaggregatedModel", PLURAL),
         Kind("apiextensions.k8s.io/v1", "CustomResourceDefinition", "customresourcedefinitions",
              namespaced=False),
