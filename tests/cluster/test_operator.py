@@ -3,6 +3,7 @@ drift repair, autoscaler-owned replicas, zero-write resyncs, invalid specs, dele
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,6 +22,9 @@ from devtools.resources import (
     get,
     wait_ready,
 )
+from pdserve.kube.client import Kube
+from pdserve.kube.credentials import load_credentials
+from pdserve.kube.events import post_event
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
@@ -329,3 +333,33 @@ def test_deleting_the_resource_garbage_collects_its_children(
                 f"/api/v1/namespaces/{namespace}/configmaps/qwen-gateway"]  # fmt: skip
     wait_until("children to be garbage-collected",
                lambda: all(get(http_api, p) is None for p in children), timeout=60)  # fmt: skip
+
+
+def test_an_event_told_again_counts_one_more_instead_of_a_new_object(
+    control_plane: ControlPlane, http_api: httpx.Client, namespace: str
+) -> None:
+    """As client-go's correlator does: a resync telling the same drift every minute leaves one
+    Event whose count grows, not one object per minute in etcd."""
+    made = http_api.post(f"/api/v1/namespaces/{namespace}/configmaps",
+                         json={"metadata": {"name": "told"}})  # fmt: skip
+    made.raise_for_status()
+    body = {"apiVersion": "v1", "kind": "ConfigMap", **made.json()}
+
+    async def tell(message: str) -> None:
+        kube = Kube(load_credentials(str(control_plane.kubeconfig())))
+        try:
+            await post_event(kube, body, "Warning", "ParityDrift", message, reporter="pdserve-test")
+        finally:
+            await kube.close()
+
+    asyncio.run(tell("repairing: decode --max-model-len 4096 -> 8192"))
+    asyncio.run(tell("repairing: decode --max-model-len 4096 -> 8192"))
+    asyncio.run(tell("repairing: prefill --block-size 32 -> 16"))
+    listed = http_api.get(f"/api/v1/namespaces/{namespace}/events",
+                          params={"fieldSelector": "involvedObject.name=told"})  # fmt: skip
+    events = listed.json()["items"]
+    counts = sorted((e["message"], e["count"]) for e in events)
+    assert counts == [
+        ("repairing: decode --max-model-len 4096 -> 8192", 2),
+        ("repairing: prefill --block-size 32 -> 16", 1),
+    ]

@@ -98,5 +98,5 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 # Role grants create.)
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch, list, watch]
+  verbs: [create, get, patch, list, watch]
 {{- end -}}

@@ -5,6 +5,7 @@ autoscaling); the extraArgs/env rules in flags. The parity knobs are found on it
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -175,6 +176,11 @@ class DisaggregatedModelSpec(ApiModel):
     """The gateway."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     """Placement of the GPU engine pools."""
+    progress_deadline_seconds: Annotated[int, Field(ge=60, le=86400)] = 1800
+    """How long a pod may take from creation to Ready (image pull, weights download, engine
+    start) before the model reports Progressing=False and Degraded with reason
+    ProgressDeadlineExceeded, naming the pod and what it waits on. Raise it for very large
+    weights fetched from the Hub on every start (or keep them in spec.model.source.hf.cache)."""
 
     @model_validator(mode="after")
     def _no_parity_overrides(self) -> DisaggregatedModelSpec:

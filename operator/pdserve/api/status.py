@@ -12,6 +12,7 @@ from pdserve.api.base import ApiModel
 
 class ConditionType(StrEnum):
     ready = "Ready"
+    available = "Available"
     progressing = "Progressing"
     config_parity = "ConfigParity"
     degraded = "Degraded"

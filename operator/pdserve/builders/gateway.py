@@ -195,8 +195,9 @@ def gateway(
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": labels_meta,
          "rules": [
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-             # Replica checks report a disagreeing pod in an Event on it.
-             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+             # Replica checks report a disagreeing pod in an Event on it; told again, the
+             # Event counts one more (get and patch) instead of a new object.
+             {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "get", "patch"]},
              {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
               "verbs": ["get", "list", "watch"]},
          ]},

@@ -18,6 +18,13 @@ from pdserve.api.status import (
 from pdserve.builders import Component, endpoint
 from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
 from pdserve.controller.health import HealthVerdict, kv_policy
+from pdserve.controller.progress import (
+    available,
+    duration,
+    load_progress,
+    parse_time,
+    past_deadline,
+)
 from pdserve.controller.replica_check import contract_condition
 from pdserve.controller.transport import verified_condition
 
@@ -211,7 +218,16 @@ def compute_status(
     stuck = stuck_pods(seen.pods)
     ready = not waiting
     mismatched = seen.replica_mismatches or []
-    degraded_reasons = stuck + seen.warnings + mismatched
+    moment = parse_time(now)
+    progress = load_progress(seen.pods, moment) if moment is not None and not ready else []
+    late = (past_deadline(seen.pods, moment, dm.spec.progress_deadline_seconds)
+            if moment is not None and not ready else [])  # fmt: skip
+    deadline = (
+        [f"not Ready {duration(dm.spec.progress_deadline_seconds)} after creation "
+         "(spec.progressDeadlineSeconds): " + "; ".join(late)] if late else []
+    )  # fmt: skip
+    degraded_reasons = stuck + deadline + seen.warnings + mismatched
+    serving, serving_reason, serving_message = available(dm, pools)
     conditions = [
         condition(
             ConditionType.ready, ready,
@@ -220,9 +236,14 @@ def compute_status(
             generation, before, now,
         ),
         condition(
-            ConditionType.progressing, not ready,
-            "RollingOut" if not ready else "RolloutComplete",
-            "; ".join([", ".join(waiting), *seen.rollout_notes]) if waiting
+            ConditionType.available, serving, serving_reason, serving_message,
+            generation, before, now,
+        ),
+        condition(
+            ConditionType.progressing, not ready and not late,
+            "ProgressDeadlineExceeded" if late else "RollingOut" if not ready
+            else "RolloutComplete",
+            "; ".join([", ".join(waiting), *seen.rollout_notes, *(late or progress)]) if waiting
             else f"all pools serve generation {generation}",
             generation, before, now,
         ),
@@ -235,7 +256,8 @@ def compute_status(
         ),
         condition(
             ConditionType.degraded, bool(degraded_reasons),
-            "PodsStuck" if stuck else "ConfigMissing" if seen.warnings
+            "PodsStuck" if stuck else "ProgressDeadlineExceeded" if deadline
+            else "ConfigMissing" if seen.warnings
             else "ReplicaMismatch" if mismatched else "AsExpected",
             "; ".join(degraded_reasons) if degraded_reasons else "no stuck pods",
             generation, before, now,
