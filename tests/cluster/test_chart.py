@@ -91,6 +91,9 @@ OPTIONS_ON = (
     "grafana.dashboard.enabled=true",
     "grafana.dashboard.labels.team=ml",
     "prometheusAdapter.rules.enabled=true",
+    "operator.podLabels.team=ml",
+    "serviceAccount.annotations.iam\\.example/role=pdserve",
+    "global.imageRegistry=registry.example",  # an umbrella chart's; read by none here
 )
 GATEWAY_FROM = (
     '[{"namespaceSelector":{"matchLabels":{"team":"apps"}}},{"ipBlock":{"cidr":"10.0.0.0/8"}}]'
@@ -233,6 +236,32 @@ def test_watching_namespaces_uses_roles_there_only(tmp_path: Path) -> None:
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args
     assert not [a for a in args if a.startswith("--webhook")]
+
+
+def test_the_knobs_platform_teams_set_reach_the_operator_pod(tmp_path: Path) -> None:
+    digest = "sha256:" + "0123456789abcdef" * 4
+    spread = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+              "whenUnsatisfiable": "ScheduleAnyway",
+              "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve"}}}  # fmt: skip
+    spreads = f"operator.topologySpreadConstraints={json.dumps([spread])}"
+    docs = render(tmp_path, "operator.priorityClassName=platform-critical",
+                  "operator.podLabels.team=ml", "serviceAccount.annotations.a=b",
+                  f"image.digest={digest}", "global.anything=1", json_sets=(spreads,))  # fmt: skip
+    [deployment] = by_kind(docs, "Deployment")
+    template = deployment["spec"]["template"]
+    assert template["spec"]["priorityClassName"] == "platform-critical"
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert template["spec"]["topologySpreadConstraints"] == [spread]
+    [container] = template["spec"]["containers"]
+    # Pinned by digest, and the gateways of models that name no image get the same reference.
+    assert container["image"] == f"ghcr.io/pdserve/pdserve@{digest}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PDSERVE_GATEWAY_IMAGE"] == container["image"]
+    [account] = by_kind(docs, "ServiceAccount")
+    assert account["metadata"]["annotations"] == {"a": "b"}
+    refused = helm("template", "pdserve", str(CHART), "--set", "image.digest=latest", tmp=tmp_path)
+    assert refused.returncode != 0
+    assert "/image/digest" in refused.stderr
 
 
 def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
