@@ -128,11 +128,7 @@ def build_registry(
             kube, operator_settings, leading=election is None, watch=True
         )
         reconciler.start_watching()
-        metrics = (
-            reconciler.autoscaler.metrics.registry
-            if reconciler.autoscaler is not None
-            else CollectorRegistry()
-        )
+        metrics = reconciler.registry
         if election is None:
             reconciler.start_loops()
         else:

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from pdserve.controller.autoscale.loop import Autoscaler
+from pdserve.controller.autoscale.metrics import AutoscaleMetrics
 from pdserve.controller.autoscale.targets import TargetResolver, pod_metrics_url
 from pdserve.controller.cache import ClusterCache
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.peer_key import PeerMaster
 from pdserve.controller.reconcile import DM_KIND, PassFailed, reconcile
+from pdserve.controller.reconcile_metrics import ReconcileMetrics
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 
@@ -62,11 +66,15 @@ class Reconciler:
             self.health = TransportMonitor(
                 lambda key: self.trigger(*key), interval=settings.engine_metrics_seconds
             )
+        # What --metrics-port serves: the passes' and the work queue's, the autoscaler's.
+        self.registry = CollectorRegistry()
+        self.metrics = ReconcileMetrics(self.registry)
+        self._asked: dict[Key, float] = {}  # when a pass was first asked for, per waiting key
         self.autoscaler: Autoscaler | None = None
         if settings.autoscale_seconds > 0:
             self.autoscaler = Autoscaler(
                 lambda key: self.trigger(*key), interval=settings.autoscale_seconds,
-                resolve=resolve,
+                resolve=resolve, metrics=AutoscaleMetrics(self.registry),
             )  # fmt: skip
 
     def trigger(self, namespace: str, name: str) -> None:
@@ -75,6 +83,8 @@ class Reconciler:
         if not self.leading:
             return  # remembered only: the leader reconciles it, this replica once it leads
         self._dirty.add(key)
+        self._asked.setdefault(key, time.monotonic())
+        self.metrics.depth.set(len(self._dirty))
         worker = self._workers.get(key)
         # A worker cancelled by `step_down` but not yet unwound would never pick the key up.
         if worker is None or worker.done() or worker.cancelling():
@@ -132,6 +142,8 @@ class Reconciler:
         for worker in self._workers.values():
             worker.cancel()
         self._dirty.clear()
+        self._asked.clear()
+        self.metrics.depth.set(0)
         self._failures.clear()
 
     async def _work(self, key: Key) -> None:
@@ -140,18 +152,29 @@ class Reconciler:
             await self.cache.wait_listed(CACHE_LIST_WAIT_SECONDS)
         while key in self._dirty and self.leading:
             self._dirty.discard(key)
+            self.metrics.depth.set(len(self._dirty))
+            started = time.monotonic()
+            self.metrics.wait.observe(started - self._asked.pop(key, started))
             try:
                 await self._reconcile_once(key)
+                self._count(key, "success", started)
                 self._failures.pop(key, None)
             except (KubeError, httpx.HTTPError) as error:
+                self._count(key, "error", started)
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
                 delay = min(self.settings.retry_max_seconds, 0.5 * 2**failures)
                 log.warning("%s/%s: reconcile failed (%s); retrying in %.1fs", *key, error, delay)
                 await asyncio.sleep(delay)  # backoff before the retry, not synchronization
                 self._dirty.add(key)
+                self._asked.setdefault(key, time.monotonic())
             except Exception:
+                self._count(key, "crash", started)
                 log.exception("%s/%s: reconcile crashed; the next event or resync retries", *key)
+
+    def _count(self, key: Key, result: str, started: float) -> None:
+        self.metrics.passes.labels(*key, result).inc()
+        self.metrics.duration.labels(result).observe(time.monotonic() - started)
 
     async def _reconcile_once(self, key: Key) -> None:
         known, body = self.cache.model(*key) if self.cache is not None else (False, None)

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from pdserve.controller import runner
 from pdserve.controller.reconcile import Outcome, PassFailed, annotate_pod
@@ -83,3 +84,33 @@ async def test_annotating_a_pod_deleted_under_the_pass_is_skipped_not_failed() -
 async def test_other_errors_annotating_a_pod_still_fail_the_pass() -> None:
     with pytest.raises(KubeError, match="403"):
         await annotate_pod(cast(Kube, FakeKube(patch_status_code=403)), "team", "p", {"a": "b"})
+
+
+async def test_passes_are_counted_by_model_and_result_with_their_durations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the operator's /metrics tells: passes by result, how long they took, the work
+    queue's depth and wait."""
+    results = [kube_error(500), None]  # the first pass fails, its retry succeeds
+
+    async def pass_(*_: Any, **__: Any) -> Outcome:
+        error = results.pop(0)
+        if error is not None:
+            raise PassFailed(Outcome(), error) from error
+        return Outcome()
+
+    monkeypatch.setattr(runner, "reconcile", pass_)
+    settings = OperatorSettings(engine_metrics_seconds=0, autoscale_seconds=0,
+                                retry_max_seconds=0.01)  # fmt: skip
+    reconciler = runner.Reconciler(cast(Kube, FakeKube()), settings)
+    reconciler.trigger("team", "qwen")
+    await reconciler.drain()
+    text = generate_latest(reconciler.registry).decode()
+    for line in (
+        'pdserve_operator_reconcile_total{model="qwen",namespace="team",result="error"} 1.0',
+        'pdserve_operator_reconcile_total{model="qwen",namespace="team",result="success"} 1.0',
+        'pdserve_operator_reconcile_duration_seconds_count{result="success"} 1.0',
+        "pdserve_operator_workqueue_depth 0.0",
+        "pdserve_operator_workqueue_queue_duration_seconds_count 2.0",
+    ):
+        assert line in text, text
