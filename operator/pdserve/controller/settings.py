@@ -293,7 +293,7 @@ def from_arguments(
         operator_namespace=namespace,
         leader_election=leader_election_settings(args, env, namespace),
         webhook=webhook,
-        network_policies=network_settings(args, env),
+        network_policies=network_settings(args, env, namespace),
         namespaces=tuple(sorted(set(namespaces))),
         resync_seconds=resync,
         engine_metrics_seconds=engine_metrics,
@@ -344,9 +344,11 @@ def leader_election_settings(
 
 
 def network_settings(
-    args: argparse.Namespace, env: Mapping[str, str]
+    args: argparse.Namespace, env: Mapping[str, str], operator_namespace: str | None = None
 ) -> NetworkPolicyOptions | None:
-    """--network-policies and its options; ValueError names the flag or variable."""
+    """--network-policies and its options; ValueError names the flag or variable. The
+    operator's own namespace may always scrape /metrics: the operator reads the engines' NIXL
+    metrics (TransportHealthy) and the Builtin autoscaler's signals there."""
     enabled = switch(args.network_policies, env, "PDSERVE_NETWORK_POLICIES")
     if not enabled:
         return None
@@ -367,6 +369,8 @@ def network_settings(
         raise ValueError(f"--network-policy-gateway-from is not JSON: {error}") from None
     if not isinstance(peers, list):
         raise ValueError(f"--network-policy-gateway-from must be a JSON list, got {peers!r}")
+    if operator_namespace is not None:
+        namespaces = [*namespaces, operator_namespace]
     return NetworkPolicyOptions(
         metrics_namespaces=tuple(sorted(set(namespaces))),
         gateway_from=tuple(check_peer(i, peer) for i, peer in enumerate(peers)),

@@ -231,3 +231,15 @@ async def test_switched_off_a_forbidden_network_policy_list_is_skipped_not_fatal
     assert await list_children(kube, "ns", "m", optional=optional) == {}
     with pytest.raises(KubeError, match="403"):  # switched on, the permission is required
         await list_children(kube, "ns", "m")
+
+
+def test_the_operators_own_namespace_may_always_scrape_the_pools() -> None:
+    """The operator scrapes decode engines' NIXL metrics (TransportHealthy) and the Builtin
+    autoscaler's signals: its policies never shut it out, named or not."""
+    env = {"PDSERVE_NETWORK_POLICIES": "true", "PDSERVE_OPERATOR_NAMESPACE": "pdserve-system"}
+    options = parse([], env)
+    assert options is not None
+    assert options.metrics_namespaces == ("pdserve-system",)
+    named = parse(["--network-policy-metrics-namespace", "monitoring"], env)
+    assert named is not None
+    assert named.metrics_namespaces == ("monitoring", "pdserve-system")
