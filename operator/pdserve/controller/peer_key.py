@@ -26,7 +26,7 @@ from pdserve.contract.names import (
     peer_key_secret_name,
 )
 from pdserve.controller.children import ChildKey
-from pdserve.kube.client import KINDS, Kube, KubeError
+from pdserve.kube.client import KINDS, Kube, written_or_theirs
 
 DEPLOYMENT = KINDS[("apps/v1", "Deployment")]
 
@@ -83,15 +83,13 @@ async def load_master(kube: Kube, namespace: str) -> bytes:
     loser's create answers 409 and it reads the winner's, so both derive the same keys."""
     found = await kube.get(SECRET, namespace, PEER_MASTER_SECRET_NAME)
     if found is None:
-        try:
+
+        async def make() -> None:
             await kube.create(master_secret(namespace, secrets.token_bytes(MASTER_BYTES)))
             log.info("made the gateways' peer master key in Secret %s/%s", namespace,
                      PEER_MASTER_SECRET_NAME)  # fmt: skip
-        except KubeError as error:
-            if error.status != 409:
-                raise
-        # Read back even after our own create: the stored key is the one every replica uses.
-        found = await kube.get(SECRET, namespace, PEER_MASTER_SECRET_NAME)
+
+        found = await written_or_theirs(kube, make, SECRET, namespace, PEER_MASTER_SECRET_NAME)
     master = stored_master(found) if found is not None else None
     if master is None:
         raise PeerMasterError(

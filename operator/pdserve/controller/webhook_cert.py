@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pdserve.controller.settings import WebhookSettings
-from pdserve.kube.client import KINDS, Kube, KubeError
+from pdserve.kube.client import KINDS, Kube, written_or_theirs
 
 log = logging.getLogger("pdserve.webhook")
 
@@ -128,7 +128,8 @@ async def ensure_certificate(
     if stored is not None and stored.covers(names):
         return stored
     made = secret_of(namespace, name, make_certificate(names, datetime.datetime.now(datetime.UTC)))
-    try:
+
+    async def write() -> None:
         if found is None:
             await kube.create(made)
         else:
@@ -136,11 +137,8 @@ async def ensure_certificate(
             await kube.replace(made)
         log.info("made the webhook's certificate for %s in Secret %s/%s", ", ".join(names),
                  namespace, name)  # fmt: skip
-    except KubeError as error:
-        if error.status != 409:  # another replica made it first: read theirs
-            raise
-    # Read back even after our own write: the stored one is the one every replica serves.
-    found = await kube.get(SECRET, namespace, name)
+
+    found = await written_or_theirs(kube, write, SECRET, namespace, name)
     stored = stored_certificate(found) if found is not None else None
     if stored is None:
         raise RuntimeError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,3 +247,17 @@ class Kube:
                                   json=dict(obj))  # fmt: skip
         assert result is not None
         return result
+
+
+async def written_or_theirs(
+    kube: Kube, write: Callable[[], Awaitable[Any]], kind: Kind, namespace: str, name: str
+) -> dict[str, Any] | None:
+    """Run `write` (a create, or a replace with the resourceVersion read): a 409 means another
+    replica wrote first, and theirs stands. Read back either way: the stored object is the one
+    every replica uses."""
+    try:
+        await write()
+    except KubeError as error:
+        if error.status != 409:
+            raise
+    return await kube.get(kind, namespace, name)
