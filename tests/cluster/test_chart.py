@@ -264,6 +264,19 @@ def test_the_knobs_platform_teams_set_reach_the_operator_pod(tmp_path: Path) -> 
     assert "/image/digest" in refused.stderr
 
 
+def test_an_upgrade_reusing_the_values_of_an_older_release_renders(tmp_path: Path) -> None:
+    """`helm upgrade --reuse-values` takes the old release's values without this chart's
+    defaults: a value added since is missing (null), and the chart must render without it."""
+    added_since = ("serviceAccount=null", "image.digest=null",
+                   "operator.priorityClassName=null", "operator.podLabels=null",
+                   "operator.topologySpreadConstraints=null")  # fmt: skip
+    docs = render(tmp_path, *added_since)
+    [deployment] = by_kind(docs, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "ghcr.io/pdserve/pdserve:0.1.0"
+    )
+
+
 def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
     docs = render(tmp_path, "webhook.certManager.enabled=true")
     kinds = sorted(d["kind"] for d in docs if d["apiVersion"].startswith("cert-manager"))
