@@ -1,6 +1,8 @@
 """The operator upgraded by `helm upgrade` (a new image tag) under steady load, on the real node:
 no request fails, every apply keeps being admitted (every replica serves the webhook), the new
-replicas take the leader Lease, and the model's children are neither rewritten nor replaced."""
+replicas take the leader Lease, and of the model's children only what needed it is rewritten:
+the gateway Deployment's image, which follows the operator's own (spec.image.gateway names none),
+while the engines are neither rewritten nor replaced."""
 
 from __future__ import annotations
 
@@ -43,10 +45,27 @@ def children(cluster: Cluster) -> dict[str, Any]:
     }
 
 
-def fixed_pods(cluster: Cluster) -> set[str]:
-    """The uids of the pods no autoscaler adds or removes here: engines and gateways."""
+def engine_pods(cluster: Cluster) -> set[str]:
+    """The uids of the engine pods (no autoscaler adds or removes them here)."""
     return {p["metadata"]["uid"] for p in pods(cluster, MODEL_NAMESPACE,
-            "app.kubernetes.io/component in (prefill,decode,gateway)")}  # fmt: skip
+            "app.kubernetes.io/component in (prefill,decode)")}  # fmt: skip
+
+
+GATEWAY = "Deployment/sim-qwen3-gateway"
+
+
+def gateway_image(children: dict[str, Any]) -> str:
+    spec, _ = children[GATEWAY]
+    return str(spec["template"]["spec"]["containers"][0]["image"])
+
+
+def without_gateway_image(children: dict[str, Any]) -> dict[str, Any]:
+    """The children as compared across the upgrade: the gateway's image and applied hash aside."""
+    spec, _ = children[GATEWAY]
+    template = {**spec["template"], "spec": {**spec["template"]["spec"], "containers": [
+        {k: v for k, v in c.items() if k != "image"} for c in spec["template"]["spec"]["containers"]
+    ]}}  # fmt: skip
+    return {**children, GATEWAY: ({**spec, "template": template}, None)}
 
 
 def image_of(pod: dict[str, Any]) -> str:
@@ -85,7 +104,7 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
     wait_until("the model's children settled", lambda: all(
         ready(p) for p in pods(cluster, MODEL_NAMESPACE)), timeout=120, interval=1)  # fmt: skip
     before_children = children(cluster)
-    model_pods = fixed_pods(cluster)
+    model_pods = engine_pods(cluster)
     old_operators = {p["metadata"]["name"] for p in pods(cluster, RELEASE_NAMESPACE, OPERATOR)}
     # The same operator under a new tag: what the next release is to the node.
     repository, tag = cluster.images.pdserve.rsplit(":", 1)
@@ -114,6 +133,13 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
 
         wait_until("the new operator replicas, one leading", upgraded, timeout=120, interval=1)
         upgrade_seconds = time.monotonic() - started
+
+        def gateways_rolled() -> bool:
+            now = pods(cluster, MODEL_NAMESPACE, "app.kubernetes.io/component=gateway")
+            return bool(now) and all(ready(p) and image_of(p).endswith("-next") for p in now)
+
+        wait_until("the gateways on the new operator's image", gateways_rolled, timeout=180,
+                   interval=1)  # fmt: skip
         # A pass of the new leader over the model (any change would be written by now).
         cluster.kubectl("annotate", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--overwrite",
                         f"pdserve.test/touched={time.time()}")  # fmt: skip
@@ -128,8 +154,13 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
           f"{len(load.failures)} failed, {applies.sent} applies, {refused} refused")  # fmt: skip
     assert load.failures == [], load.failures[:5]
     assert applies.failures == [], applies.failures[:3]
-    assert children(cluster) == before_children, operator_logs(cluster)
-    assert fixed_pods(cluster) == model_pods
+    after_children = children(cluster)
+    assert gateway_image(before_children) == cluster.images.pdserve
+    assert gateway_image(after_children) == f"{repository}:{tag}-next"
+    assert without_gateway_image(after_children) == without_gateway_image(before_children), (
+        operator_logs(cluster)
+    )
+    assert engine_pods(cluster) == model_pods
 
 
 def generations(cluster: Cluster) -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.support.serving import serving
+from tests.support.serving import listening_socket, serving
 
 MODEL = "qwen"
 TOOLS = [
@@ -90,10 +91,12 @@ class Stack:
         self.engines: dict[str, EngineServer] = {}
         self.renders: list[RenderServer] = []
 
-    async def start(self, server: Any, port: int | None = None) -> str:
+    async def start(
+        self, server: Any, port: int | None = None, sock: socket.socket | None = None
+    ) -> str:
         runner = GatewayRunner if isinstance(server, Gateway) else web.AppRunner
         return await self.exits.enter_async_context(
-            serving(server.app(), port=port, runner_class=runner)
+            serving(server.app(), port=port, runner_class=runner, sock=sock)
         )
 
     async def engine(self, name: str, config: EngineConfig) -> str:
@@ -114,9 +117,11 @@ class Stack:
         gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
         self.gateway_server = gateway
         if data_plane:
-            port = free_port()
-            gateway.use_data_plane(build_binary(), "127.0.0.1:0", f"http://127.0.0.1:{port}")
-            await self.start(gateway, port)
+            # Listening before the data plane is told where the Python gateway is.
+            sock = listening_socket()
+            python_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            gateway.use_data_plane(build_binary(), "127.0.0.1:0", python_url)
+            await self.start(gateway, sock=sock)
             assert gateway.data_plane is not None
             assert gateway.data_plane.address is not None
             url = f"http://{gateway.data_plane.address}"
