@@ -106,11 +106,15 @@ def operator_with_webhook(
             with running_operator(
                 control_plane, workdir, resync_seconds=resync, extra_args=args
             ) as running:
-                wait_until(
-                    "the webhook configuration",
-                    lambda: get(http, f"{WEBHOOKS}/validate.pdserve.io") is not None,
-                    timeout=30,
-                )
+
+                def configured() -> bool:
+                    # kopf creates the configuration, then fills in its webhooks: an apply in
+                    # between is called on no webhook and admitted unjudged.
+                    found = get(http, f"{WEBHOOKS}/validate.pdserve.io")
+                    return any(hook.get("rules") for hook in (found or {}).get("webhooks") or [])
+
+                wait_until("the webhook configuration, its rules filled in", configured,
+                           timeout=30)  # fmt: skip
                 yield running
         finally:
             # After the operator stopped (kopf keeps re-asserting the configuration while it
