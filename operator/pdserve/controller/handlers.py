@@ -23,7 +23,7 @@ from pdserve.controller.runner import Reconciler
 from pdserve.controller.settings import OperatorSettings
 from pdserve.controller.webhook_cert import serve_own_certificate
 from pdserve.kube.client import Kube
-from pdserve.kube.credentials import Credentials
+from pdserve.kube.credentials import Credentials, LoginTokens
 
 log = logging.getLogger("pdserve.operator")
 WEBHOOK_CONFIGURATION = "validate.pdserve.io"
@@ -95,15 +95,21 @@ def build_registry(
     registry = kopf.OperatorRegistry()
     running = Running()
 
+    logins = LoginTokens(credentials)
+
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
+        # kopf calls it again once the token it got was refused or reached its expiration:
+        # an exec plugin's token is then a new one.
+        token, expiration = logins.next()
         return kopf.ConnectionInfo(
             server=credentials.server,
             ca_path=credentials.ca_path,
             insecure=credentials.insecure,
-            token=credentials.current_token(),
+            token=token,
             certificate_path=credentials.cert_file,
             private_key_path=credentials.key_file,
+            expiration=expiration,
         )
 
     @kopf.on.startup(registry=registry)

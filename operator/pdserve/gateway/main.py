@@ -19,6 +19,7 @@ from pdserve.gateway.settings import GatewaySettings
 from pdserve.gobuild import GoUnavailable
 from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
+from pdserve.kube.exec_credentials import ExecCredentialError
 from pdserve.logsetup import configure_logging
 from pdserve.ports import free_port
 
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if config.endpoints is None:
         try:
             credentials = load_credentials(args.kubeconfig)
-        except (ConfigException, OSError) as error:
+        except (ConfigException, ExecCredentialError, OSError) as error:
             print(
                 f"error: {args.config} has no `endpoints`, so the gateway discovers pods and "
                 f"needs cluster credentials (in a pod: its service account; else --kubeconfig "
