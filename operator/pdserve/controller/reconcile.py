@@ -86,6 +86,7 @@ CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 EVENT = KINDS[("v1", "Event")]
 JOB = KINDS[("batch/v1", "Job")]
+PARITY_DRIFT = "ParityDrift"  # the Event's reason; the operator's metrics count them
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,7 @@ async def _converge(
     desired = [owned(body, obj) for obj in sorted(built, key=object_key)]
     drift = parity_drift(desired, live)
     if drift:
-        outcome.event("Warning", "ParityDrift", "repairing: " + "; ".join(drift))
+        outcome.event("Warning", PARITY_DRIFT, "repairing: " + "; ".join(drift))
 
     results: dict[ChildKey, Mapping[str, Any]] = dict(live)  # live state after this pass
     if gateway_key is None and had_peer_key(dm, live):

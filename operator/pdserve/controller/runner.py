@@ -24,7 +24,7 @@ from pdserve.controller.cache import ClusterCache
 from pdserve.controller.events import post_event
 from pdserve.controller.health import TransportMonitor
 from pdserve.controller.peer_key import PeerMaster
-from pdserve.controller.reconcile import DM_KIND, PassFailed, reconcile
+from pdserve.controller.reconcile import DM_KIND, PARITY_DRIFT, PassFailed, reconcile
 from pdserve.controller.reconcile_metrics import ReconcileMetrics
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
@@ -104,6 +104,7 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
+        self.metrics.forget((namespace, name))
         if self.health is not None:
             self.health.forget((namespace, name))
         if self.autoscaler is not None:
@@ -144,6 +145,9 @@ class Reconciler:
         self._dirty.clear()
         self._asked.clear()
         self.metrics.depth.set(0)
+        self.metrics.forget_models()  # the new leader tells them; stale here, they would alert
+        if self.autoscaler is not None:
+            self.autoscaler.metrics.forget_models()
         self._failures.clear()
 
     async def _work(self, key: Key) -> None:
@@ -193,6 +197,9 @@ class Reconciler:
             )  # fmt: skip
         except PassFailed as failed:
             outcome, error = failed.outcome, failed.error
+        if self.leading and key in self.known:  # not a model forgotten, or a Lease lost, meanwhile
+            drifts = sum(event.reason == PARITY_DRIFT for event in outcome.events)
+            self.metrics.observe(key, outcome.status, drifts)
         # What a pass found before it failed (drift it repaired, scaling it did) is told too:
         # the retry finds nothing left to repair and would never tell it.
         for event in outcome.events:

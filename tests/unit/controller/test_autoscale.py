@@ -291,3 +291,35 @@ async def test_loop_scales_whole_slices_from_engine_metrics() -> None:
     assert plan.slices == 2
     assert decision.reason.startswith("slices 1 -> 2: prefill: 6000 prompt tokens/s")
     await client.aclose()
+
+
+async def test_loop_serves_the_bound_it_holds_a_pool_at_until_the_model_goes() -> None:
+    """What PdserveAutoscalerAtMax reads: replicas held, the pool's maximum, the raw
+    recommendation; gone with the model (a deleted model would alert for ever)."""
+    dm = model(render={"autoscaling": {"engine": "Builtin", "minReplicas": 1, "maxReplicas": 3}})
+    fake, clock = FakePods(), Clock()
+    fake.render_busy = {"render-a": 0.0, "render-b": 0.0}
+    client = httpx.AsyncClient(transport=httpx.MockTransport(fake.handler))
+    scaler = Autoscaler(lambda _: None, client=client, resolve=resolve, clock=clock)
+    pods = [pod("qwen-render-a", "render", "render-a"), pod("qwen-render-b", "render", "render-b"),
+            pod("qwen-gateway-x", "gateway", "gateway")]  # fmt: skip
+    key = ("llm", "qwen")
+    scaler.plan(key, dm, ReplicaPlan(render=2), pods)
+    await scaler.scrape_once()
+    clock.now = 10
+    fake.render_busy = {"render-a": 20.0, "render-b": 20.0}  # 2 s/s each: 6 pods' worth
+    await scaler.scrape_once()
+    labels = {"namespace": "llm", "model": "qwen", "pool": "render"}
+
+    def value(name: str) -> float | None:
+        return scaler.metrics.registry.get_sample_value(
+            f"pdserve_operator_autoscale_{name}", labels
+        )
+
+    assert (value("replicas"), value("max_replicas")) == (3, 3)
+    recommended = value("recommendation")
+    assert recommended is not None
+    assert recommended > 3
+    scaler.forget(key)
+    assert (value("replicas"), value("max_replicas"), value("recommendation")) == (None,) * 3
+    await client.aclose()

@@ -4,14 +4,15 @@ told even when a later step of the pass fails, and a pod deleted under a pass do
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from pdserve.api import Condition, DisaggregatedModelStatus
 from pdserve.controller import runner
-from pdserve.controller.reconcile import Outcome, PassFailed, annotate_pod
+from pdserve.controller.reconcile import PARITY_DRIFT, Outcome, PassFailed, annotate_pod
 from pdserve.controller.settings import OperatorSettings
 from pdserve.kube.client import Kube, KubeError
 
@@ -114,3 +115,67 @@ async def test_passes_are_counted_by_model_and_result_with_their_durations(
         "pdserve_operator_workqueue_queue_duration_seconds_count 2.0",
     ):
         assert line in text, text
+
+
+def condition(type_: str, status: Literal["True", "False"], reason: str) -> Condition:
+    return Condition(type=type_, status=status, reason=reason, last_transition_time="t")
+
+
+async def test_each_model_s_conditions_and_repaired_drift_are_served_until_it_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the chart's alerts read: one series per condition of the model's last status (the
+    previous reason's goes), the drift repairs counted from 0, all gone with the model, and
+    nothing left on a replica that stops leading."""
+    passes: list[tuple[list[Condition], int]] = [
+        ([condition("Ready", "False", "PoolsNotReady"),
+          condition("TransportVerified", "False", "TCPFallback")], 1),
+        ([condition("Ready", "True", "AllPoolsReady"),
+          condition("TransportVerified", "True", "Verified")], 0),
+    ]  # fmt: skip
+
+    async def pass_(*_: Any, **__: Any) -> Outcome:
+        conditions, drifts = passes.pop(0)
+        outcome = Outcome(status=DisaggregatedModelStatus(conditions=conditions))
+        for _drift in range(drifts):
+            outcome.event("Warning", PARITY_DRIFT, "repairing: prefill --block-size")
+        return outcome
+
+    monkeypatch.setattr(runner, "reconcile", pass_)
+    settings = OperatorSettings(engine_metrics_seconds=0, autoscale_seconds=0)
+    reconciler = runner.Reconciler(cast(Kube, FakeKube()), settings)
+    registry = reconciler.registry
+    labels = {"namespace": "team", "model": "qwen"}
+
+    def shown() -> set[tuple[str, str, str]]:
+        return {
+            (s.labels["condition"], s.labels["status"], s.labels["reason"])
+            for family in registry.collect() if family.name == "pdserve_operator_model_condition"
+            for s in family.samples if s.value == 1 and s.labels["model"] == "qwen"
+        }  # fmt: skip
+
+    reconciler.trigger("team", "qwen")
+    await reconciler.drain()
+    assert shown() == {("Ready", "False", "PoolsNotReady"),
+                       ("TransportVerified", "False", "TCPFallback")}  # fmt: skip
+    assert registry.get_sample_value("pdserve_operator_parity_drift_total", labels) == 1
+    reconciler.trigger("team", "qwen")
+    await reconciler.drain()
+    assert shown() == {
+        ("Ready", "True", "AllPoolsReady"),
+        ("TransportVerified", "True", "Verified"),
+    }
+    assert registry.get_sample_value("pdserve_operator_parity_drift_total", labels) == 1
+
+    reconciler.forget("team", "qwen")
+    assert shown() == set()
+    assert registry.get_sample_value("pdserve_operator_parity_drift_total", labels) is None
+
+    passes.append(([condition("Ready", "True", "AllPoolsReady")], 0))
+    reconciler.trigger("team", "qwen")
+    await reconciler.drain()
+    # A new model's counter starts at 0, so the first drift is an increase Prometheus sees.
+    assert registry.get_sample_value("pdserve_operator_parity_drift_total", labels) == 0
+    reconciler.step_down()
+    assert shown() == set()
+    assert registry.get_sample_value("pdserve_operator_parity_drift_total", labels) is None

@@ -115,6 +115,7 @@ class Autoscaler(PeriodicScraper):
 
     def forget(self, key: Key) -> None:
         self.models.pop(key, None)
+        self.metrics.forget(*key)
 
     # ---- the loop -------------------------------------------------------------------------------
     async def _fetch(self, url: str, select: Selector) -> Totals | None:
@@ -267,11 +268,11 @@ class Autoscaler(PeriodicScraper):
                 self.metrics.signal.labels(**labels, signal=name).set(value)
             pending = model.decided.get(pool)
             base = pending.replicas if pending is not None else live
+            behaviour = behaviour_of(dm, pool)
             decision, model.states[pool] = decide(
-                base, rec.replicas, self.clock(), model.states.get(pool, ScalerState()),
-                behaviour_of(dm, pool),
-            )  # fmt: skip
-            self.metrics.replicas.labels(**labels).set(decision.replicas)
+                base, rec.replicas, self.clock(), model.states.get(pool, ScalerState()), behaviour
+            )
+            self.metrics.show(*key, pool, decision.replicas, behaviour.max_replicas)
             if decision.replicas == base:
                 continue
             self.metrics.decisions.labels(**labels, direction=decision.direction).inc()

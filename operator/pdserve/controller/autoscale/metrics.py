@@ -18,6 +18,13 @@ class AutoscaleMetrics:
             labels,
             registry=self.registry,
         )
+        self.max_replicas = Gauge(
+            "pdserve_operator_autoscale_max_replicas",
+            "The most replicas (or active slices) the Builtin autoscaler may hold per pool "
+            "(maxReplicas)",
+            labels,
+            registry=self.registry,
+        )
         self.recommended = Gauge(
             "pdserve_operator_autoscale_recommendation",
             "The raw recommendation before windows, steps, cooldowns and bounds",
@@ -36,3 +43,23 @@ class AutoscaleMetrics:
             [*labels, "direction"],
             registry=self.registry,
         )
+        self._pools: dict[tuple[str, str], set[str]] = {}  # (namespace, model) -> pools shown
+
+    def show(self, namespace: str, model: str, pool: str, replicas: int, most: int) -> None:
+        """The replicas a pool is held at and the most it may have."""
+        self.replicas.labels(namespace, model, pool).set(replicas)
+        self.max_replicas.labels(namespace, model, pool).set(most)
+        self._pools.setdefault((namespace, model), set()).add(pool)
+
+    def forget(self, namespace: str, model: str) -> None:
+        """No longer autoscaled (deleted, or no Builtin pool left): its held replicas, bounds and
+        recommendations go, or an alert on them would never resolve."""
+        for pool in self._pools.pop((namespace, model), ()):
+            for gauge in (self.replicas, self.max_replicas, self.recommended):
+                gauge.remove(namespace, model, pool)
+
+    def forget_models(self) -> None:
+        """This replica stopped leading: what it held would go stale."""
+        for gauge in (self.replicas, self.max_replicas, self.recommended, self.signal):
+            gauge.clear()
+        self._pools.clear()
