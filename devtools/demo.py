@@ -182,9 +182,13 @@ def main() -> int:
         return 1
     try:
         kubeconfig = bring_up_with_node(args.state_dir)
-        print("$ helm upgrade --install pdserve charts/pdserve -n pdserve-system --wait")
+        # --take-ownership: a plane still running from a chart before 0.2 has the CRD outside the
+        # release (docs/operations.md#crds-and-upgrades); on a new plane it changes nothing.
+        print("$ helm upgrade --install pdserve charts/pdserve -n pdserve-system --wait "
+              "--take-ownership")  # fmt: skip
         tool(kubeconfig, "helm", "upgrade", "--install", "pdserve", str(CHART), "-n",
-             "pdserve-system", "--create-namespace", "--wait", "--timeout", "3m")  # fmt: skip
+             "pdserve-system", "--create-namespace", "--wait", "--timeout", "3m",
+             "--take-ownership")  # fmt: skip
         namespaces = tool(kubeconfig, "kubectl", "get", "namespaces", "-o", "name").split()
         if f"namespace/{NAMESPACE}" not in namespaces:
             tool(kubeconfig, "kubectl", "create", "namespace", NAMESPACE)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local test control plane from the Go module proxy into a cache keyed by version:
 #   $PDSERVE_CACHE/k8s-<version>-kwok-<version>/{etcd,kube-apiserver,kube-controller-manager,
-#   kube-scheduler,kubelet,kube-proxy,coredns,kwok}
+#   kube-scheduler,kubelet,kube-proxy,coredns,kwok,registry,promtool}
 # A rerun with every binary present costs nothing. Prints the directory on stdout, progress on stderr.
 set -euo pipefail
 
@@ -63,14 +63,28 @@ else
   echo "cluster build: coredns $coredns_version cached" >&2
 fi
 
-if [[ ! -x "$out/kwok" ]]; then
-  echo "cluster build: compiling kwok $kwok_version ..." >&2
-  start=$SECONDS
-  GOBIN="$out/.kwok-bin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$kwok_version"
-  mv "$out/.kwok-bin/kwok" "$out/kwok"
-  rmdir "$out/.kwok-bin"
-  echo "cluster build: kwok done in $((SECONDS - start))s" >&2
-else
-  echo "cluster build: kwok $kwok_version cached" >&2
-fi
+go_install() {  # name module/package version: `go install` of a released tool, cached by version
+  local name=$1 pkg=$2 version=$3
+  if [[ -x "$out/$name" && "$(cat "$out/$name.version" 2>/dev/null)" == "$version" ]]; then
+    echo "cluster build: $name $version cached" >&2
+    return
+  fi
+  echo "cluster build: compiling $name $version ..." >&2
+  local start=$SECONDS
+  GOBIN="$out/.$name-bin" go install -trimpath -ldflags "-s -w" "$pkg@$version"
+  mv "$out/.$name-bin/$name" "$out/$name"
+  rmdir "$out/.$name-bin"
+  echo "$version" > "$out/$name.version"
+  echo "cluster build: $name done in $((SECONDS - start))s" >&2
+}
+
+go_install kwok sigs.k8s.io/kwok/cmd/kwok "$kwok_version"
+# A real OCI registry (the CNCF distribution registry): the e2e tests push the images there as a
+# user pushes them to their own, and the node pulls them (docs/operations.md, "Images").
+go_install registry github.com/distribution/distribution/v3/cmd/registry \
+  "${PDSERVE_REGISTRY_VERSION:-v3.0.0}"
+# promtool (Prometheus v3; its Go module tags are v0.3xx): the chart's PrometheusRule is checked
+# and its alerts evaluated against recorded series (tests/cluster/test_prometheus_rules.py).
+go_install promtool github.com/prometheus/prometheus/cmd/promtool \
+  "${PDSERVE_PROMTOOL_VERSION:-v0.316.0}"
 echo "$out"

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--write",
         metavar="REPO_ROOT",
         type=Path,
-        help="write crds/ and charts/pdserve/crds/ under REPO_ROOT instead of printing",
+        help="write crds/ and the chart's templates/crds.yaml under REPO_ROOT instead of printing",
     )
     manifests = sub.add_parser(
         "manifests", help="print every child object of DisaggregatedModel files as YAML"

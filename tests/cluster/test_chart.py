@@ -1,22 +1,28 @@
 """The Helm chart: lint, render for every documented option, bad values refused by the schema,
-and the default rendering installed for real into the local control plane (operator available on
-a kwok node, its RBAC enough for its job and no more)."""
+the default rendering installed for real into the local control plane (operator available on
+a kwok node, its RBAC enough for its job and no more), and the CRD's life with Helm: installed and
+upgraded with the release, kept by `helm uninstall`, and a release of the chart that carried it in
+crds/ upgraded by the documented step."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from devtools.clitools import Kubectl, ensure_cli_tools
 from devtools.localplane import ControlPlane, wait_until
 from devtools.resources import KEDA_CRD
+from pdserve.api.crd import CRD_FILE, build_crd, render_chart_crd
 from pdserve.builders.scaling import (
     GATEWAY_BUSY_METRIC,
     GATEWAY_DURATION_SERIES,
@@ -25,6 +31,7 @@ from pdserve.builders.scaling import (
     SERVER_DURATION_SERIES,
 )
 from pdserve.contract.names import LEADER_LEASE_NAME, PEER_MASTER_SECRET_NAME
+from pdserve.contract.resource import PLURAL, VERSION
 from pdserve.controller.children import MANAGED_KINDS
 from pdserve.controller.settings import WebhookSettings
 from pdserve.controller.webhook_cert import SECRET, WEBHOOK_CONFIGURATION, serve_own_certificate
@@ -33,7 +40,8 @@ from pdserve.kube.credentials import load_credentials
 
 pytestmark = pytest.mark.cluster
 
-CHART = Path(__file__).resolve().parents[2] / "charts" / "pdserve"
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pdserve"
 RELEASE_NAMESPACE = "pdserve-system"
 
 
@@ -54,8 +62,10 @@ def helm(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def render(tmp: Path, *sets: str, json_sets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    args = ["template", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE]
+def render(
+    tmp: Path, *sets: str, json_sets: tuple[str, ...] = (), chart: Path = CHART
+) -> list[dict[str, Any]]:
+    args = ["template", "pdserve", str(chart), "-n", RELEASE_NAMESPACE]
     for value in sets:
         args += ["--set", value]
     for value in json_sets:
@@ -269,8 +279,10 @@ def test_an_upgrade_reusing_the_values_of_an_older_release_renders(tmp_path: Pat
     defaults: a value added since is missing (null), and the chart must render without it."""
     added_since = ("serviceAccount=null", "image.digest=null",
                    "operator.priorityClassName=null", "operator.podLabels=null",
-                   "operator.topologySpreadConstraints=null")  # fmt: skip
+                   "operator.topologySpreadConstraints=null", "crds=null")  # fmt: skip
     docs = render(tmp_path, *added_since)
+    # No crds value (charts before 0.2): the CRD is installed and upgraded, as by default.
+    assert by_kind(docs, "CustomResourceDefinition")
     [deployment] = by_kind(docs, "Deployment")
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == (
         "ghcr.io/pdserve/pdserve:0.1.0"
@@ -309,6 +321,7 @@ def test_cert_manager_option_issues_a_certificate(tmp_path: Path) -> None:
         ("operator.leaderElection.leaseSeconds=2", "leaseSeconds"),
         ("prometheusAdapter.rules.enabled=maybe", "enabled"),
         ("prometheusAdapter.rules.namespace=Monitoring", "namespace"),
+        ("crds.install=maybe", "install"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(tmp_path: Path, value: str, field: str) -> None:
@@ -327,7 +340,6 @@ def can_i(
 def test_chart_installs_into_the_real_control_plane(
     tmp_path: Path, kubectl: Kubectl, control_plane: ControlPlane
 ) -> None:
-    kubectl("apply", "--server-side", "-f", str(CHART / "crds"), check=True)
     # KEDA's ScaledObject kind (a minimal CRD): `auth can-i` answers only for known resources.
     kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(KEDA_CRD), check=True)
     kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=30s",
@@ -337,10 +349,12 @@ def test_chart_installs_into_the_real_control_plane(
     )
     kubectl("apply", "--server-side", "-f", "-", stdin=namespace, check=True)
     # Installed with every option on: the dashboard ConfigMap and the NetworkPolicy go through
-    # the real API server's validation too.
+    # the real API server's validation too, and the CRD (the chart's template) with them.
     options = render(tmp_path, "webhook.failurePolicy=Ignore", *OPTIONS_ON,
                      json_sets=(f"networkPolicy.gatewayFrom={GATEWAY_FROM}",))  # fmt: skip
-    assert {"NetworkPolicy", "ConfigMap"} <= {d["kind"] for d in options}
+    assert {"NetworkPolicy", "ConfigMap", "CustomResourceDefinition"} <= {
+        d["kind"] for d in options
+    }
     applied = kubectl(
         "apply",
         "--server-side",
@@ -599,3 +613,270 @@ def test_operator_runs_the_builtin_autoscaler_at_the_chosen_period(tmp_path: Pat
     assert "--autoscale-seconds=0" in container["args"]
     assert not [a for a in container["args"] if a.startswith("--metrics-port")]
     assert [p["name"] for p in container["ports"]] == ["health", "webhook"]
+
+
+# The CRD's life with Helm. The chart's CRD template, generated from the API models like the
+# committed one, renders the CRD itself; crds.install=false renders none.
+
+
+def spec_properties(crd: dict[str, Any]) -> dict[str, Any]:
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    properties: dict[str, Any] = schema["properties"]["spec"]["properties"]
+    return properties
+
+
+def test_the_chart_installs_the_crd_keeps_it_on_uninstall_or_leaves_it_out(
+    tmp_path: Path,
+) -> None:
+    [crd] = by_kind(render(tmp_path), "CustomResourceDefinition")
+    expected = build_crd()
+    assert {**crd, "metadata": expected["metadata"]} == expected
+    assert crd["metadata"]["name"] == expected["metadata"]["name"]
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    # Argo CD's client-side apply keeps the object as JSON in an annotation, and the API server
+    # takes at most 256 KiB of annotations per object (server-side apply keeps none).
+    size = len(json.dumps(crd, separators=(",", ":")))
+    assert size < 256 * 1024, size
+    assert not by_kind(render(tmp_path, "crds.install=false"), "CustomResourceDefinition")
+    # A `{{` in the CRD's text (a chat template in a description) renders as written.
+    braces = copy.deepcopy(expected)
+    braces["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] = "{{ a }} {{- b"
+    [rendered] = by_kind(render(tmp_path, chart=chart_with_crd(tmp_path, braces)),
+                         "CustomResourceDefinition")  # fmt: skip
+    assert rendered["spec"] == braces["spec"]
+
+
+# Releases here install the CRD under a group of their own: the session's other tests use the
+# real one (the dm_crd fixture), which a release here must neither take over nor delete (that
+# would delete every model in the session). Everything else is the chart as it is.
+ADDED_FIELD = "progressDeadlineSeconds"  # what an older CRD lacks
+EXAMPLE = REPO / "examples" / "sim-qwen3.yaml"
+# The last revision whose chart carried the CRD in crds/ (0.1's layout).
+PREVIOUS_LAYOUT = "ccce2e7ae8d0e696a4572987884431b995d900d9"
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def crd_in_group(crd: dict[str, Any], group: str, *, without: str | None = None) -> dict[str, Any]:
+    crd = copy.deepcopy(crd)
+    crd["metadata"]["name"] = f"{PLURAL}.{group}"
+    crd["spec"]["group"] = group
+    if without is not None:
+        del spec_properties(crd)[without]
+    return crd
+
+
+def chart_with_crd(tmp: Path, crd: dict[str, Any]) -> Path:
+    """This chart, its CRD template generated from `crd` by the generator of its own."""
+    chart = tmp / f"chart-{crd['spec']['group']}" / "pdserve"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "crds.yaml").write_text(render_chart_crd(crd))
+    return chart
+
+
+def previous_chart(tmp: Path, group: str) -> Path:
+    """The chart as it was while it carried its CRD in crds/ (Helm creates it at install, outside
+    the release, and never touches it again) and none in templates/: PREVIOUS_LAYOUT's, or, in a
+    clone without that revision (shallow), this chart laid out so. Its CRD lacks ADDED_FIELD."""
+    target = tmp / "previous"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", PREVIOUS_LAYOUT, "charts/pdserve"],
+        capture_output=True, check=False,
+    ) if shutil.which("git") else None  # fmt: skip
+    if archive is not None and archive.returncode == 0:
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+        chart = target / "charts" / "pdserve"
+        crd = yaml.safe_load((chart / "crds" / CRD_FILE).read_text())
+    else:
+        chart = target / "pdserve"
+        shutil.copytree(CHART, chart)
+        (chart / "templates" / "crds.yaml").unlink()
+        (chart / "crds").mkdir()
+        crd = build_crd()
+    older = crd_in_group(crd, group, without=ADDED_FIELD)
+    (chart / "crds" / CRD_FILE).write_text(yaml.safe_dump(older))
+    return chart
+
+
+def apply_model(http: httpx.Client, group: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    """The simulator example as `sim` in `group`, created or replaced as controllers and many
+    tools send it (no fieldValidation): a field the CRD lacks is dropped with a Warning header,
+    not refused. (Server-side apply and kubectl's strict validation refuse it.)"""
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["apiVersion"] = f"{group}/{VERSION}"
+    body["metadata"] = {"name": "sim", "namespace": namespace}
+    body["spec"].update(spec)
+    models = f"/apis/{group}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    existing = http.get(f"{models}/sim")
+    if existing.status_code == 404:
+        response = http.post(models, json=body)
+    else:
+        body["metadata"]["resourceVersion"] = existing.json()["metadata"]["resourceVersion"]
+        response = http.put(f"{models}/sim", json=body)
+    assert response.is_success, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def served_crd(http: httpx.Client, name: str) -> dict[str, Any] | None:
+    response = http.get(f"{CRDS}/{name}")
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def established(http: httpx.Client, name: str) -> bool:
+    conditions = ((served_crd(http, name) or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
+class Release:
+    """`helm` against the plane for one release in `namespace`, named after it (its cluster-wide
+    objects, ClusterRole and the like, then clash with no other test's); the webhook off (no
+    operator runs here)."""
+
+    def __init__(self, plane: ControlPlane, tmp: Path, namespace: str) -> None:
+        self.plane, self.tmp, self.name, self.namespace = plane, tmp, namespace, namespace
+
+    def helm(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return helm(*args, "-n", self.namespace, "--kubeconfig", str(self.plane.kubeconfig()),
+                    tmp=self.tmp)  # fmt: skip
+
+    def run(self, verb: str, chart: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        proc = self.helm(verb, self.name, str(chart), "--set", "webhook.enabled=false", *args)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    def manifest(self) -> str:
+        return self.helm("get", "manifest", self.name).stdout
+
+    def uninstall(self, *, check: bool = True) -> None:
+        proc = self.helm("uninstall", self.name, "--ignore-not-found")
+        assert proc.returncode == 0 or not check, proc.stderr
+
+
+def test_helm_upgrade_brings_the_new_crd_and_uninstall_keeps_it_and_the_models(
+    tmp_path: Path, control_plane: ControlPlane, http_api: httpx.Client, namespace: str
+) -> None:
+    group = f"{namespace}.pdserve.test"
+    current = crd_in_group(build_crd(), group)
+    name = current["metadata"]["name"]
+    older = chart_with_crd(tmp_path, crd_in_group(build_crd(), group, without=ADDED_FIELD))
+    newer = chart_with_crd(tmp_path / "newer", current)
+    release = Release(control_plane, tmp_path, namespace)
+    try:
+        release.run("install", older)
+        wait_until("the older CRD Established", lambda: established(http_api, name), timeout=30)
+        # What `helm upgrade` left in place before 0.2 (crds/ is never upgraded): a field the
+        # CRD lacks is pruned from every model that sets it, silently.
+        pruned = apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})
+        assert ADDED_FIELD not in pruned["spec"]
+
+        release.run("upgrade", newer)
+        assert ADDED_FIELD in spec_properties(served_crd(http_api, name) or {})
+        # Helm keeps each revision (the chart, the CRD's template in it, and the rendered
+        # manifest, gzipped) in a Secret, which holds at most 1 MiB: about 130 KB here.
+        revisions = http_api.get(
+            f"/api/v1/namespaces/{namespace}/secrets",
+            params={"labelSelector": f"owner=helm,name={release.name}"},
+        )
+        sizes = [len(s["data"]["release"]) for s in revisions.json()["items"]]
+        assert len(sizes) == 2
+        assert max(sizes) < 512 * 1024, sizes
+        wait_until(
+            f"a model keeping spec.{ADDED_FIELD}",
+            lambda: apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})["spec"].get(
+                ADDED_FIELD) == 900,
+            timeout=30,
+        )  # fmt: skip
+        models = f"/apis/{group}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        uid = http_api.get(f"{models}/sim").json()["metadata"]["uid"]
+
+        # helm uninstall keeps the CRD (helm.sh/resource-policy: keep), so the models too.
+        release.uninstall()
+        crd = served_crd(http_api, name)
+        assert crd is not None
+        assert "deletionTimestamp" not in crd["metadata"]
+        kept = http_api.get(f"{models}/sim")
+        assert kept.is_success, kept.text
+        assert (kept.json()["metadata"]["uid"], kept.json()["spec"][ADDED_FIELD]) == (uid, 900)
+
+        # Installed again, the release takes back the CRD it left (its annotations name it).
+        release.run("install", newer)
+        assert "kind: CustomResourceDefinition" in release.manifest()
+        # Handed over to GitOps: crds.install=false drops the CRD from the release, and the
+        # upgrade leaves it in place.
+        release.run("upgrade", newer, "--set", "crds.install=false")
+        assert "CustomResourceDefinition" not in release.manifest()
+        crd = served_crd(http_api, name)
+        assert crd is not None
+        assert "deletionTimestamp" not in crd["metadata"]
+        assert http_api.get(f"{models}/sim").json()["metadata"]["uid"] == uid
+    finally:
+        release.uninstall(check=False)
+        http_api.delete(f"{CRDS}/{name}")
+
+
+@pytest.mark.parametrize("step", ["label-and-annotate", "take-ownership"])
+def test_a_release_of_the_chart_with_crds_dir_upgrades_by_the_documented_step(
+    step: str,
+    tmp_path: Path,
+    control_plane: ControlPlane,
+    http_api: httpx.Client,
+    kubectl: Kubectl,
+    namespace: str,
+) -> None:
+    """docs/operations.md#crds-and-upgrades. label-and-annotate: installed by Helm 4 (server-side
+    apply); take-ownership: client-side, as Helm 3 installed. Both with the CRD then applied by
+    `kubectl apply --server-side`, as the earlier docs had users do after every upgrade."""
+    group = f"{namespace}.pdserve.test"
+    name = f"{PLURAL}.{group}"
+    previous = previous_chart(tmp_path, group)
+    current = chart_with_crd(tmp_path, crd_in_group(build_crd(), group))
+    release = Release(control_plane, tmp_path, namespace)
+    server_side = "true" if step == "label-and-annotate" else "false"
+    try:
+        release.run("install", previous, f"--server-side={server_side}")
+        assert "CustomResourceDefinition" not in release.manifest()  # crds/: outside the release
+        kubectl("apply", "--server-side", "-f", str(previous / "crds"), check=True)
+        wait_until("the older CRD Established", lambda: established(http_api, name), timeout=30)
+        uid = apply_model(http_api, group, namespace)["metadata"]["uid"]
+
+        refused = release.helm("upgrade", release.name, str(current), "--set",
+                               "webhook.enabled=false")  # fmt: skip
+        assert refused.returncode != 0
+        assert "invalid ownership metadata" in refused.stderr, refused.stderr
+        if step == "label-and-annotate":
+            kubectl("label", "crd", name, "app.kubernetes.io/managed-by=Helm", "--overwrite",
+                    check=True)  # fmt: skip
+            kubectl("annotate", "crd", name, "--overwrite",
+                    f"meta.helm.sh/release-name={release.name}",
+                    f"meta.helm.sh/release-namespace={namespace}", check=True)  # fmt: skip
+            # Helm 4 (server-side) meets the fields `kubectl apply --server-side` owns.
+            conflict = release.helm("upgrade", release.name, str(current), "--set",
+                                    "webhook.enabled=false")  # fmt: skip
+            assert 'conflict with "kubectl"' in conflict.stderr, conflict.stderr
+            release.run("upgrade", current, "--force-conflicts")
+        else:
+            release.run("upgrade", current, "--take-ownership")
+
+        crd = served_crd(http_api, name) or {}
+        assert ADDED_FIELD in spec_properties(crd)
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
+        assert "kind: CustomResourceDefinition" in release.manifest()
+        # The CRD was upgraded in place, never deleted: the model is the same object.
+        wait_until(
+            f"a model keeping spec.{ADDED_FIELD}",
+            lambda: apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})["spec"].get(
+                ADDED_FIELD) == 900,
+            timeout=30,
+        )  # fmt: skip
+        models = f"/apis/{group}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+        assert http_api.get(f"{models}/sim").json()["metadata"]["uid"] == uid
+    finally:
+        release.uninstall(check=False)
+        http_api.delete(f"{CRDS}/{name}")

@@ -16,8 +16,7 @@ trap 'kill ${forward:-0} 2>/dev/null || true' EXIT
 kind load docker-image --name "$cluster" "ghcr.io/pdserve/pdserve:$version" "ghcr.io/pdserve/pdserve-sim:$version"
 
 helm upgrade --install pdserve charts/pdserve -n pdserve-system --create-namespace \
-  --set image.pullPolicy=Never --wait --timeout 5m
-kubectl apply --server-side -f charts/pdserve/crds/
+  --set image.pullPolicy=Never --wait --timeout 5m   # the CRD too (a template of the chart)
 kubectl create namespace llm --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -f examples/sim-qwen3.yaml
 kubectl -n llm patch dm sim-qwen3 --type merge -p '{"spec":{"image":{"pullPolicy":"Never","gateway":"ghcr.io/pdserve/pdserve:'"$version"'"}}}'

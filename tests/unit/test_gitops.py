@@ -77,8 +77,12 @@ def test_argocd_and_flux_objects_point_at_real_paths() -> None:
     flux = yaml.safe_load((GITOPS / "flux" / "kustomization.yaml").read_text())
     assert (repo / flux["spec"]["path"] / "kustomization.yaml").exists()
     release = yaml.safe_load((GITOPS / "flux" / "helmrelease.yaml").read_text())
-    assert (repo / release["spec"]["chart"]["spec"]["chart"] / "Chart.yaml").exists()
-    assert release["spec"]["upgrade"]["crds"] == "CreateReplace"
+    chart = repo / release["spec"]["chart"]["spec"]["chart"]
+    assert (chart / "Chart.yaml").exists()
+    # The chart upgrades its CRD as a template; Flux's CRD policies (for crds/) are not needed.
+    assert (chart / "templates" / "crds.yaml").exists()
+    assert not (chart / "crds").exists()
+    assert "upgrade" not in release["spec"]
 
 
 def test_argocd_config_patch_carries_the_same_health_script() -> None:

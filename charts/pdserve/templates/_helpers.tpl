@@ -27,6 +27,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the chart installs and upgrades the CRD (crds.install). Unset counts as true: an
+upgrade with --reuse-values from a release whose chart had no crds value still gets the CRD. */}}
+{{- define "pdserve.installCRDs" -}}
+{{- $crds := .Values.crds | default dict -}}
+{{- if or (not (hasKey $crds "install")) $crds.install -}}true{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.webhookService" -}}
 {{ include "pdserve.fullname" . }}-webhook
 {{- end -}}

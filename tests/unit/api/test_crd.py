@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.api.crd import build_crd, crd_paths, render_crd
+from pdserve.api.crd import build_crd, generated_files, render_chart_crd, render_crd
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -31,10 +31,43 @@ def walk(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
             yield from walk(value, f"{path}[{index}]")
 
 
-@pytest.mark.parametrize("path", crd_paths(REPO), ids=lambda p: str(p.relative_to(REPO)))
-def test_committed_crd_copies_are_current(path: Path) -> None:
+@pytest.mark.parametrize("path", generated_files(REPO), ids=lambda p: str(p.relative_to(REPO)))
+def test_committed_crd_files_are_current(path: Path) -> None:
+    """crds/ (kubectl) and the chart's template: one CRD from one generator."""
     assert path.exists(), f"{path} is missing: run `pdserve crd --write .`"
-    assert path.read_text() == render_crd(), f"{path} is stale: run `pdserve crd --write .`"
+    expected = generated_files(REPO)[path]
+    assert path.read_text() == expected, f"{path} is stale: run `pdserve crd --write .`"
+
+
+def test_the_chart_carries_its_crd_as_a_template_only() -> None:
+    """Helm installs a chart's crds/ once and never upgrades it, and beside the template the same
+    object would be created twice on a fresh install (crds/ first, then the template refused:
+    invalid ownership metadata)."""
+    assert not (REPO / "charts" / "pdserve" / "crds").exists()
+    assert (REPO / "charts" / "pdserve" / "templates" / "crds.yaml") in generated_files(REPO)
+
+
+def test_chart_template_is_the_crd_with_the_charts_metadata() -> None:
+    """Without its template lines the chart's copy is the CRD itself, plus the chart's labels and
+    the keep policy."""
+    lines = render_chart_crd().splitlines(keepends=True)
+    assert lines[1] == '{{- if include "pdserve.installCRDs" . }}\n'
+    assert lines[-1] == "{{- end }}\n"
+    body = yaml.safe_load("".join(line for line in lines if "{{" not in line))
+    crd = build_crd()
+    assert body["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert body["metadata"]["labels"].items() >= crd["metadata"]["labels"].items()
+    assert {**body, "metadata": crd["metadata"]} == crd
+
+
+def test_chart_template_prints_braces_in_descriptions_literally() -> None:
+    """A `{{` in the CRD's text (a chat template in a description) would be a template action:
+    it is written as one that prints it."""
+    crd = build_crd()
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] = "a {{ x }} b"
+    text = render_chart_crd(crd)
+    assert 'description: a {{ "{{" }} x }} b' in text
+    assert text.count("{{") == render_chart_crd().count("{{") + 2
 
 
 def test_schema_uses_only_structural_keywords() -> None:
