@@ -44,9 +44,20 @@ BASE_ENV = ("PIP_BREAK_SYSTEM_PACKAGES=1", "LANG=C.UTF-8")
 GO_IMAGE = "docker.io/library/golang:1.26.8-bookworm"
 GO_PATH_ENV = "PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What the Dockerfile's build context COPYs: a change to any of these rebuilds the images.
-CONTEXT = ("pyproject.toml", "README.md", "operator", "devtools/extra_requirements.py")
+CONTEXT = (
+    "pyproject.toml",
+    "README.md",
+    "operator",
+    "images/requirements.lock",
+    "images/build-requirements.lock",
+    "images/sim-requirements.lock",
+)
 BUILD_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+# The version the operator-upgrade test (tests/e2e/test_operator_upgrade.py) upgrades from:
+# main as the previous release of this repository left it (2026-12-05). Built from this
+# clone's history: its own tree, Dockerfile and chart.
+EARLIER_COMMIT = "ccce2e7ae8d0e696a4572987884431b995d900d9"
 
 
 class ImageBuildError(RuntimeError):
@@ -78,8 +89,11 @@ def log(message: str) -> None:
     print(f"image build: {message}", file=sys.stderr, flush=True)
 
 
-def _run(args: list[str], *, step: str, timeout: float = 1800) -> str:
+def _run(args: list[str], *, step: str, timeout: float = 1800, missing: str = "") -> str:
+    """stdout; ImageBuildError naming the step (or saying ``missing``) when it fails."""
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0 and missing:
+        raise ImageBuildError(missing)
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip().splitlines()[-40:]
         raise ImageBuildError(f"{step} failed ({proc.returncode}):\n" + "\n".join(output))
@@ -194,9 +208,32 @@ class Builder:
         archive = self.cache / f"{target}-{key}.tar"
         if archive.exists():
             return archive
+        log(f"{name} (images/Dockerfile, target {target})")
+        self._build(target, name, ROOT)
+        return self.archive(name, archive)
+
+    def revision(self, commit: str, target: str, name: str) -> Path:
+        """One target of images/Dockerfile as it was at ``commit`` of this repository: that
+        commit's tree (`git archive`) is the context, its own Dockerfile builds it."""
+        sha = _run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
+                    f"{commit}^{{commit}}"], step=f"find commit {commit}",
+                   missing=f"commit {commit} is not in this clone's history (a shallow clone? "
+                   "`git fetch --unshallow`)").strip()  # fmt: skip
+        archive = self.cache / f"rev-{target}-{sha[:12]}.tar"
+        if archive.exists():
+            return archive
+        log(f"{name} (images/Dockerfile at {sha[:12]}, target {target})")
+        with tempfile.TemporaryDirectory(dir=self.cache) as tree:
+            tarball = Path(tree) / "tree.tar"
+            _run(["git", "-C", str(ROOT), "archive", "-o", str(tarball), sha], step="git archive")
+            _run(["tar", "-xf", str(tarball), "-C", tree], step="unpack the tree")
+            tarball.unlink()
+            self._build(target, name, Path(tree))
+        return self.archive(name, archive)
+
+    def _build(self, target: str, name: str, context: Path) -> None:
         self.base()
         self.golang()
-        log(f"{name} (images/Dockerfile, target {target})")
         mounts = (
             ["--volume", f"{BUILD_CA_BUNDLE}:{BUILD_CA_BUNDLE}:ro"]
             if BUILD_CA_BUNDLE.exists() else []
@@ -204,10 +241,9 @@ class Builder:
         self.buildah(
             "bud", "--pull-never", "--network", "host", *mounts,
             "--build-arg", f"VERSION={version()}", "--target", target,
-            "-f", str(DOCKERFILE), "-t", name, str(ROOT),
+            "-f", str(context / "images" / "Dockerfile"), "-t", name, str(context),
             step=f"build {name}",
         )  # fmt: skip
-        return self.archive(name, archive)
 
     def archive(self, name: str, archive: Path) -> Path:
         stem = archive.name.rsplit("-", 1)[0]
@@ -260,14 +296,25 @@ def digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
     return hasher.hexdigest()[:16]
 
 
-def main() -> int:
-    """`make node-images`: build what is missing, print the archives."""
+def earlier_image(cache: Path | None = None) -> tuple[str, Path]:
+    """The pdserve image of EARLIER_COMMIT (the operator-upgrade test starts from it): its
+    name and docker archive."""
+    name = f"ghcr.io/pdserve/pdserve:earlier-{EARLIER_COMMIT[:12]}"
+    directory = cache or image_cache()
+    directory.mkdir(parents=True, exist_ok=True)
+    return name, Builder(directory).revision(EARLIER_COMMIT, "pdserve", name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make node-images`: build what is missing, print the archives; `--earlier`: the image
+    of EARLIER_COMMIT instead (`make earlier-image`)."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        built = build_images()
+        archives = [earlier_image()[1]] if args == ["--earlier"] else build_images().archives
     except ImageBuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    for path in built.archives:
+    for path in archives:
         print(path)
     return 0
 
