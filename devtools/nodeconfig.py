@@ -22,9 +22,24 @@ PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 CLUSTER_DOMAIN = "cluster.local"
 
 
+def registry_hosts_dir(base: Path) -> Path:
+    """containerd's hosts directory (config_path): one <host:port>/hosts.toml per registry."""
+    return base / "certs.d"
+
+
+def registry_hosts_toml(host: str, ca_file: Path) -> str:
+    """A registry reached over HTTPS at ``host``, its certificate signed by ``ca_file``: what
+    containerd's hosts.toml says for a private registry with a private CA."""
+    return _toml({
+        "server": f"https://{host}",
+        "host": {f"https://{host}": {"capabilities": ["pull", "resolve"], "ca": str(ca_file)}},
+    })  # fmt: skip
+
+
 def containerd_toml(base: Path, *, socket: Path, cni_conf_dir: Path) -> str:
     """containerd with its root, state and sockets under ``base``, and the CRI plugin set up
-    for the kubelet: runc with cgroupfs, the CNI network in ``cni_conf_dir``, no registry."""
+    for the kubelet: runc with cgroupfs, the CNI network in ``cni_conf_dir``, registries only
+    as listed in ``registry_hosts_dir``."""
     config = {
         "version": 2,
         "root": str(base / "root"),
@@ -53,8 +68,10 @@ def containerd_toml(base: Path, *, socket: Path, cni_conf_dir: Path) -> str:
                     }},
                 },
                 "cni": {"bin_dir": str(CNI_PLUGIN_DIR), "conf_dir": str(cni_conf_dir)},
-                # Images come only from `ctr images import`; nothing is pulled.
-                "registry": {"config_path": str(base / "no-registries")},
+                # Images come from `ctr images import`, or from a registry this node was told
+                # to trust (RealNode.trust_registry writes its hosts.toml here, as into
+                # /etc/containerd/certs.d on a real node); nothing else is reachable.
+                "registry": {"config_path": str(registry_hosts_dir(base))},
             },
             "io.containerd.internal.v1.opt": {"path": str(base / "opt")},
         },

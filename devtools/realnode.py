@@ -163,6 +163,13 @@ class RealNode(Components):
         kubelet never pulls: IfNotPresent finds them)."""
         import_archives(self.workdir, archives, timeout=timeout)
 
+    def trust_registry(self, host: str, ca_file: Path) -> None:
+        """Let the kubelet's pulls reach the registry at ``host`` over TLS, trusting ``ca_file``
+        (containerd reads the hosts directory at each pull: no restart)."""
+        directory = nodeconfig.registry_hosts_dir(self._path("containerd")) / host
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts.toml").write_text(nodeconfig.registry_hosts_toml(host, ca_file))
+
     def stop(self) -> None:
         """Stop everything and remove what it made; never raises for what is already gone."""
         self._stop_component("kube-proxy")

@@ -29,6 +29,7 @@ from devtools.realnode import (
     ensure_no_other_node,
     leftovers,
 )
+from devtools.registry import Registry, running_registry
 from tests.support.markers import mark_package
 from tests.support.realcluster import (
     CHART,
@@ -85,6 +86,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         delete_bridge()
     left = leftovers(node)
     assert left == [], f"the real node left these behind: {left}"
+
+
+@pytest.fixture(scope="package")
+def registry(cluster: Cluster) -> Iterator[Registry]:
+    """A real registry (TLS, the plane's CA) the node trusts and pulls from, as a team's own."""
+    with running_registry(cluster.workdir / "registry", build_binaries(), cluster.plane) as running:
+        cluster.node.trust_registry(running.host, running.ca_file)
+        yield running
 
 
 @pytest.fixture(scope="package")

@@ -1,18 +1,27 @@
-"""The operator upgraded by `helm upgrade` (a new image tag) under steady load, on the real node:
-no request fails, every apply keeps being admitted (every replica serves the webhook), the new
-replicas take the leader Lease, and of the model's children only what needed it is rewritten:
-the gateway Deployment's image, which follows the operator's own (spec.image.gateway names none),
-while the engines are neither rewritten nor replaced."""
+"""The operator upgraded by `helm upgrade` from a real earlier version of this repository (its
+chart and image built from git history) to this one under steady load, on the real node; both
+images pushed to a real registry (as README's quick start has users push them to their own) and
+named by digest, which the node pulls over TLS trusting the registry's CA. No request fails,
+every apply keeps being admitted (every replica serves the webhook), the new replicas take the
+leader Lease, and of the model's children only what needed it is rewritten: the gateway
+Deployment's image, which follows the operator's own (spec.image.gateway names none), while the
+engines are neither rewritten nor replaced."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+from devtools.images import EARLIER_COMMIT as EARLIER
+from devtools.images import Builder, earlier_image, image_cache
 from devtools.localplane import wait_until
+from devtools.publish import publish, push
+from devtools.registry import Registry
 from pdserve.contract.names import LEADER_LEASE_NAME
 from tests.support.realcluster import (
     CHART,
@@ -28,6 +37,7 @@ from tests.support.realcluster import (
 from tests.support.rollout_load import GatewayLogs, Load, logged_requests, request_log_on, running
 
 OPERATOR = "app.kubernetes.io/name=pdserve"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def children(cluster: Cluster) -> dict[str, Any]:
@@ -97,19 +107,73 @@ class Applies:
             self.stop.wait(0.5)
 
 
-def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_nothing(
-    cluster: Cluster, model: str
+def operators_on(cluster: Cluster, image: str, replaced: set[str]) -> bool:
+    """Every operator replica is new (none of `replaced`), Ready, runs `image`, one leads."""
+    now = pods(cluster, RELEASE_NAMESPACE, OPERATOR)
+    names = {p["metadata"]["name"] for p in now}
+    return (
+        bool(now) and not names & replaced and holder(cluster) in names
+        and all(ready(p) and image_of(p) == image for p in now)
+    )  # fmt: skip
+
+
+def gateways_on(cluster: Cluster, image: str) -> bool:
+    now = pods(cluster, MODEL_NAMESPACE, "app.kubernetes.io/component=gateway")
+    return bool(now) and all(ready(p) and image_of(p) == image for p in now)
+
+
+def operator_names(cluster: Cluster) -> set[str]:
+    return {p["metadata"]["name"] for p in pods(cluster, RELEASE_NAMESPACE, OPERATOR)}
+
+
+def chart_at(commit: str, into: Path) -> Path:
+    """charts/pdserve as it was at `commit`."""
+    tarball = into / "chart.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tarball), commit,
+                    "charts/pdserve"], check=True)  # fmt: skip
+    subprocess.run(["tar", "-xf", str(tarball), "-C", str(into)], check=True)
+    return into / "charts" / "pdserve"
+
+
+def test_helm_upgrade_from_the_earlier_version_under_load_loses_nothing_and_rewrites_nothing(
+    cluster: Cluster, registry: Registry, model: str, tmp_path: Path
 ) -> None:
     request_log_on(cluster)
     wait_until("the model's children settled", lambda: all(
         ready(p) for p in pods(cluster, MODEL_NAMESPACE)), timeout=120, interval=1)  # fmt: skip
+    wanted = children(cluster)  # as this version's operator makes them
+    # Both versions' images pushed to the team's own registry (as `make push-images` does)
+    # and installed from there by digest: references the node has never seen, so it pulls.
+    published = publish(f"{registry.host}/team", cert_dir=registry.client_cert_dir())
+    pushed = published.pdserve.reference
+    earlier_name, earlier_archive = earlier_image()
+    earlier = push(Builder(image_cache()), earlier_name, earlier_archive,
+                   f"{registry.host}/team/pdserve", cert_dir=registry.client_cert_dir(),
+                   tls_verify=True)  # fmt: skip
+    earlier_values = ["--set", f"image.repository={earlier.repository}",
+                      "--set", f"image.tag={earlier.tag}",
+                      "--set", f"image.digest={earlier.digest}"]  # fmt: skip
+
+    # The starting point: the earlier version's chart and operator with the values the user
+    # gave (not this chart's defaults, which the earlier schema may not know), settled.
+    replaced = operator_names(cluster)
+    given = tmp_path / "values.yaml"
+    given.write_text(cluster.helm("get", "values", "pdserve", "-n", RELEASE_NAMESPACE,
+                                  "-o", "yaml").stdout)  # fmt: skip
+    cluster.helm("upgrade", "pdserve", str(chart_at(EARLIER, tmp_path)), "-n", RELEASE_NAMESPACE,
+                 "--reset-values", "-f", str(given), *earlier_values, "--wait",
+                 "--timeout", "3m")  # fmt: skip
+    wait_until("the earlier operator, one replica leading",
+               lambda: operators_on(cluster, earlier.reference, replaced),
+               timeout=180, interval=1)  # fmt: skip
+    wait_until("the gateways on the earlier operator's image",
+               lambda: gateways_on(cluster, earlier.reference), timeout=180,
+               interval=1)  # fmt: skip
+    wait_until("the model's pods Ready under the earlier operator", lambda: all(
+        ready(p) for p in pods(cluster, MODEL_NAMESPACE)), timeout=180, interval=1)  # fmt: skip
     before_children = children(cluster)
     model_pods = engine_pods(cluster)
-    old_operators = {p["metadata"]["name"] for p in pods(cluster, RELEASE_NAMESPACE, OPERATOR)}
-    # The same operator under a new tag: what the next release is to the node.
-    repository, tag = cluster.images.pdserve.rsplit(":", 1)
-    cluster.node.ctr("images", "tag", "--force", cluster.images.pdserve,
-                     f"{repository}:{tag}-next")  # fmt: skip
+    old_operators = operator_names(cluster)
 
     load, applies = Load(model), Applies(cluster)
     logs = GatewayLogs(cluster.node.pod_logs, MODEL_NAMESPACE)
@@ -119,27 +183,14 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
         started = time.monotonic()
         cluster.helm(
             "upgrade", "pdserve", str(CHART), "-n", RELEASE_NAMESPACE, "--reuse-values",
-            "--set", f"image.tag={tag}-next", "--wait", "--timeout", "3m",
+            *published.helm_values(), "--wait", "--timeout", "3m",
         )  # fmt: skip
-
-        def upgraded() -> bool:
-            now = pods(cluster, RELEASE_NAMESPACE, OPERATOR)
-            names = {p["metadata"]["name"] for p in now}
-            return (
-                not names & old_operators
-                and all(ready(p) and image_of(p).endswith("-next") for p in now)
-                and holder(cluster) in names
-            )
-
-        wait_until("the new operator replicas, one leading", upgraded, timeout=120, interval=1)
+        wait_until("the new operator replicas, one leading",
+                   lambda: operators_on(cluster, pushed, old_operators),
+                   timeout=120, interval=1)  # fmt: skip
         upgrade_seconds = time.monotonic() - started
-
-        def gateways_rolled() -> bool:
-            now = pods(cluster, MODEL_NAMESPACE, "app.kubernetes.io/component=gateway")
-            return bool(now) and all(ready(p) and image_of(p).endswith("-next") for p in now)
-
-        wait_until("the gateways on the new operator's image", gateways_rolled, timeout=180,
-                   interval=1)  # fmt: skip
+        wait_until("the gateways on the new operator's image",
+                   lambda: gateways_on(cluster, pushed), timeout=180, interval=1)  # fmt: skip
         # A pass of the new leader over the model (any change would be written by now).
         cluster.kubectl("annotate", "dm", "sim-qwen3", "-n", MODEL_NAMESPACE, "--overwrite",
                         f"pdserve.test/touched={time.time()}")  # fmt: skip
@@ -150,17 +201,28 @@ def test_helm_upgrade_of_the_operator_under_load_loses_nothing_and_rewrites_noth
     logs.close()
 
     refused = len(applies.failures)
-    print(f"operator upgrade {upgrade_seconds:.1f}s, {len(entries)} requests, "
+    print(f"operator upgrade from {EARLIER[:12]} {upgrade_seconds:.1f}s, {len(entries)} requests, "
           f"{len(load.failures)} failed, {applies.sent} applies, {refused} refused")  # fmt: skip
     assert load.failures == [], load.failures[:5]
     assert applies.failures == [], applies.failures[:3]
     after_children = children(cluster)
-    assert gateway_image(before_children) == cluster.images.pdserve
-    assert gateway_image(after_children) == f"{repository}:{tag}-next"
+    assert gateway_image(before_children) == earlier.reference
+    assert gateway_image(after_children) == pushed
+    # What this version makes, and of it only what the earlier version made otherwise written:
+    # the gateway's image here, as long as the two versions build the same children.
+    assert without_gateway_image(after_children) == without_gateway_image(wanted), operator_logs(
+        cluster
+    )
     assert without_gateway_image(after_children) == without_gateway_image(before_children), (
-        operator_logs(cluster)
+        "the earlier version builds these children otherwise: name what changed in the "
+        "upgrade notes (CHANGELOG.md) and compare only the rest here"
     )
     assert engine_pods(cluster) == model_pods
+    # Pulled from the registry: the kubelet reports the digest it stored there.
+    for pod in pods(cluster, RELEASE_NAMESPACE, OPERATOR):
+        status = pod["status"]["containerStatuses"][0]
+        assert status["imageID"].endswith(published.pdserve.digest), status
+    assert "team/pdserve" in registry.pulled_by_containerd(), registry.logs
 
 
 def generations(cluster: Cluster) -> dict[str, int]:
