@@ -719,6 +719,19 @@ def apply_model(http: httpx.Client, group: str, namespace: str, **spec: Any) -> 
     return result
 
 
+def wait_until_a_model_keeps_the_added_field(
+    http_api: httpx.Client, group: str, namespace: str
+) -> None:
+    """Until the API server stores spec.<ADDED_FIELD> instead of pruning it (the upgraded CRD
+    is served a moment after helm returns)."""
+    wait_until(
+        f"a model keeping spec.{ADDED_FIELD}",
+        lambda: apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})["spec"].get(
+            ADDED_FIELD) == 900,
+        timeout=30,
+    )  # fmt: skip
+
+
 def served_crd(http: httpx.Client, name: str) -> dict[str, Any] | None:
     response = http.get(f"{CRDS}/{name}")
     if response.status_code == 404:
@@ -786,12 +799,7 @@ def test_helm_upgrade_brings_the_new_crd_and_uninstall_keeps_it_and_the_models(
         sizes = [len(s["data"]["release"]) for s in revisions.json()["items"]]
         assert len(sizes) == 2
         assert max(sizes) < 512 * 1024, sizes
-        wait_until(
-            f"a model keeping spec.{ADDED_FIELD}",
-            lambda: apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})["spec"].get(
-                ADDED_FIELD) == 900,
-            timeout=30,
-        )  # fmt: skip
+        wait_until_a_model_keeps_the_added_field(http_api, group, namespace)
         models = f"/apis/{group}/{VERSION}/namespaces/{namespace}/{PLURAL}"
         uid = http_api.get(f"{models}/sim").json()["metadata"]["uid"]
 
@@ -869,12 +877,7 @@ def test_a_release_of_the_chart_with_crds_dir_upgrades_by_the_documented_step(
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
         assert "kind: CustomResourceDefinition" in release.manifest()
         # The CRD was upgraded in place, never deleted: the model is the same object.
-        wait_until(
-            f"a model keeping spec.{ADDED_FIELD}",
-            lambda: apply_model(http_api, group, namespace, **{ADDED_FIELD: 900})["spec"].get(
-                ADDED_FIELD) == 900,
-            timeout=30,
-        )  # fmt: skip
+        wait_until_a_model_keeps_the_added_field(http_api, group, namespace)
         models = f"/apis/{group}/{VERSION}/namespaces/{namespace}/{PLURAL}"
         assert http_api.get(f"{models}/sim").json()["metadata"]["uid"] == uid
     finally:

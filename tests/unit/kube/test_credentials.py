@@ -103,13 +103,19 @@ def test_provide_cluster_info_gets_the_kubeconfigs_cluster(
     }
 
 
-async def test_a_401_runs_the_plugin_again_and_retries_once(
-    tmp_path: Path, scripted: ScriptedPlugin
-) -> None:
+def revoked_then_good(tmp_path: Path, scripted: ScriptedPlugin) -> tuple[Kube, list[str]]:
+    """A Kube whose plugin first hands out a token the server refuses, then one it accepts;
+    and the tokens the server saw, in order."""
     far = datetime.now(UTC) + timedelta(hours=1)
     scripted.answer(credential("revoked", far), credential("good", far))
     seen: list[str] = []
-    kube = kube_answering(exec_credentials(tmp_path, scripted), {"good"}, seen)
+    return kube_answering(exec_credentials(tmp_path, scripted), {"good"}, seen), seen
+
+
+async def test_a_401_runs_the_plugin_again_and_retries_once(
+    tmp_path: Path, scripted: ScriptedPlugin
+) -> None:
+    kube, seen = revoked_then_good(tmp_path, scripted)
     assert await kube.get(POD, "ns", "p") == {"metadata": {"name": "p"}}
     assert seen == ["revoked", "good"]
     assert scripted.runs == 2
@@ -121,10 +127,7 @@ async def test_a_401_runs_the_plugin_again_and_retries_once(
 async def test_concurrent_401s_run_the_plugin_once(
     tmp_path: Path, scripted: ScriptedPlugin
 ) -> None:
-    far = datetime.now(UTC) + timedelta(hours=1)
-    scripted.answer(credential("revoked", far), credential("good", far))
-    seen: list[str] = []
-    kube = kube_answering(exec_credentials(tmp_path, scripted), {"good"}, seen)
+    kube, seen = revoked_then_good(tmp_path, scripted)
     got = await asyncio.gather(*(kube.get(POD, "ns", f"p{i}") for i in range(12)))
     assert all(g is not None for g in got)
     assert scripted.runs == 2
