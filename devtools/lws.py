@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -34,11 +33,13 @@ from devtools.localplane import (
     issue_serving_cert,
     wait_until,
 )
+from devtools.resources import server_side_apply
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 CRD_NAME = "leaderworkersets.leaderworkerset.x-k8s.io"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+FIELD_MANAGER = "pdserve-devtools-lws"
 MUTATING = "lws-mutating-webhook-configuration"
 VALIDATING = "lws-validating-webhook-configuration"
 # The labels the pod webhook writes (pkg/webhooks/pod_webhook.go); NAME_LABEL the controller.
@@ -125,12 +126,8 @@ class LwsManager(Components):
     def _apply_crd(self, timeout: float) -> None:
         crd = yaml.safe_load(self.binaries.path("lws-crd.yaml").read_text())
         with self.plane.http() as http:
-            response = http.patch(
-                f"{CRDS}/{CRD_NAME}",
-                params={"fieldManager": "pdserve-devtools-lws", "force": "true"},
-                content=json.dumps(crd),
-                headers={"Content-Type": "application/apply-patch+yaml"},
-            )
+            response = server_side_apply(http, f"{CRDS}/{CRD_NAME}", crd, FIELD_MANAGER,
+                                         force=True)  # fmt: skip
             if not response.is_success:
                 raise ControlPlaneError(f"applying the LeaderWorkerSet CRD: {response.text}")
 
@@ -194,12 +191,8 @@ class LwsManager(Components):
         }  # fmt: skip
         with self.plane.http() as http:
             for kind, body in (("mutating", mutating), ("validating", validating)):
-                response = http.patch(
-                    f"{ADMISSION}/{kind}webhookconfigurations/{body['metadata']['name']}",
-                    params={"fieldManager": "pdserve-devtools-lws", "force": "true"},
-                    content=json.dumps(body),
-                    headers={"Content-Type": "application/apply-patch+yaml"},
-                )
+                path = f"{ADMISSION}/{kind}webhookconfigurations/{body['metadata']['name']}"
+                response = server_side_apply(http, path, body, FIELD_MANAGER, force=True)
                 if not response.is_success:
                     raise ControlPlaneError(f"registering the LWS {kind} webhooks: {response.text}")
 

@@ -63,9 +63,16 @@ def dm_url(namespace: str, name: str = "") -> str:
 def apply_dm(http: httpx.Client, namespace: str, name: str, spec: dict[str, Any]) -> None:
     body = {"apiVersion": "pdserve.io/v1alpha1", "kind": "DisaggregatedModel",
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
-    response = http.patch(dm_url(namespace, name), params={"fieldManager": "user"},
-                          content=json.dumps(body), headers=APPLY)  # fmt: skip
+    response = server_side_apply(http, dm_url(namespace, name), body, "user")
     assert response.is_success, response.text
+
+
+def server_side_apply(
+    http: httpx.Client, path: str, body: dict[str, Any], field_manager: str, *, force: bool = False
+) -> httpx.Response:
+    """PATCH ``body`` to ``path`` as a server-side apply by ``field_manager``."""
+    params = {"fieldManager": field_manager, **({"force": "true"} if force else {})}
+    return http.patch(path, params=params, content=json.dumps(body), headers=APPLY)
 
 
 def get(http: httpx.Client, path: str) -> dict[str, Any] | None:

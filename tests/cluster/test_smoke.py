@@ -198,10 +198,17 @@ def test_pod_asking_for_more_gpus_than_any_node_has_stays_pending(
     ).items
     message = next(e.message for e in events if e.reason == "FailedScheduling")
     assert f"Insufficient {GPU_RESOURCE}" in message
-    status = core_v1.read_namespaced_pod("too-big", namespace).status
-    assert status.phase == "Pending"
-    scheduled = next(c for c in status.conditions if c.type == "PodScheduled")
-    assert (scheduled.status, scheduled.reason) == ("False", "Unschedulable")
+
+    # The scheduler records the event and the pod's condition in two writes: wait for both.
+    def unschedulable() -> bool:
+        status = core_v1.read_namespaced_pod("too-big", namespace).status
+        return any(
+            (c.type, c.status, c.reason) == ("PodScheduled", "False", "Unschedulable")
+            for c in status.conditions or []
+        )
+
+    wait_until("the pod's PodScheduled=False Unschedulable", unschedulable, timeout=30)
+    assert core_v1.read_namespaced_pod("too-big", namespace).status.phase == "Pending"
 
 
 def test_deleting_an_owner_garbage_collects_what_it_owns(
