@@ -215,10 +215,7 @@ class Builder:
     def revision(self, commit: str, target: str, name: str) -> Path:
         """One target of images/Dockerfile as it was at ``commit`` of this repository: that
         commit's tree (`git archive`) is the context, its own Dockerfile builds it."""
-        sha = _run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
-                    f"{commit}^{{commit}}"], step=f"find commit {commit}",
-                   missing=f"commit {commit} is not in this clone's history (a shallow clone? "
-                   "`git fetch --unshallow`)").strip()  # fmt: skip
+        sha = resolve_commit(ROOT, commit)
         archive = self.cache / f"rev-{target}-{sha[:12]}.tar"
         if archive.exists():
             return archive
@@ -294,6 +291,25 @@ def digest_files(files: Iterable[Path], extra: Iterable[str] = ()) -> str:
     for path in files:
         hasher.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return hasher.hexdigest()[:16]
+
+
+def resolve_commit(repo: Path, commit: str) -> str:
+    """``commit``'s full sha in the clone at ``repo``; a shallow clone (CI's may be) first
+    fetches the rest of its history from its origin."""
+    find = ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"]
+    missing = (f"commit {commit} is not in the history of the clone at {repo}, nor in its "
+               "origin's: build from a clone of the repository that has it")  # fmt: skip
+    found = subprocess.run(find, capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        shallow = _run(["git", "-C", str(repo), "rev-parse", "--is-shallow-repository"],
+                       step="git rev-parse --is-shallow-repository").strip()  # fmt: skip
+        if shallow != "true":
+            raise ImageBuildError(missing)
+        log(f"commit {commit[:12]} not in this shallow clone: fetching its history")
+        _run(["git", "-C", str(repo), "fetch", "--quiet", "--unshallow"], step="git fetch",
+             missing=missing)  # fmt: skip
+        return _run(find, step=f"find commit {commit}", missing=missing).strip()
+    return found.stdout.strip()
 
 
 def earlier_image(cache: Path | None = None) -> tuple[str, Path]:

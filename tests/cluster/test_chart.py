@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from devtools.clitools import Kubectl, ensure_cli_tools
+from devtools.images import EARLIER_COMMIT
 from devtools.localplane import ControlPlane, wait_until
 from devtools.resources import KEDA_CRD
 from pdserve.api.crd import CRD_FILE, build_crd, render_chart_crd
@@ -652,8 +653,8 @@ def test_the_chart_installs_the_crd_keeps_it_on_uninstall_or_leaves_it_out(
 # would delete every model in the session). Everything else is the chart as it is.
 ADDED_FIELD = "progressDeadlineSeconds"  # what an older CRD lacks
 EXAMPLE = REPO / "examples" / "sim-qwen3.yaml"
-# The last revision whose chart carried the CRD in crds/ (0.1's layout).
-PREVIOUS_LAYOUT = "ccce2e7ae8d0e696a4572987884431b995d900d9"
+# The last revision whose chart carried the CRD in crds/ (0.1's layout): the previous release.
+PREVIOUS_LAYOUT = EARLIER_COMMIT
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
