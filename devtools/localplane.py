@@ -75,6 +75,30 @@ def build_binaries(*, quiet: bool = False, lws: bool = False) -> Binaries:
     return Binaries(Path(proc.stdout.strip().splitlines()[-1]))
 
 
+AUDIT_EVENT_START = b'{"kind":"Event"'
+
+
+def audit_log_events(log: bytes) -> list[dict[str, Any]]:
+    """The events of an audit log the API server is appending to: its last line is skipped
+    while unterminated (a write in progress), and a line holding a cut event followed by a
+    whole one yields the whole one (seen once in the log of a CI run under load)."""
+    events = []
+    for line in log.split(b"\n")[:-1]:
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+            continue
+        except ValueError:
+            pass
+        for fragment in line.split(AUDIT_EVENT_START)[1:]:
+            try:
+                events.append(json.loads(AUDIT_EVENT_START + fragment))
+            except ValueError:
+                continue
+    return events
+
+
 def wait_until(
     what: str, probe: Callable[[], bool], *, timeout: float, interval: float = 0.2
 ) -> None:
@@ -231,10 +255,7 @@ class ControlPlane(Components):
         if not self.audit_log.exists():
             return []
         events = []
-        for line in self.audit_log.read_text().splitlines():
-            if not line.strip():
-                continue
-            event = json.loads(line)
+        for event in audit_log_events(self.audit_log.read_bytes()):
             if writes_only and event.get("verb") not in planecommands.WRITE_VERBS:
                 continue
             if user is None or event.get("user", {}).get("username") == user:

@@ -203,6 +203,18 @@ def test_a_stream_through_the_gateway_answers_what_aggregated_vllm_answers(
 def test_the_kv_crossed_between_the_pods_and_the_model_reports_it(
     cluster: Cluster, real_model: RealModel
 ) -> None:
+    # Ready does not wait for the preflight's reports (spec.kvTransfer.verify is not Required):
+    # under load they land after it.
+    def concluded() -> bool:
+        return all("verified" in v for v in model_status(cluster, NAME)["transport"])
+
+    try:
+        wait_until("the preflight's verdict", concluded, timeout=300, interval=2)
+    except ControlPlaneError as exc:
+        jobs = cluster.kubectl("get", "jobs,pods", "-n", MODEL_NAMESPACE, "-o", "wide",
+                               check=False)  # fmt: skip
+        raise AssertionError(f"{exc}: {model_status(cluster, NAME).get('transport')}\n"
+                             f"{jobs.stdout}{operator_logs(cluster)}") from exc  # fmt: skip
     counters = kv_counters(real_model.decode)
     status = model_status(cluster, NAME)
     print(f"decode's NIXL: {counters['transfers']:.0f} transfers, {counters['bytes']:.0f} "

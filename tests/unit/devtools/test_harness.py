@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from devtools.clitools import ToolsError, _layer_binaries
-from devtools.localplane import ControlPlaneError, wait_until
+from devtools.localplane import ControlPlaneError, audit_log_events, wait_until
 from devtools.nodes import (
     GPU_MEMORY_LABEL,
     GPU_PRODUCT_LABEL,
@@ -120,3 +120,12 @@ def test_wait_until_names_what_it_waited_for_and_the_last_error() -> None:
 
     with pytest.raises(ControlPlaneError, match=r"waiting for etcd .*last error: refused"):
         wait_until("etcd", probe, timeout=0.3, interval=0.05)
+
+
+def test_audit_log_reader_keeps_whole_events_around_a_cut_one_and_skips_an_unfinished_one() -> None:
+    def event(verb: str) -> bytes:
+        return b'{"kind":"Event","verb":"%s","user":{"username":"op"}}' % verb.encode()
+
+    cut = event("patch")[:30]
+    log = event("create") + b"\n" + cut + event("update") + b"\n\n" + event("delete")[:20]
+    assert [e["verb"] for e in audit_log_events(log)] == ["create", "update"]
