@@ -1,8 +1,8 @@
 """A small evaluator for the subset of CEL the CRD's rules use, and the API server's structural
 defaulting, so unit tests can check each CEL rule without an API server (tests/cluster/test_crd.py
 checks them on a real one): `||`, `&&`, `!`, comparisons, parentheses, `self.a.b`, `has(self.a)`,
-`%`, int, bool and string literals, `.startsWith(s)`, `.contains(s)`, `.matches(re)` (a
-search, as CEL's) and `.size()`."""
+`%` and `*` on ints, int, bool and string literals, `.startsWith(s)`, `.contains(s)`,
+`.matches(re)` (a search, as CEL's) and `.size()`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 _TOKEN = re.compile(
-    r"\s*(?:(?P<op>\|\||&&|==|!=|>=|<=|[<>!().,%])|(?P<int>\d+)|'(?P<sq>[^']*)'|\"(?P<dq>[^\"]*)\""
+    r"\s*(?:(?P<op>\|\||&&|==|!=|>=|<=|[<>!().,%*])|(?P<int>\d+)|'(?P<sq>[^']*)'|\"(?P<dq>[^\"]*)\""
     r"|(?P<ident>[A-Za-z_][A-Za-z0-9_]*))"
 )
 
@@ -122,10 +122,20 @@ class _Parser:
 
     def remainder(self) -> Node:
         node = self.unary()
-        while self.peek() == ("op", "%"):
-            self.take()
-            node = self._modulo(node, self.unary())
+        while self.peek() in (("op", "%"), ("op", "*")):
+            _, op = self.take()
+            node = (self._modulo if op == "%" else self._product)(node, self.unary())
         return node
+
+    @staticmethod
+    def _product(left: Node, right: Node) -> Node:
+        def run() -> Any:
+            a, b = left(), right()
+            if not all(type(v) is int for v in (a, b)):
+                raise CelError(f"* needs ints, got {a!r} and {b!r}")
+            return a * b
+
+        return run
 
     @staticmethod
     def _modulo(left: Node, right: Node) -> Node:

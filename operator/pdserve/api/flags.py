@@ -8,6 +8,12 @@ from collections.abc import Mapping
 
 from pdserve.api.common import EnvVar
 
+MULTI_NODE_FLAGS = (
+    "--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-rank",
+    "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-hybrid-lb",
+    "--data-parallel-external-lb", "--data-parallel-multi-port-external-lb", "--nnodes",
+    "--node-rank", "--headless",
+)  # fmt: skip
 # Flags and env the operator derives from other fields; setting them twice would silently fight.
 OWNED_FLAGS: dict[str, str] = {
     "--model": "spec.model.name",
@@ -27,6 +33,16 @@ OWNED_FLAGS: dict[str, str] = {
     "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
     "--renderer-num-workers": "spec.render.workers",
     "--shutdown-timeout": "spec.<pool>.shutdownTimeoutSeconds",
+    # Multi-node wiring: derived from nodesPerReplica and the LeaderWorkerSet's env.
+    **dict.fromkeys(MULTI_NODE_FLAGS, "spec.<pool>.nodesPerReplica"),
+}
+# Owned only when spec.<pool>.expertParallel is set: single-node pools may still pass them in
+# extraArgs as before it existed. Dotted forms (--eplb-config.num_redundant_experts) included.
+EXPERT_PARALLEL_FLAGS: dict[str, str] = {
+    "--enable-expert-parallel": "spec.<pool>.expertParallel",
+    "--all2all-backend": "spec.<pool>.expertParallel.all2allBackend",
+    "--enable-eplb": "spec.<pool>.expertParallel.loadBalancer",
+    "--eplb-config": "spec.<pool>.expertParallel.loadBalancer",
 }
 OWNED_ENV: dict[str, str] = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "the operator (the pod IP)",
@@ -81,4 +97,16 @@ def check_env(pool: str, env: list[EnvVar], parity_env: Mapping[str, str]) -> No
             raise ValueError(
                 f"spec.{pool}.env[{index}] sets {var.name}, which is derived from "
                 f"{OWNED_ENV[var.name]}; set it there instead"
+            )
+
+
+def check_expert_parallel_args(pool: str, args: list[str]) -> None:
+    """With spec.<pool>.expertParallel set, refuse extraArgs that set what it derives."""
+    for index, arg in enumerate(args):
+        flag = normalize_flag(arg)
+        owner = EXPERT_PARALLEL_FLAGS.get((flag or "").split(".", 1)[0])
+        if owner is not None:
+            raise ValueError(
+                f"spec.{pool}.extraArgs[{index}] sets {flag}, which is derived from "
+                f"{owner.replace('<pool>', pool)}; set it there instead"
             )

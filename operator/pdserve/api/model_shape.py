@@ -28,6 +28,13 @@ class ModelShape(ApiModel):
     """head_dim (hidden_size / num_attention_heads when the config has none)."""
     context_length: Annotated[int, Field(ge=1)]
     """max_position_embeddings: vLLM's context length when model.maxModelLen is unset."""
+    experts: Annotated[int, Field(ge=0, le=100000)] | None = None
+    """Routed experts per MoE layer (n_routed_experts or num_experts); 0: a dense model, which
+    expertParallel and nodesPerReplica above 1 are refused for. Unset: not judged."""
+
+    @property
+    def dense(self) -> bool:
+        return self.experts == 0
 
 
 def _shape(params: float, layers: int, kv_heads: int, head_dim: int, context: int) -> ModelShape:
@@ -37,10 +44,11 @@ def _shape(params: float, layers: int, kv_heads: int, head_dim: int, context: in
         kv_heads=kv_heads,
         head_dim=head_dim,
         context_length=context,
+        experts=0,
     )
 
 
-# Keyed by the lower-cased Hugging Face id; bf16 weights as published.
+# Keyed by the lower-cased Hugging Face id; bf16 weights as published; all dense.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "meta-llama/llama-3.1-8b-instruct": _shape(8.03, 32, 8, 128, 131072),
     "meta-llama/llama-3.1-70b-instruct": _shape(70.6, 80, 8, 128, 131072),

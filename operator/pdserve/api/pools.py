@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import Field
 
 from pdserve.api.autoscaling import EngineAutoscalingSpec
-from pdserve.api.base import ApiModel
+from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import EnvVar, LabelMap, PreservedObject
 from pdserve.api.overrides import PodOverrides
 from pdserve.api.requirements import ResourceRequirements, engine_default_resources
@@ -25,6 +26,42 @@ class SchedulerSpec(ApiModel):
     long_prefill_token_threshold: Annotated[int, Field(ge=0)] | None = None
     """Most prompt tokens one request may schedule per step; 0 = no cap
     (--long-prefill-token-threshold)."""
+
+
+class All2allBackend(StrEnum):
+    """vLLM 0.32's --all2all-backend choices for expert parallelism (config/parallel.py); the
+    removed pplx and naive, the flashinfer_all2allv alias and the internal passthrough are left
+    out."""
+
+    allgather_reducescatter = "allgather_reducescatter"
+    deepep_high_throughput = "deepep_high_throughput"
+    deepep_low_latency = "deepep_low_latency"
+    deepep_v2 = "deepep_v2"
+    mori_high_throughput = "mori_high_throughput"
+    mori_low_latency = "mori_low_latency"
+    moonep = "moonep"
+    nixl_ep = "nixl_ep"
+    flashinfer_nvlink_two_sided = "flashinfer_nvlink_two_sided"
+    flashinfer_nvlink_one_sided = "flashinfer_nvlink_one_sided"
+
+
+class ExpertLoadBalancerSpec(ApiModel):
+    """vLLM's expert-parallel load balancer (--enable-eplb, --eplb-config)."""
+
+    num_redundant_experts: Annotated[int, Field(ge=0, le=1024)] = 0
+    """Extra expert replicas spread over the ranks for hot experts (num_redundant_experts;
+    llm-d's wide-EP guides use 32)."""
+
+
+class ExpertParallelSpec(ApiModel):
+    """Expert parallelism for MoE models (--enable-expert-parallel): the experts are spread
+    over tensorParallelSize x dataParallelSize GPUs instead of sharded by TP."""
+
+    all2all_backend: Annotated[All2allBackend | None, Field(alias="all2allBackend")] = None
+    """--all2all-backend: how tokens reach their experts' ranks. Unset: vLLM's default,
+    allgather_reducescatter. DeepEP backends need NVSHMEM and RDMA or multi-node NVLink."""
+    load_balancer: ExpertLoadBalancerSpec | None = None
+    """Rebalances experts at run time (--enable-eplb). Unset: off."""
 
 
 class VllmPoolFields(ApiModel):
@@ -49,18 +86,56 @@ class VllmPoolFields(ApiModel):
     onto the pods pdserve builds."""
 
 
+def _ranks_per_node(pool: EnginePoolSpec) -> str | None:
+    nodes, ranks = pool.nodes_per_replica, pool.data_parallel_size
+    if nodes == 1 or (ranks % nodes == 0 and ranks // nodes >= 2):
+        return None
+    low = max(2 * nodes, -(-ranks // nodes) * nodes)
+    fewer = (f"nodesPerReplica to a divisor of {ranks} at most {ranks // 2}" if ranks >= 4
+             else "nodesPerReplica 1")  # fmt: skip
+    return (
+        f"nodesPerReplica {nodes} with dataParallelSize {ranks}: each of the replica's "
+        f"{nodes} pods runs dataParallelSize / nodesPerReplica ranks, so dataParallelSize "
+        f"must be a multiple of {nodes} with at least 2 ranks per node (vLLM 0.32 fails to "
+        f"start with 1 rank per node in hybrid load balancing): set dataParallelSize to {low}, "
+        f"or {fewer}"
+    )
+
+
+RANKS_PER_NODE = CrossFieldRule(
+    "!has(self.nodesPerReplica) || self.nodesPerReplica == 1 || (has(self.dataParallelSize) "
+    "&& self.dataParallelSize % self.nodesPerReplica == 0 "
+    "&& self.dataParallelSize >= 2 * self.nodesPerReplica)",
+    "dataParallelSize must be a multiple of nodesPerReplica with at least 2 ranks per node",
+    ".dataParallelSize",
+    _ranks_per_node,
+)
+
+
 class EnginePoolSpec(VllmPoolFields):
-    """A pool of GPU engines (prefill or decode), one StatefulSet."""
+    """A pool of GPU engines (prefill or decode): a StatefulSet, or a LeaderWorkerSet when a
+    replica spans nodes."""
+
+    model_config = with_rules([RANKS_PER_NODE])
 
     replicas: Annotated[int, Field(ge=0, le=1024)] = 1
-    """Engine replicas (pods). prefill.replicas 0 means aggregated serving on the decode pool.
+    """Engine replicas: pods, or groups of nodesPerReplica pods when it is above 1.
+    prefill.replicas 0 means aggregated serving on the decode pool.
     With placement.slices > 1: per slice (the P:D ratio). With autoscaling and one slice: the
     starting count, kept within its bounds."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """GPUs one engine shards each layer over (--tensor-parallel-size)."""
-    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
-    """Engine data-parallel ranks in one pod (--data-parallel-size). GPUs per pod =
-    tensorParallelSize x dataParallelSize."""
+    data_parallel_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Data-parallel ranks of one replica (--data-parallel-size), over all its nodes. GPUs per
+    pod = tensorParallelSize x dataParallelSize / nodesPerReplica."""
+    nodes_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
+    """Nodes one replica spans: 1 is one pod per replica (a StatefulSet); more makes each
+    replica a LeaderWorkerSet group of this many pods, one per node, each running
+    dataParallelSize / nodesPerReplica ranks (at least 2: vLLM 0.32 cannot serve one rank per
+    node in hybrid load balancing). For MoE models with data-parallel attention."""
+    expert_parallel: ExpertParallelSpec | None = None
+    """Expert parallelism (MoE models only). Unset: off, unless extraArgs has
+    --enable-expert-parallel (single-node pools)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU and memory of the engine container; nvidia.com/gpu is derived and must not be set.
     On GPUs, a CPU or memory left unset (no request, no limit) is requested per GPU: 2 CPU and
@@ -82,8 +157,18 @@ class EnginePoolSpec(VllmPoolFields):
     the kubelet never kills an engine that is still draining."""
 
     @property
+    def multi_node(self) -> bool:
+        return self.nodes_per_replica > 1
+
+    @property
+    def local_data_parallel_size(self) -> int:
+        """Data-parallel ranks in one pod."""
+        return self.data_parallel_size // self.nodes_per_replica
+
+    @property
     def gpus(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        """GPUs of one pod (one node of a multi-node replica)."""
+        return self.tensor_parallel_size * self.local_data_parallel_size
 
     def effective_resources(self, on_gpus: bool) -> ResourceRequirements:
         """resources, with per-GPU CPU and memory requests where unset when the engines run

@@ -11,8 +11,8 @@ from pydantic import Field, model_validator
 
 from pdserve.api.autoscaling import EngineAutoscaler
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
-from pdserve.api.fit import fit_problems
-from pdserve.api.flags import check_env, check_extra_args
+from pdserve.api.fit import fit_problems, shape_of
+from pdserve.api.flags import check_env, check_expert_parallel_args, check_extra_args
 from pdserve.api.gateway import GatewaySpec
 from pdserve.api.images import ImageSpec
 from pdserve.api.kv_transfer import KvTransferSpec
@@ -211,6 +211,7 @@ class DisaggregatedModelSpec(ApiModel):
                 guaranteed_resources(name, engine.effective_resources(on_gpus))
         self._check_engine_autoscaling()
         self._check_side_channel_ports()
+        self._check_multi_node()
         if problems := fit_problems(self):
             raise ValueError("; ".join(problems))
         return self
@@ -225,6 +226,30 @@ class DisaggregatedModelSpec(ApiModel):
                     f"data-parallel rank, up to {port + pool.data_parallel_size - 1} for "
                     f"spec.{name}.dataParallelSize {pool.data_parallel_size}, past 65535; set "
                     f"sideChannelPort to at most {65536 - pool.data_parallel_size}"
+                )
+
+    def _check_multi_node(self) -> None:
+        """Expert parallelism and replicas spanning nodes serve MoE models only: vLLM runs a
+        dense model's data-parallel ranks as independent engines (v1/engine/core.py), so a
+        group would only tie their failures together."""
+        shape = shape_of(self)
+        for name, pool in self.engine_pools():
+            if pool.expert_parallel is not None:
+                check_expert_parallel_args(name, pool.extra_args)
+            if shape is None or not shape.dense:
+                continue
+            dense = f"{self.model.name} is a dense model (spec.model.shape.experts 0)"
+            if pool.multi_node:
+                raise ValueError(
+                    f"spec.{name}.nodesPerReplica {pool.nodes_per_replica}: {dense}, and vLLM "
+                    "runs a dense model's data-parallel ranks as independent engines, so a "
+                    "replica spanning nodes only ties their failures together. Set "
+                    f"nodesPerReplica 1 and raise spec.{name}.replicas instead"
+                )
+            if pool.expert_parallel is not None:
+                raise ValueError(
+                    f"spec.{name}.expertParallel: {dense} without experts to spread; remove it "
+                    "(or set spec.model.shape for a MoE model pdserve takes for dense)"
                 )
 
     def engine_pools(self) -> list[tuple[str, EnginePoolSpec]]:

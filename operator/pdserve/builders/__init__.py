@@ -24,8 +24,8 @@ from pdserve.contract.names import Component
 # NetworkPolicies come before the workloads, so no pod of the model starts unprotected.
 KIND_ORDER = [
     "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy", "Secret", "ConfigMap", "Service",
-    "StatefulSet", "Deployment", "HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget",
-    "Job",
+    "StatefulSet", "LeaderWorkerSet", "Deployment", "HorizontalPodAutoscaler", "ScaledObject",
+    "PodDisruptionBudget", "Job",
 ]  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.fit import hf_cache_gib
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.builders.kv_compat import kv_compat_digest
+from pdserve.builders.leaderworkerset import leader_worker_set
 from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
 from pdserve.builders.placement import (
     engine_affinity,
@@ -28,7 +29,13 @@ from pdserve.builders.pods import (
 from pdserve.builders.rollout import RolloutPlan
 from pdserve.builders.scaling import ReplicaPlan, engine_replicas
 from pdserve.builders.vllm_args import engine_args
-from pdserve.contract.names import ENGINE_PORT, KV_COMPAT_ANNOTATION, MODEL_LABEL, Component
+from pdserve.contract.names import (
+    DATA_PARALLEL_RPC_PORT,
+    ENGINE_PORT,
+    KV_COMPAT_ANNOTATION,
+    MODEL_LABEL,
+    Component,
+)
 from pdserve.contract.pod_layout import SHM_MOUNT
 
 ROLES = {Component.prefill: "kv_producer", Component.decode: "kv_consumer"}
@@ -112,8 +119,12 @@ def engine_pool(
     ports: list[dict[str, Any]] = [
         {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}
     ]
+    if pool.multi_node:
+        # Only the group's leader (rank 0's pod) listens; one template serves every pod.
+        ports.append({"name": "dp-rpc", "containerPort": DATA_PARALLEL_RPC_PORT, "protocol": "TCP"})
     if role is not None and kv.connector in NIXL_CONNECTORS:
         env += nixl_env(dm)
+        # Every global rank's port: the pod of group worker w listens on its own ranks' only.
         ports += nixl_ports(kv.side_channel_port, pool.data_parallel_size)
     env += env_list(pool.env)
     # Engines download the weights (render pods only the tokenizer): size the download and
@@ -151,6 +162,7 @@ def engine_pool(
         # Which decode pods can pull this pool's KV (and a new engine image rolls the pods).
         annotations[KV_COMPAT_ANNOTATION] = kv_compat_digest(dm, pool)
     objects: list[dict[str, Any]] = []
+    group = selector_labels(dm, component) if pool.multi_node else None
     for slice_index in range(dm.spec.placement.slices):
         template = pod_template(
             dm,
@@ -163,7 +175,7 @@ def engine_pool(
             # Let in-flight generations finish before the engine goes away.
             termination_grace_seconds=termination_grace_seconds(pool),
             gpu_pool=True,
-            affinity=engine_affinity(dm, slice_index),
+            affinity=engine_affinity(dm, slice_index, group=group),
             extra_spec=engine_pod_fields(dm),
             overrides=pool.pod_overrides,
         )
@@ -177,14 +189,15 @@ def engine_pool(
         name = engine_name(dm, component, slice_index)
         # Always written, 0 included: a partition released is then set back, not left behind.
         partition = rollout.partition(name) if rollout is not None else 0
+        metadata = {**meta(dm, component, name), "labels": template["metadata"]["labels"]}
+        if pool.multi_node:
+            objects.append(leader_worker_set(metadata, pool, template, replicas, partition))
+            continue
         strategy = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
         objects.append({
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": {
-                **meta(dm, component, name),
-                "labels": template["metadata"]["labels"],
-            },
+            "metadata": metadata,
             "spec": {
                 **spec,
                 "podManagementPolicy": "Parallel",

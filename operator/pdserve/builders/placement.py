@@ -12,6 +12,7 @@ from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.gpu_products import PRODUCT_LABEL as GPU_PRODUCT_LABEL
 from pdserve.api.placement import Strength
 from pdserve.api.requirements import ResourceRequirements, guaranteed_resources
+from pdserve.builders.leaderworkerset import group_affinity_term
 from pdserve.builders.names import slice_labels
 from pdserve.builders.pods import resources
 from pdserve.contract.names import MODEL_LABEL, SLICE_LABEL, Component
@@ -40,9 +41,12 @@ def _add_pod_term(
         section.setdefault(PREFERRED, []).append({"weight": 100, "podAffinityTerm": term})
 
 
-def engine_affinity(dm: DisaggregatedModel, slice_index: int) -> dict[str, Any] | None:
+def engine_affinity(
+    dm: DisaggregatedModel, slice_index: int, group: dict[str, str] | None = None
+) -> dict[str, Any] | None:
     """The user's affinity plus: a GPU product requirement, every pod of the slice in one
-    domain, and (optionally) other slices kept out of that domain."""
+    domain, and (optionally) other slices kept out of that domain. `group`: the selector of a
+    multi-node pool, whose every LeaderWorkerSet group must share one domain."""
     placement = dm.spec.placement
     affinity: dict[str, Any] = copy.deepcopy(dict(placement.affinity or {}))
     if placement.gpu_products:
@@ -57,6 +61,9 @@ def engine_affinity(dm: DisaggregatedModel, slice_index: int) -> dict[str, Any] 
             "topologyKey": domain.topology_key,
         }
         _add_pod_term(affinity, "podAffinity", together, domain.mode)
+        if group is not None:
+            term = group_affinity_term(group, domain.topology_key)
+            _add_pod_term(affinity, "podAffinity", term, Strength.required)
         if domain.spread_slices is not None and placement.slices > 1:
             others = {
                 "labelSelector": {

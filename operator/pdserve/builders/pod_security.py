@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pdserve.builders.leaderworkerset import pod_template_of
 from pdserve.contract.names import COMPONENT_LABEL, Component
 
 ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
@@ -34,7 +35,7 @@ RESTRICTED_VOLUMES = frozenset({
     "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "image",
     "persistentVolumeClaim", "projected", "secret",
 })  # fmt: skip
-WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet", "Job")
 # Baseline checks a restricted check replaces (pod-security-admission's OverrideCheckIDs:
 # capabilities_restricted over capabilities_baseline, restrictedVolumes over hostPathVolumes,
 # seccompProfile_restricted over seccompProfile_baseline): at restricted the API server names
@@ -173,7 +174,7 @@ def refused_templates(
     for obj in objects:
         if obj.get("kind") not in WORKLOAD_KINDS:
             continue
-        template = obj["spec"]["template"]
+        template = pod_template_of(obj)
         found = pod_violations(template["spec"], level)
         if found:
             component = template["metadata"].get("labels", {}).get(COMPONENT_LABEL, "")

@@ -16,9 +16,14 @@ from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.api.parity import ParityKnob, Render, Scope
 from pdserve.api.render import EngineApi
 from pdserve.builders.parity import canonical_json
+from pdserve.contract.names import DATA_PARALLEL_RPC_PORT
 from pdserve.contract.pod_layout import CHAT_TEMPLATE_DIR, MODEL_MOUNT
 
 CHAT_TEMPLATE_FILE = "template.jinja"
+# Set in every container of a LeaderWorkerSet group by LWS's pod webhook; the kubelet expands
+# $(NAME) in args from the container's env.
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 
 
 def model_argument(dm: DisaggregatedModel) -> str:
@@ -78,6 +83,7 @@ def pool_flags(pool: EnginePoolSpec) -> list[str]:
         # Always written: vLLM's default, 0, aborts every request in flight on SIGTERM.
         "--shutdown-timeout", str(pool.shutdown_timeout_seconds),
     ]  # fmt: skip
+    args += multi_node_flags(pool) + expert_parallel_flags(pool)
     scheduler = pool.scheduler
     if scheduler.enable_chunked_prefill is not None:
         args.append(
@@ -90,6 +96,35 @@ def pool_flags(pool: EnginePoolSpec) -> list[str]:
         args += ["--max-num-seqs", str(scheduler.max_num_seqs)]
     if scheduler.long_prefill_token_threshold is not None:
         args += ["--long-prefill-token-threshold", str(scheduler.long_prefill_token_threshold)]
+    return args
+
+
+def multi_node_flags(pool: EnginePoolSpec) -> list[str]:
+    """A replica over nodesPerReplica pods in hybrid load balancing: every pod serves HTTP for
+    its own dataParallelSize / nodesPerReplica ranks; vLLM derives the local size and the start
+    rank from --nnodes and --node-rank (the LWS worker index); rank 0's pod (the group's
+    leader) coordinates (docs/design/multinode.md)."""
+    if not pool.multi_node:
+        return []
+    return [
+        "--nnodes", str(pool.nodes_per_replica),
+        "--node-rank", f"$({LWS_WORKER_INDEX})",
+        "--data-parallel-hybrid-lb",
+        "--data-parallel-address", f"$({LWS_LEADER_ADDRESS})",
+        "--data-parallel-rpc-port", str(DATA_PARALLEL_RPC_PORT),
+    ]  # fmt: skip
+
+
+def expert_parallel_flags(pool: EnginePoolSpec) -> list[str]:
+    expert = pool.expert_parallel
+    if expert is None:
+        return []
+    args = ["--enable-expert-parallel"]
+    if expert.all2all_backend is not None:
+        args += ["--all2all-backend", expert.all2all_backend.value]
+    if expert.load_balancer is not None:
+        config = {"num_redundant_experts": expert.load_balancer.num_redundant_experts}
+        args += ["--enable-eplb", "--eplb-config", canonical_json(config)]
     return args
 
 

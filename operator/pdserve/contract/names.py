@@ -33,6 +33,9 @@ def children_selector(model: str) -> str:
 
 
 ENGINE_PORT = 8000
+# The ZMQ port of a multi-node replica's DP coordination on its leader, the same on every node
+# (vLLM 0.32's default for --data-parallel-rpc-port, config/parallel.py).
+DATA_PARALLEL_RPC_PORT = 29550
 RENDER_PORT = 8000
 GATEWAY_CONTAINER_PORT = 8000
 # Where the pdserve image carries the gateway's compiled data plane (images/Dockerfile).

@@ -22,6 +22,7 @@ from pdserve.api.placement import (
     PlacementSpec,
     ResourceClaimSpec,
 )
+from pdserve.api.pools import RANKS_PER_NODE, EnginePoolSpec
 from pdserve.api.render import RenderSpec
 from pdserve.api.serving import ServingSpec
 from pdserve.api.spec import BIDIRECTIONAL_NEEDS_RENDER as BIDIRECTIONAL
@@ -45,6 +46,7 @@ HOST_NETWORK = HOST_NETWORK_SPLITS_A_NODE_DOMAIN.message
 NIC_PIN = NIC_PIN_NEEDS_RDMA.message
 ONE_CLAIM = ONE_CLAIM_SOURCE.message
 NO_TCP = TRANSPORTS_NEED_TCP_OR_RDMA.message
+RANKS = RANKS_PER_NODE.message
 RDMA = {"placement": {"rdma": {"resource": "rdma/rdma_shared_device_a"}, "guaranteedQoS": False}}
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
@@ -62,6 +64,13 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (ServingSpec, {"enableAutoToolChoice": True, "toolCallParser": "hermes"}, None),
     (ServingSpec, {"toolCallParser": "hermes"}, None),
     (ServingSpec, {"enableAutoToolChoice": True}, "enableAutoToolChoice needs toolCallParser"),
+    (EnginePoolSpec, {}, None),
+    (EnginePoolSpec, {"nodesPerReplica": 1, "dataParallelSize": 3}, None),
+    (EnginePoolSpec, {"nodesPerReplica": 2, "dataParallelSize": 4}, None),
+    (EnginePoolSpec, {"nodesPerReplica": 4, "dataParallelSize": 16}, None),
+    (EnginePoolSpec, {"nodesPerReplica": 2}, RANKS),  # 1 rank per node (the default DP 1)
+    (EnginePoolSpec, {"nodesPerReplica": 2, "dataParallelSize": 2}, RANKS),
+    (EnginePoolSpec, {"nodesPerReplica": 4, "dataParallelSize": 6}, RANKS),
     (ScalingBehaviour, {}, None),
     (ScalingBehaviour, {"minReplicas": 3, "maxReplicas": 3}, None),
     (ScalingBehaviour, {"minReplicas": 4, "maxReplicas": 2}, MIN_MAX),
@@ -244,7 +253,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 17
+    assert len(rules) == 18
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

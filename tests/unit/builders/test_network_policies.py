@@ -68,7 +68,8 @@ def test_off_by_default_and_applied_before_the_workloads_when_on(path: Path) -> 
     assert not [o for o in build_all(dm) if o["kind"] == "NetworkPolicy"]
     kinds = [o["kind"] for o in build_all(dm, network=NetworkPolicyOptions())]
     last_policy = max(i for i, kind in enumerate(kinds) if kind == "NetworkPolicy")
-    assert last_policy < kinds.index("StatefulSet")
+    first_engine = min(kinds.index(k) for k in ("StatefulSet", "LeaderWorkerSet") if k in kinds)
+    assert last_policy < first_engine
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
