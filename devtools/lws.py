@@ -35,24 +35,42 @@ from devtools.localplane import (
 )
 from devtools.resources import server_side_apply
 
-API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# The API and the labels LWS's pod webhook writes (pkg/webhooks/pod_webhook.go; NAME_LABEL its
+# controller), as the operator's builders name them: re-exported for the tests.
+from pdserve.builders.leaderworkerset import API_VERSION as API_VERSION
+from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL as GROUP_INDEX_LABEL
+from pdserve.builders.leaderworkerset import GROUP_KEY_LABEL as GROUP_KEY_LABEL
+from pdserve.builders.leaderworkerset import NAME_LABEL as NAME_LABEL
+from pdserve.builders.leaderworkerset import WORKER_INDEX_LABEL as WORKER_INDEX_LABEL
+
 CRD_NAME = "leaderworkersets.leaderworkerset.x-k8s.io"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 ADMISSION = "/apis/admissionregistration.k8s.io/v1"
 FIELD_MANAGER = "pdserve-devtools-lws"
 MUTATING = "lws-mutating-webhook-configuration"
 VALIDATING = "lws-validating-webhook-configuration"
-# The labels the pod webhook writes (pkg/webhooks/pod_webhook.go); NAME_LABEL the controller.
-NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
 
 
 def lws_path(namespace: str, name: str = "") -> str:
     """The API path of a namespace's LeaderWorkerSets, or of one of them."""
     base = f"/apis/{API_VERSION}/namespaces/{namespace}/leaderworkersets"
     return f"{base}/{name}" if name else base
+
+
+def install_lws_crd(plane: ControlPlane, binaries: Binaries, *, timeout: float = 60.0) -> None:
+    """The LeaderWorkerSet CRD of the pinned version, applied and Established."""
+    crd = yaml.safe_load(binaries.path("lws-crd.yaml").read_text())
+    with plane.http() as http:
+        response = server_side_apply(http, f"{CRDS}/{CRD_NAME}", crd, FIELD_MANAGER, force=True)
+        if not response.is_success:
+            raise ControlPlaneError(f"applying the LeaderWorkerSet CRD: {response.text}")
+
+        def established() -> bool:
+            found = http.get(f"{CRDS}/{CRD_NAME}").json()
+            conditions = (found.get("status") or {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        wait_until("the LeaderWorkerSet CRD to be Established", established, timeout=timeout)
 
 
 @dataclass
@@ -77,7 +95,7 @@ class LwsManager(Components):
         for directory in (self.workdir, self.logs):
             directory.mkdir(parents=True, exist_ok=True)
         try:
-            self._apply_crd(timeout)
+            install_lws_crd(self.plane, self.binaries, timeout=timeout)
             config = self._write_config()
             args = [str(self.binaries.path("lws-manager")), f"--config={config}",
                     f"--kubeconfig={self.plane.kubeconfig(ADMIN_USER)}",
@@ -122,22 +140,6 @@ class LwsManager(Components):
         path = self.workdir / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
-
-    def _apply_crd(self, timeout: float) -> None:
-        crd = yaml.safe_load(self.binaries.path("lws-crd.yaml").read_text())
-        with self.plane.http() as http:
-            response = server_side_apply(http, f"{CRDS}/{CRD_NAME}", crd, FIELD_MANAGER,
-                                         force=True)  # fmt: skip
-            if not response.is_success:
-                raise ControlPlaneError(f"applying the LeaderWorkerSet CRD: {response.text}")
-
-            def established() -> bool:
-                conditions = (http.get(f"{CRDS}/{CRD_NAME}").json().get("status") or {}).get(
-                    "conditions"
-                ) or []
-                return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-            wait_until("the LeaderWorkerSet CRD to be Established", established, timeout=timeout)
 
     def _hook(self, name: str, path: str, resource: str, operations: list[str]) -> dict[str, Any]:
         """One webhook as upstream's config/webhook/manifests.yaml declares it, called by URL."""

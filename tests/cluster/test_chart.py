@@ -21,7 +21,8 @@ import yaml
 
 from devtools.clitools import Kubectl, ensure_cli_tools
 from devtools.images import EARLIER_COMMIT
-from devtools.localplane import ControlPlane, wait_until
+from devtools.localplane import ControlPlane, build_binaries, wait_until
+from devtools.lws import install_lws_crd
 from devtools.resources import KEDA_CRD
 from pdserve.api.crd import CRD_FILE, build_crd, render_chart_crd
 from pdserve.builders.scaling import (
@@ -345,6 +346,7 @@ def test_chart_installs_into_the_real_control_plane(
     kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(KEDA_CRD), check=True)
     kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=30s",
             check=True)  # fmt: skip
+    install_lws_crd(control_plane, build_binaries(lws=True))  # the LeaderWorkerSet kind too
     namespace = yaml.safe_dump(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NAMESPACE}}
     )

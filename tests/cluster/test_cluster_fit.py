@@ -47,7 +47,8 @@ import pytest
 import yaml
 
 from devtools import dra
-from devtools.localplane import ControlPlane, ControlPlaneError, wait_until
+from devtools.localplane import ControlPlane, ControlPlaneError, build_binaries, wait_until
+from devtools.lws import LwsManager, running_lws
 from devtools.model_volume import CLAIM_NAME
 from devtools.nodes import (
     CLIQUE_0,
@@ -63,11 +64,16 @@ from devtools.nodes import (
 )
 from devtools.operator_proc import RunningOperator
 from devtools.resources import APPLY, dm_url, get
-from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.api import DisaggregatedModel, EnginePoolSpec, parse_resource
 from pdserve.api.gpu_products import GB200, H100_80GB_HBM3, H200, L40S, PRODUCT_LABEL
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.api.placement import Strength
 from pdserve.builders import build_all
+from pdserve.builders.leaderworkerset import API_VERSION as LWS_API_VERSION
+from pdserve.builders.leaderworkerset import GROUP_KEY_LABEL as LWS_GROUP_KEY_LABEL
+from pdserve.builders.leaderworkerset import NAME_LABEL as LWS_NAME_LABEL
+from pdserve.builders.leaderworkerset import WORKER_INDEX_LABEL as LWS_WORKER_INDEX_LABEL
+from pdserve.builders.leaderworkerset import pod_template_of
 from pdserve.builders.pod_security import (
     ENFORCE_LABEL,
     WORKLOAD_KINDS,
@@ -75,7 +81,7 @@ from pdserve.builders.pod_security import (
     pod_violations,
 )
 from pdserve.builders.preflight import NodePair, preflight
-from pdserve.contract.names import COMPONENT_LABEL
+from pdserve.contract.names import COMPONENT_LABEL, DATA_PARALLEL_RPC_PORT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
@@ -92,10 +98,12 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
 GPU = "nvidia.com/gpu"
 LEVELS = tuple(PodSecurityLevel)
-WORKLOADS = {"StatefulSet": "/apis/apps/v1", "Deployment": "/apis/apps/v1"}
+WORKLOADS = {"StatefulSet": "/apis/apps/v1", "Deployment": "/apis/apps/v1",
+             "LeaderWorkerSet": f"/apis/{LWS_API_VERSION}"}  # fmt: skip
 ENGINES = ("prefill", "decode")
 CPU_POOLS = ("render", "gateway")
-PLURAL = {"StatefulSet": "statefulsets", "Deployment": "deployments", "Job": "jobs"}
+PLURAL = {"StatefulSet": "statefulsets", "Deployment": "deployments", "Job": "jobs",
+          "LeaderWorkerSet": "leaderworkersets"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -379,7 +387,11 @@ def all_bound(http: httpx.Client, dm: DisaggregatedModel) -> bool:
         replicas = live["spec"].get("replicas", 1)
         if replicas < floor.get(name, 0):
             return False
-        pods = pods_of(http, ns, live["spec"]["selector"]["matchLabels"])
+        if kind == "LeaderWorkerSet":  # groups of `size` pods, selected by LWS's own label
+            replicas *= live["spec"]["leaderWorkerTemplate"]["size"]
+            pods = pods_of(http, ns, {LWS_NAME_LABEL: name})
+        else:
+            pods = pods_of(http, ns, live["spec"]["selector"]["matchLabels"])
         if len(pods) != replicas or not all(p["spec"].get("nodeName") for p in pods):
             return False
     return True
@@ -449,8 +461,13 @@ def wiring_problems(pod: Mapping[str, Any], dm: DisaggregatedModel) -> list[str]
     ports = {p["name"]: p["containerPort"] for p in vllm.get("ports", [])}
     env = env_of(vllm)
     wanted_ports = {"http": 8000}
+    if pool.multi_node:
+        wanted_ports["dp-rpc"] = DATA_PARALLEL_RPC_PORT
+        problems += group_wiring_problems(pod, vllm, pool)
     if spec.disaggregated and kv.connector in NIXL_CONNECTORS:
-        wanted_ports["nixl"] = kv.side_channel_port
+        # One listener per data-parallel rank (global ranks: every pod of a group declares all).
+        for rank in range(pool.data_parallel_size):
+            wanted_ports["nixl" if rank == 0 else f"nixl-dp{rank}"] = kv.side_channel_port + rank
         wanted_env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": {"fieldRef": {"apiVersion": "v1",
                                                          "fieldPath": "status.podIP"}},
@@ -482,6 +499,30 @@ def wiring_problems(pod: Mapping[str, Any], dm: DisaggregatedModel) -> list[str]
     if placement.rdma is not None and (not kv.ucx_transports or "tcp" in kv.ucx_transports):
         problems.append(f"{name}: RDMA requested but UCX_TLS={kv.ucx_transports!r} lets UCX "
                         "fall back to TCP silently")  # fmt: skip
+    return problems
+
+
+def group_wiring_problems(
+    pod: Mapping[str, Any], vllm: Mapping[str, Any], pool: EnginePoolSpec
+) -> list[str]:
+    """A pod of a LeaderWorkerSet group: LWS's webhook gave it its group's env and labels, and
+    its vLLM line takes its node rank and the leader's address from them."""
+    name, labels = pod["metadata"]["name"], pod["metadata"]["labels"]
+    env = env_of(vllm)
+    worker = labels.get(LWS_WORKER_INDEX_LABEL)
+    wanted = {"LWS_GROUP_SIZE": str(pool.nodes_per_replica), "LWS_WORKER_INDEX": worker}
+    got = {k: env.get(k) for k in wanted}
+    problems = [] if got == wanted else [f"{name}: LWS env {got}, expected {wanted}"]
+    if not str(env.get("LWS_LEADER_ADDRESS", "")).startswith(f"{labels.get(LWS_NAME_LABEL)}-"):
+        problems.append(f"{name}: LWS_LEADER_ADDRESS {env.get('LWS_LEADER_ADDRESS')!r}")
+    args = vllm["args"]
+    flags = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    if (flags.get("--node-rank"), flags.get("--nnodes")) != (
+        "$(LWS_WORKER_INDEX)",
+        str(pool.nodes_per_replica),
+    ):
+        problems.append(f"{name}: --nnodes {flags.get('--nnodes')} --node-rank "
+                        f"{flags.get('--node-rank')}")  # fmt: skip
     return problems
 
 
@@ -573,10 +614,16 @@ def placement_problems(
         if domain is not None:
             slice_index = pod["metadata"]["labels"].get("pdserve.io/slice", "0")
             domains.setdefault(slice_index, set()).add(labels.get(domain.topology_key, "?"))
+            group = pod["metadata"]["labels"].get(LWS_GROUP_KEY_LABEL)
+            if group is not None:
+                domains.setdefault(f"group {group[:8]}", set()).add(
+                    labels.get(domain.topology_key, "?")
+                )
     if domain is not None and domain.mode is Strength.required:
         split = {s: d for s, d in domains.items() if len(d) > 1}
         if split:
-            problems.append(f"slices split over {domain.topology_key} domains: {split}")
+            problems.append(f"slices or groups split over {domain.topology_key} domains: "
+                            f"{split}")  # fmt: skip
     return problems
 
 
@@ -592,6 +639,10 @@ def bound_detail(
     pools = []
     for name, pool in dm.spec.engine_pools():
         tp = f" (TP{pool.tensor_parallel_size})" if pool.tensor_parallel_size > 1 else ""
+        if pool.multi_node:
+            groups = counts.get(name, 0) // pool.nodes_per_replica
+            tp = (f" ({groups} group(s) of {pool.nodes_per_replica} pods, DP"
+                  f"{pool.data_parallel_size}{'/EP' if pool.expert_parallel else ''})")  # fmt: skip
         pools.append(f"{counts.get(name, 0)} {name}{tp}")
     text = f"{' + '.join(pools)} on {where}"
     domain = placement.domain
@@ -746,19 +797,39 @@ def phases(outcome: Outcome) -> str:
     return ", ".join(f"{k} done at {v:.1f}s" for k, v in outcome.phases.items())
 
 
+def spans_nodes(case: Case) -> bool:
+    pools = _parsed(BODIES[case.example], "x").spec.engine_pools()
+    return any(pool.multi_node for _, pool in pools)
+
+
+@pytest.fixture(scope="module")
+def lws_manager(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LwsManager]:
+    """The real LeaderWorkerSet controller, for the examples whose replicas span nodes."""
+    with running_lws(
+        control_plane, tmp_path_factory.mktemp("lws"), build_binaries(lws=True)
+    ) as manager:
+        yield manager
+
+
 @pytest.fixture(scope="module")
 def outcomes(
     control_plane: ControlPlane,
     fit_nodes: dict[str, dict[str, str]],
     fit_namespaces: list[str],
     compute_domain_devices: list[str],
+    lws_manager: LwsManager,
     operator_with_webhook: RunningOperator,
 ) -> dict[str, Outcome]:
     """Every case, one lane per namespace (profile x level) at a time within it, the lanes
-    concurrently: the nodes hold any two cases of a profile at once."""
+    concurrently: the nodes hold any two cases of a profile at once. Then, one at a time, the
+    cases whose groups each need a whole clique of trays: a group's first pod may bind anywhere,
+    and a clique another case holds a tray of could never take the rest of the group."""
     lanes: dict[str, list[Case]] = {}
     for case in CASES:
-        lanes.setdefault(case.namespace, []).append(case)
+        if not spans_nodes(case):
+            lanes.setdefault(case.namespace, []).append(case)
 
     def lane(cases: list[Case]) -> list[Outcome]:
         return [run_case(control_plane, case, fit_nodes) for case in cases]
@@ -766,6 +837,7 @@ def outcomes(
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=LANES_AT_ONCE) as pool:
         results = [o for done in pool.map(lane, lanes.values()) for o in done]
+    results += lane([case for case in CASES if spans_nodes(case)])
     elapsed = time.monotonic() - started
     slowest = sorted(results, key=lambda o: -o.seconds)[:5]
     print(f"\n{len(results)} cases in {elapsed:.1f}s; slowest: "
@@ -912,7 +984,7 @@ def pod_templates(dm: DisaggregatedModel) -> list[tuple[str, dict[str, Any]]]:
     """Every pod template pdserve builds: the workloads and a preflight Job between two nodes."""
     objects = [*build_all(dm), *preflight(dm, {0: NodePair("node-a", "node-b")})]
     return [
-        (f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"])
+        (f"{o['kind']}/{o['metadata']['name']}", pod_template_of(o)["spec"])
         for o in objects
         if o["kind"] in WORKLOAD_KINDS
     ]

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from devtools.clitools import Kubectl
-from devtools.localplane import ControlPlane
+from devtools.localplane import ControlPlane, build_binaries
+from devtools.lws import install_lws_crd
 from pdserve.api import parse_resource
 from pdserve.builders import NetworkPolicyOptions, build_all
 from pdserve.contract.names import FIELD_MANAGER
@@ -19,7 +20,7 @@ from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
 from pdserve.manifests import load_resources
 
-pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd", "lws_crd")]
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 GITOPS = Path(__file__).resolve().parents[2] / "examples" / "gitops"
@@ -32,6 +33,12 @@ NETWORK = NetworkPolicyOptions(
         {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
     ),
 )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lws_crd(control_plane: ControlPlane) -> None:
+    """The LeaderWorkerSet kind (pinned version): multi-node examples build LeaderWorkerSets."""
+    install_lws_crd(control_plane, build_binaries(lws=True))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

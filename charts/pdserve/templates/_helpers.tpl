@@ -72,6 +72,11 @@ upgrade with --reuse-values from a release whose chart had no crds value still g
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# Engine pools whose replicas span nodes (nodesPerReplica > 1) are LeaderWorkerSets; the LWS
+# controller itself need not be installed for the others.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
 # Each gateway gets its own Role and RoleBinding to discover its pods.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]

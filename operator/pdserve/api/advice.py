@@ -23,8 +23,32 @@ def _one_nic_for_many_gpus(spec: DisaggregatedModelSpec) -> list[str]:
     ]
 
 
+def _spanning_groups(spec: DisaggregatedModelSpec) -> list[str]:
+    """Groups with no domain to stay in talk between nodes over whatever network they get."""
+    if spec.placement.group_topology_key is not None or spec.placement.rdma is not None:
+        return []
+    return [
+        f"spec.{name}.nodesPerReplica {pool.nodes_per_replica}: a group's pods may land on any "
+        "nodes, and its data-parallel coordination and expert all-to-all cross them over the "
+        "pod network (no spec.placement.rdma): set spec.placement.rdma, and "
+        "spec.placement.domain.topologyKey to keep each group in one rack or NVLink domain"
+        for name, pool in spec.engine_pools()
+        if pool.multi_node and not spec.placement.engines_on_cpu
+    ]
+
+
 def _clique_domain(spec: DisaggregatedModelSpec) -> list[str]:
     domain = spec.placement.domain
+    spanning = any(pool.multi_node for _, pool in spec.engine_pools())
+    if spanning and spec.placement.group_topology_key == CLIQUE_LABEL and domain is None:
+        if spec.placement.resource_claims:
+            return []
+        return [
+            "spec.placement: the groups of nodesPerReplica > 1 stay in one NVLink clique, but "
+            "NVLink between trays also needs IMEX channels, which pods get only through a DRA "
+            "ComputeDomain resource claim (NVIDIA's DRA driver): add it to "
+            "spec.placement.resourceClaims, or the group's traffic moves over the NIC"
+        ]
     if domain is None or domain.topology_key != CLIQUE_LABEL:
         return []
     products = [lookup(p) for p in spec.placement.products]
@@ -85,6 +109,7 @@ def admission_warnings(spec: DisaggregatedModelSpec) -> list[str]:
         *fit_warnings(spec),
         *_one_nic_for_many_gpus(spec),
         *_clique_domain(spec),
+        *_spanning_groups(spec),
         *_unsized_download(spec),
         *_claims_take_whole_nodes(spec),
     ]

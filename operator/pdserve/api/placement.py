@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import LabelMap, PreservedObject
-from pdserve.api.gpu_products import CLIQUE_LABEL, PRODUCT_LABEL, never_in_a_clique
+from pdserve.api.gpu_products import CLIQUE_LABEL, PRODUCT_LABEL, lookup, never_in_a_clique
 from pdserve.api.requirements import GPU_RESOURCE
 
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -205,6 +205,19 @@ class PlacementSpec(ApiModel):
         if self.gpu_products:
             return [p for p in self.gpu_products if chosen is None or p == chosen]
         return [chosen] if chosen is not None else []
+
+    @property
+    def group_topology_key(self) -> str | None:
+        """The domain each group of a multi-node pool (nodesPerReplica > 1) must stay in:
+        domain's key, else the NVLink clique when every allowed product is a multi-node NVLink
+        system (GB200/GB300 NVL72, where GPU Feature Discovery always publishes it), else none
+        (groups talk over RDMA or the pod network)."""
+        if self.domain is not None:
+            return self.domain.topology_key
+        products = [lookup(p) for p in self.products]
+        if products and all(p is not None and p.multi_node_nvlink for p in products):
+            return CLIQUE_LABEL
+        return None
 
     @property
     def engines_on_cpu(self) -> bool:

@@ -13,8 +13,13 @@ from pdserve.api import EnginePoolSpec
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 KIND = "LeaderWorkerSet"
-# Pods of one group share this label's value (set by LWS's pod webhook).
+# Labels LWS's pod webhook sets on every pod of a group: the same group key for its pods, the
+# LeaderWorkerSet's name, the group's index (its place under the rollout partition) and the
+# pod's index in its group (0: the leader).
 GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
+NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 def leader_worker_set(
@@ -59,10 +64,21 @@ def group_affinity_term(selector: dict[str, str], topology_key: str) -> dict[str
 
 
 def pod_template_of(workload: Mapping[str, Any]) -> dict[str, Any]:
-    """The pod template of a Deployment, StatefulSet, Job or LeaderWorkerSet."""
+    """The pod template of a Deployment, StatefulSet, Job or LeaderWorkerSet ({} when a live
+    object has none)."""
     spec = workload.get("spec") or {}
     if workload.get("kind") == KIND:
-        template: dict[str, Any] = spec["leaderWorkerTemplate"]["workerTemplate"]
+        spec = spec.get("leaderWorkerTemplate") or {}
+        template: dict[str, Any] = spec.get("workerTemplate") or {}
         return template
-    found: dict[str, Any] = spec["template"]
+    found: dict[str, Any] = spec.get("template") or {}
     return found
+
+
+def partition_of(workload: Mapping[str, Any]) -> int:
+    """The live rollout partition of an engine StatefulSet or LeaderWorkerSet."""
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == KIND:
+        config = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+        return int(config.get("partition", 0))
+    return int(((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition", 0))

@@ -54,6 +54,11 @@ def engine_affinity(
             affinity,
             {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(placement.gpu_products)},
         )
+    key = placement.group_topology_key
+    if group is not None and key is not None:
+        # Required whatever the slice's own domain mode: a group split across domains cannot
+        # run its collectives over NVLink.
+        _add_pod_term(affinity, "podAffinity", group_affinity_term(group, key), Strength.required)
     domain = placement.domain
     if domain is not None:
         together = {
@@ -61,9 +66,6 @@ def engine_affinity(
             "topologyKey": domain.topology_key,
         }
         _add_pod_term(affinity, "podAffinity", together, domain.mode)
-        if group is not None:
-            term = group_affinity_term(group, domain.topology_key)
-            _add_pod_term(affinity, "podAffinity", term, Strength.required)
         if domain.spread_slices is not None and placement.slices > 1:
             others = {
                 "labelSelector": {

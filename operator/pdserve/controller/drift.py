@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.api import PARITY_ENV, PARITY_FLAGS
 from pdserve.api.flags import normalize_flag
 from pdserve.builders import Component
+from pdserve.builders.leaderworkerset import pod_template_of
 from pdserve.contract.names import COMPONENT_LABEL, PARITY_HASH_ANNOTATION
 from pdserve.controller.children import ChildKey, describe, key_of
 
@@ -32,7 +33,7 @@ def _flag_values(args: list[str]) -> dict[str, str]:
 
 
 def _container(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    containers = obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    containers = pod_template_of(obj).get("spec", {}).get("containers", [])
     return containers[0] if containers else {}
 
 
@@ -42,7 +43,7 @@ def parity_drift(
     """Parity flags, env and hashes of live workloads that differ from what the spec says."""
     found: list[str] = []
     for want in desired:
-        if want["kind"] not in ("StatefulSet", "Deployment"):
+        if want["kind"] not in ("StatefulSet", "LeaderWorkerSet", "Deployment"):
             continue
         have = live.get(key_of(want))
         component = want["metadata"]["labels"].get(COMPONENT_LABEL)
@@ -64,14 +65,9 @@ def parity_drift(
                 found.append(
                     f"{where}: {name} is {live_env.get(name)!r}, spec says {wanted_env.get(name)!r}"
                 )
-        want_hash = want["spec"]["template"]["metadata"]["annotations"][PARITY_HASH_ANNOTATION]
-        have_hash = (
-            have.get("spec", {})
-            .get("template", {})
-            .get("metadata", {})
-            .get("annotations", {})
-            .get(PARITY_HASH_ANNOTATION)
-        )
+        want_hash = pod_template_of(want)["metadata"]["annotations"][PARITY_HASH_ANNOTATION]
+        have_meta = pod_template_of(have).get("metadata", {})
+        have_hash = have_meta.get("annotations", {}).get(PARITY_HASH_ANNOTATION)
         if have_hash != want_hash and not found:
             found.append(
                 f"{where}: pod template parity hash is {have_hash!r}, spec says {want_hash!r}"

@@ -86,6 +86,7 @@ CONFIGMAP = KINDS[("v1", "ConfigMap")]
 POD = KINDS[("v1", "Pod")]
 EVENT = KINDS[("v1", "Event")]
 JOB = KINDS[("batch/v1", "Job")]
+LEADER_WORKER_SET = KINDS[("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")]
 PARITY_DRIFT = "ParityDrift"  # the Event's reason; the operator's metrics count them
 
 
@@ -109,7 +110,22 @@ class Outcome:
         self.events.append(Event(type_, reason, message))
 
 
-WORKLOAD_KINDS = ("StatefulSet", "Deployment")
+WORKLOAD_KINDS = ("StatefulSet", "LeaderWorkerSet", "Deployment")
+
+
+async def missing_apis(kube: Kube, dm: DisaggregatedModel) -> list[str]:
+    """What the model needs that the cluster does not serve: the LeaderWorkerSet API for a
+    replica spanning nodes."""
+    spanning = [name for name, pool in dm.spec.engine_pools() if pool.multi_node]
+    if not spanning or await kube.serves(LEADER_WORKER_SET):
+        return []
+    fields = " and ".join(f"spec.{name}.nodesPerReplica" for name in spanning)
+    return [
+        f"{fields} above 1 runs each replica as a LeaderWorkerSet group, but this cluster does "
+        f"not serve {LEADER_WORKER_SET.api_version} {LEADER_WORKER_SET.kind}: install the "
+        "LeaderWorkerSet controller (v0.7.0 or later, https://lws.sigs.k8s.io), or set "
+        "nodesPerReplica 1"
+    ]
 
 
 def apply_waves(desired: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
@@ -318,18 +334,26 @@ async def _converge(
     meta = body["metadata"]
     generation = meta.get("generation")
     before = previous_status(body)
-    try:
-        dm, newer = parse_stored(dict(body))
-    except SpecError as error:
-        outcome.problems = error.problems
+
+    async def refuse(problems: list[str], reason: str) -> None:
+        """Nothing applied: the model Failed with `reason`, told once as a Warning."""
+        outcome.problems = problems
         status = compute_status(
-            None, Observation(problems=error.problems), before,
+            None, Observation(problems=problems, problem_reason=reason), before,
             generation=generation, parity=None, now=now(),
         )  # fmt: skip
         outcome.status = status
         outcome.status_written = await write_status(kube, body, status, cache)
         if outcome.status_written:
-            outcome.event("Warning", "InvalidSpec", "; ".join(error.problems))
+            outcome.event("Warning", reason, "; ".join(problems))
+
+    try:
+        dm, newer = parse_stored(dict(body))
+    except SpecError as error:
+        await refuse(error.problems, "InvalidSpec")
+        return
+    if missing := await missing_apis(kube, dm):
+        await refuse(missing, "MissingAPI")
         return
 
     for field_warning in newer:
@@ -349,7 +373,7 @@ async def _converge(
         cached=cache.children_of if cache is not None else None,
     )  # fmt: skip
     # Builtin-scaled pools: the live replicas, or a newer decision of the autoscaling loop.
-    plan = live_plan(dm, [o for k, o in live.items() if k[1] in ("StatefulSet", "Deployment")])
+    plan = live_plan(dm, [o for k, o in live.items() if k[1] in WORKLOAD_KINDS])
     if autoscaler is not None:
         plan, decisions = autoscaler.plan((dm.namespace, dm.name), dm, plan, pods_before)
         for decision in decisions:
@@ -361,9 +385,9 @@ async def _converge(
         # read no model's status.
         warn_once(warned, dm, key_warning)
     warnings += key_warnings
-    statefulsets = {k[2]: o for k, o in live.items() if k[1] == "StatefulSet"}
-    rollout = engine_rollout(dm, plan, statefulsets, pods_before)
-    for step in rollout_steps(rollout, statefulsets):
+    engine_sets = {k[2]: o for k, o in live.items() if k[1] in ("StatefulSet", "LeaderWorkerSet")}
+    rollout = engine_rollout(dm, plan, engine_sets, pods_before)
+    for step in rollout_steps(rollout, engine_sets):
         outcome.event("Normal", "EngineRolloutStep", step)
     built = build_all(
         dm,
@@ -429,7 +453,7 @@ async def _converge(
     components = {c.value for c in Component}
     for key, result in sorted(results.items()):
         component = result["metadata"].get("labels", {}).get(COMPONENT_LABEL)
-        if key[1] in ("StatefulSet", "Deployment") and component in components:
+        if key[1] in WORKLOAD_KINDS and component in components:
             workloads.setdefault(Component(component), []).append(result)
     pods = await model_pods(kube, cache, dm.namespace, dm.name)
     engines = engine_pods(pods)

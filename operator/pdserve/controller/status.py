@@ -16,6 +16,9 @@ from pdserve.api.status import (
     SliceTransport,
 )
 from pdserve.builders import Component, endpoint
+from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL as LWS_GROUP_INDEX_LABEL
+from pdserve.builders.leaderworkerset import KIND as LWS_KIND
+from pdserve.builders.leaderworkerset import NAME_LABEL as LWS_NAME_LABEL
 from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
 from pdserve.controller.health import HealthVerdict, kv_policy
 from pdserve.controller.progress import (
@@ -26,6 +29,7 @@ from pdserve.controller.progress import (
     past_deadline,
 )
 from pdserve.controller.replica_check import contract_condition
+from pdserve.controller.rollout import pod_ready
 from pdserve.controller.transport import verified_condition
 
 # Container waiting reasons that will not fix themselves.
@@ -44,6 +48,7 @@ class Observation:
     pods: Sequence[Mapping[str, Any]] = ()
     parity_drift: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # invalid spec: nothing was applied
+    problem_reason: str = "InvalidSpec"  # or MissingAPI: the cluster lacks an API it needs
     warnings: list[str] = field(default_factory=list)  # e.g. a missing chat-template ConfigMap
     transport: list[SliceTransport] = field(default_factory=list)  # preflight verdicts
     health: HealthVerdict | None = None  # decode engines' NIXL metrics, last interval
@@ -55,18 +60,51 @@ class Observation:
     pod_security: str | None = None
 
 
-def pool_status(workloads: Sequence[Mapping[str, Any]]) -> tuple[PoolStatus, bool]:
-    """(counts, rolled out) of a pool's StatefulSets/Deployments, summed over its slices."""
+def observed_generation(workload: Mapping[str, Any]) -> int:
+    """The generation the workload's controller last acted on. A LeaderWorkerSet (v0.7.0)
+    records none (neither in status nor in its conditions): it counts as current while it
+    says Available and no update is in progress."""
+    status = workload.get("status", {})
+    if workload.get("kind") != "LeaderWorkerSet":
+        return int(status.get("observedGeneration", 0))
+    said = {c.get("type"): c.get("status") for c in status.get("conditions", [])}
+    settled = said.get("Available") == "True" and said.get("UpdateInProgress") != "True"
+    return int(workload.get("metadata", {}).get("generation", 0)) if settled else 0
+
+
+def ready_groups(workload: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> int:
+    """Groups of a LeaderWorkerSet whose every pod is Ready, counted from the pods: LWS v0.7.0
+    counts a group ready while a worker is still Pending (measured on the plane), and vLLM
+    serves only once every rank of the group runs."""
+    name = workload["metadata"]["name"]
+    size = int(workload.get("spec", {}).get("leaderWorkerTemplate", {}).get("size", 1))
+    ready: dict[str, int] = {}
+    for pod in pods:
+        labels = pod["metadata"].get("labels", {})
+        if labels.get(LWS_NAME_LABEL) == name and pod_ready(pod):
+            group = str(labels.get(LWS_GROUP_INDEX_LABEL))
+            ready[group] = ready.get(group, 0) + 1
+    return sum(count >= size for count in ready.values())
+
+
+def pool_status(
+    workloads: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]] = ()
+) -> tuple[PoolStatus, bool]:
+    """(counts, rolled out) of a pool's StatefulSets/Deployments, summed over its slices; of a
+    multi-node pool's LeaderWorkerSets, in groups (a group is ready when all its pods are)."""
     desired = ready = 0
     rolled_out = bool(workloads)
     for workload in workloads:
         spec, status = workload.get("spec", {}), workload.get("status", {})
         want = int(spec.get("replicas", 1))
-        have = int(status.get("readyReplicas", 0))
+        if workload.get("kind") == LWS_KIND:
+            have = ready_groups(workload, pods)
+        else:
+            have = int(status.get("readyReplicas", 0))
         updated = int(status.get("updatedReplicas", 0))
         generation = workload.get("metadata", {}).get("generation", 0)
-        observed = status.get("observedGeneration", 0)
-        rolled_out = rolled_out and observed >= generation and updated >= want and have >= want
+        rolled_out = (rolled_out and observed_generation(workload) >= generation
+                      and updated >= want and have >= want)  # fmt: skip
         desired, ready = desired + want, ready + have
     return PoolStatus(desired=desired, ready=ready, summary=f"{ready}/{desired}"), rolled_out
 
@@ -187,8 +225,8 @@ def compute_status(
     if dm is None or seen.problems:
         message = "; ".join(seen.problems) or "the spec is invalid"
         invalid = [
-            condition(kind, kind is ConditionType.degraded, "InvalidSpec", message, generation,
-                      before, now)
+            condition(kind, kind is ConditionType.degraded, seen.problem_reason, message,
+                      generation, before, now)
             for kind in (ConditionType.ready, ConditionType.progressing, ConditionType.degraded)
         ]  # fmt: skip
         return DisaggregatedModelStatus(
@@ -210,7 +248,7 @@ def compute_status(
     pools: dict[str, PoolStatus] = {}
     waiting: list[str] = []
     for component in wanted:
-        counts, rolled_out = pool_status(seen.workloads.get(component, []))
+        counts, rolled_out = pool_status(seen.workloads.get(component, []), seen.pods)
         pools[component.value] = counts
         if not rolled_out:
             waiting.append(f"{component.value} {counts.ready}/{counts.desired} ready")

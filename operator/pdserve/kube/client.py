@@ -48,6 +48,7 @@ KINDS: dict[tuple[str, str], Kind] = {
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("apps/v1", "Deployment", "deployments"),
+        Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
@@ -155,6 +156,13 @@ class Kube:
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         return await self._send("GET", kind.item(namespace, name))
+
+    async def serves(self, kind: Kind) -> bool:
+        """Whether the API server serves `kind` (its CRD installed), by API discovery."""
+        prefix = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
+        found = await self._send("GET", prefix)
+        resources = (found or {}).get("resources", [])
+        return any(r.get("name") == kind.plural for r in resources)
 
     async def list(
         self,

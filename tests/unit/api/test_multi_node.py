@@ -90,3 +90,15 @@ def test_every_global_ranks_side_channel_port_must_exist() -> None:
     decode = {"nodesPerReplica": 4, "dataParallelSize": 16}
     [problem] = problems(wide(decode, kvTransfer={"sideChannelPort": 65530}))
     assert "up to 65545 for spec.decode.dataParallelSize 16" in problem
+
+
+def test_groups_without_a_domain_or_rdma_are_warned_of_and_gb200_without_imex_channels() -> None:
+    from pdserve.api.advice import admission_warnings
+
+    decode = {"nodesPerReplica": 2, "dataParallelSize": 16}
+    h200 = parse_resource(wide(decode, placement={"gpuProducts": ["NVIDIA-H200"]})).spec
+    [warning] = [w for w in admission_warnings(h200) if "nodesPerReplica" in w]
+    assert warning.startswith("spec.decode.nodesPerReplica 2: a group's pods may land on any ")
+    gb200 = parse_resource(wide({**decode, "dataParallelSize": 8}, placement=GB200)).spec
+    [imex] = [w for w in admission_warnings(gb200) if "IMEX" in w]
+    assert "spec.placement.resourceClaims" in imex

@@ -112,3 +112,17 @@ def test_slices_make_one_leader_worker_set_each() -> None:
     assert sorted(n for n, o in found.items() if o["kind"] == "LeaderWorkerSet") == [
         "m-decode-s0", "m-decode-s1",
     ]  # fmt: skip
+
+
+def group_terms(dm: DisaggregatedModel) -> list[dict[str, Any]]:
+    affinity = pod_template_of(workloads(dm)["m-decode"])["spec"].get("affinity") or {}
+    required = affinity.get("podAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    return [t for t in required or [] if t.get("matchLabelKeys") == [GROUP_KEY_LABEL]]
+
+
+def test_on_gb200_a_group_stays_in_one_clique_without_a_domain_and_elsewhere_goes_anywhere() -> (
+    None
+):
+    [term] = group_terms(model(WIDE, placement={"gpuProducts": ["NVIDIA-GB200"]}))
+    assert term["topologyKey"] == CLIQUE  # GFD always publishes it on NVL72 trays
+    assert group_terms(model(WIDE, placement={"gpuProducts": ["NVIDIA-H200"]})) == []

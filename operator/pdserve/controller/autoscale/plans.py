@@ -9,6 +9,7 @@ from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.api.autoscaling import EngineAutoscaler, RenderAutoscaler
+from pdserve.builders.leaderworkerset import pod_template_of
 from pdserve.builders.scaling import (
     ReplicaPlan,
     active_slices,
@@ -32,7 +33,7 @@ def live_plan(dm: DisaggregatedModel, workloads: Iterable[Mapping[str, Any]]) ->
         if component not in ("render", "prefill", "decode") or replicas is None:
             continue
         if sliced and component != "render":
-            slice_label = obj["spec"].get("template", {}).get("metadata", {}).get("labels", {})
+            slice_label = pod_template_of(obj).get("metadata", {}).get("labels", {})
             if int(replicas) > 0:
                 active.add(str(slice_label.get(SLICE_LABEL, "0")))
             continue
