@@ -47,7 +47,7 @@ typecheck: install ## mypy --strict
 cluster-build: install ## build etcd, kube-*, kwok, promtool and the registry from the Go module proxy (cached)
 	$(LOCALPLANE) build
 
-# Its own target, not part of cluster-build: only tests/cluster/test_leaderworkerset.py needs it,
+# Its own target, not part of cluster-build: only the LeaderWorkerSet cluster tests need it,
 # so its compile (~2.5 min cold) runs beside the other builds rather than after the plane's.
 lws-build: install ## build the LeaderWorkerSet v0.7.0 manager and copy its CRD, next to the plane's binaries (cached)
 	$(LOCALPLANE) build-lws

@@ -69,7 +69,8 @@ class EngineAutoscalingSpec(ScalingBehaviour):
 
     engine: EngineAutoscaler = EngineAutoscaler.builtin
     """Builtin (the operator) or External (an HPA/KEDA targeting the StatefulSet
-    <name>-prefill or <name>-decode; one slice only)."""
+    <name>-prefill or <name>-decode, or the LeaderWorkerSet of that name when nodesPerReplica
+    > 1, whose /scale counts groups; one slice only)."""
     min_replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     """Fewest engine pods of the pool (all slices together)."""
     max_replicas: Annotated[int, Field(ge=1, le=1024)] = 4

@@ -102,3 +102,11 @@ def test_groups_without_a_domain_or_rdma_are_warned_of_and_gb200_without_imex_ch
     gb200 = parse_resource(wide({**decode, "dataParallelSize": 8}, placement=GB200)).spec
     [imex] = [w for w in admission_warnings(gb200) if "IMEX" in w]
     assert "spec.placement.resourceClaims" in imex
+
+
+def test_the_builtin_autoscaler_is_refused_for_groups_and_external_is_not() -> None:
+    decode = {"nodesPerReplica": 2, "dataParallelSize": 8, "autoscaling": {"minReplicas": 1}}
+    [problem] = problems(wide(decode, gateway={"slo": {"itlMs": 50}}))
+    assert problem.startswith("spec.decode.autoscaling engine Builtin does not scale groups")
+    external = {**decode, "autoscaling": {"engine": "External", "minReplicas": 1}}
+    assert parse_resource(wide(external)).spec.decode.autoscaling is not None
