@@ -16,11 +16,13 @@ from kubernetes import config as k8s_config
 from devtools.clitools import Kubectl, ensure_cli_tools
 from devtools.localplane import (
     ControlPlane,
+    build_binaries,
     free_port,
     issue_serving_cert,
     running_control_plane,
     wait_until,
 )
+from devtools.lws import LwsManager, running_lws
 from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
 from devtools.operator_proc import RunningOperator, running_operator
 from devtools.resources import get
@@ -180,3 +182,21 @@ def dm_crd(control_plane: ControlPlane) -> Iterator[None]:
 
         wait_until("the DisaggregatedModel CRD to be Established", established, timeout=30)
         yield
+
+
+@pytest.fixture(scope="module")
+def lws_manager(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LwsManager]:
+    """The real LeaderWorkerSet controller (devtools/lws.py) for the tests of one module."""
+    with running_lws(
+        control_plane, tmp_path_factory.mktemp("lws"), build_binaries(lws=True)
+    ) as manager:
+        yield manager
+
+
+@pytest.fixture(scope="module")
+def http(control_plane: ControlPlane) -> Iterator[httpx.Client]:
+    """One admin client for the tests of a module."""
+    with control_plane.http() as client:
+        yield client

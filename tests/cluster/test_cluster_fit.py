@@ -47,8 +47,8 @@ import pytest
 import yaml
 
 from devtools import dra
-from devtools.localplane import ControlPlane, ControlPlaneError, build_binaries, wait_until
-from devtools.lws import LwsManager, running_lws
+from devtools.localplane import ControlPlane, ControlPlaneError, wait_until
+from devtools.lws import LwsManager
 from devtools.model_volume import CLAIM_NAME
 from devtools.nodes import (
     CLIQUE_0,
@@ -800,17 +800,6 @@ def phases(outcome: Outcome) -> str:
 def spans_nodes(case: Case) -> bool:
     pools = _parsed(BODIES[case.example], "x").spec.engine_pools()
     return any(pool.multi_node for _, pool in pools)
-
-
-@pytest.fixture(scope="module")
-def lws_manager(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LwsManager]:
-    """The real LeaderWorkerSet controller, for the examples whose replicas span nodes."""
-    with running_lws(
-        control_plane, tmp_path_factory.mktemp("lws"), build_binaries(lws=True)
-    ) as manager:
-        yield manager
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devtools.localplane import ControlPlane, ControlPlaneError, build_binaries, wait_until
+from devtools.localplane import ControlPlaneError, wait_until
 from devtools.lws import (
     API_VERSION,
     GROUP_INDEX_LABEL,
@@ -28,15 +28,13 @@ from devtools.lws import (
     WORKER_INDEX_LABEL,
     LwsManager,
     lws_path,
-    running_lws,
 )
 from devtools.nodes import (
     GPU_RESOURCE,
     NVLINK_CLIQUE_LABEL,
-    create_nodes,
     gb200_nvl72_node,
-    wait_nodes_ready,
 )
+from tests.support.plane_scopes import namespace_held, nodes_held
 
 pytestmark = pytest.mark.cluster
 
@@ -82,22 +80,6 @@ POOL_CLIQUES = _pools()
 
 
 @pytest.fixture(scope="module")
-def http(control_plane: ControlPlane) -> Iterator[httpx.Client]:
-    with control_plane.http() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lws_manager(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LwsManager]:
-    with running_lws(
-        control_plane, tmp_path_factory.mktemp("lws"), build_binaries(lws=True)
-    ) as manager:
-        yield manager
-
-
-@pytest.fixture(scope="module")
 def trays(http: httpx.Client) -> Iterator[dict[str, str]]:
     """This module's GB200 trays, Ready: node name -> clique. Removed after the module."""
     nodes = [
@@ -114,13 +96,8 @@ def trays(http: httpx.Client) -> Iterator[dict[str, str]]:
         for c, clique in enumerate(pool.cliques)
         for i in range(TRAYS_PER_CLIQUE)
     ]
-    names = create_nodes(http, nodes)
-    try:
-        wait_nodes_ready(http, names, timeout=60)
+    with nodes_held(http, nodes):
         yield {n.name: n.nvlink_clique or "" for n in nodes}
-    finally:
-        for name in names:
-            http.delete(f"/api/v1/nodes/{name}")
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +106,8 @@ def lws_namespace(
 ) -> Iterator[str]:
     """The module's namespace; deleted with its pods gone before the trays go (kwok finishes a
     pod's deletion only while it manages the pod's node)."""
-    name = f"lws-{secrets.token_hex(4)}"
-    http.post("/api/v1/namespaces", json={"metadata": {"name": name}}).raise_for_status()
-    yield name
-    http.delete(f"/api/v1/namespaces/{name}")
-    wait_until(
-        f"the pods of namespace {name} to go",
-        lambda: not http.get(f"/api/v1/namespaces/{name}/pods").json().get("items"),
-        timeout=60,
-    )
+    with namespace_held(http, f"lws-{secrets.token_hex(4)}") as name:
+        yield name
 
 
 # ---- helpers ---------------------------------------------------------------------------------

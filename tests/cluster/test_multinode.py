@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devtools.localplane import ControlPlane, build_binaries, wait_until
+from devtools.localplane import ControlPlane, wait_until
 from devtools.lws import (
     GROUP_INDEX_LABEL,
     GROUP_KEY_LABEL,
@@ -28,13 +28,13 @@ from devtools.lws import (
     WORKER_INDEX_LABEL,
     LwsManager,
     lws_path,
-    running_lws,
 )
-from devtools.nodes import create_nodes, gb200_nvl72_node, wait_nodes_ready
+from devtools.nodes import gb200_nvl72_node
 from devtools.operator_proc import RunningOperator
 from devtools.resources import apply_dm, conditions, dm_url, get
 from pdserve.builders.leaderworkerset import partition_of
 from pdserve.contract.names import COMPONENT_LABEL, KV_COMPAT_ANNOTATION
+from tests.support.plane_scopes import namespace_held, nodes_held
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("dm_crd")]
 
@@ -67,22 +67,6 @@ SPEC: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def http(control_plane: ControlPlane) -> Iterator[httpx.Client]:
-    with control_plane.http() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def lws_manager(
-    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LwsManager]:
-    with running_lws(
-        control_plane, tmp_path_factory.mktemp("lws"), build_binaries(lws=True)
-    ) as manager:
-        yield manager
-
-
-@pytest.fixture(scope="module")
 def trays(http: httpx.Client) -> Iterator[dict[str, str]]:
     """This module's trays, Ready: node name -> clique. Removed after the module."""
     nodes = [
@@ -90,13 +74,8 @@ def trays(http: httpx.Client) -> Iterator[dict[str, str]]:
         for c, clique in enumerate(CLIQUES)
         for i in range(TRAYS_PER_CLIQUE)
     ]
-    names = create_nodes(http, nodes)
-    try:
-        wait_nodes_ready(http, names, timeout=60)
+    with nodes_held(http, nodes):
         yield {n.name: n.nvlink_clique or "" for n in nodes}
-    finally:
-        for name in names:
-            http.delete(f"/api/v1/nodes/{name}")
 
 
 @pytest.fixture(scope="module")
@@ -105,21 +84,12 @@ def model(
     operator: RunningOperator,
 ) -> Iterator[tuple[str, str]]:  # fmt: skip
     """(namespace, name) of the module's model, Ready; its pods gone before the trays go."""
-    namespace, name = f"mn-{secrets.token_hex(4)}", "wide"
-    http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}).raise_for_status()
-    try:
+    name = "wide"
+    with namespace_held(http, f"mn-{secrets.token_hex(4)}") as namespace:
         apply_dm(http, namespace, name, SPEC)
         wait_until("the wide-EP model Ready", lambda: ready(http, namespace, name),
                    timeout=WAIT)  # fmt: skip
         yield namespace, name
-    finally:
-        http.delete(dm_url(namespace, name))
-        http.delete(f"/api/v1/namespaces/{namespace}")
-        wait_until(
-            f"the pods of namespace {namespace} to go",
-            lambda: not http.get(f"/api/v1/namespaces/{namespace}/pods").json().get("items"),
-            timeout=60,
-        )
 
 
 def ready(http: httpx.Client, namespace: str, name: str) -> bool:
@@ -160,15 +130,14 @@ def test_a_group_short_of_room_is_not_ready_and_placement_names_its_pending_work
 ) -> None:
     """One tray for a group of two whole-tray pods: the leader binds, the worker cannot. LWS
     v0.7.0 counts the group ready anyway; the model must not."""
-    namespace, name = f"mn-short-{secrets.token_hex(3)}", "short"
+    name = "short"
     tray = sorted(trays)[-1]
     placement = {**SPEC["placement"], "nodeSelector": {
         POOL_LABEL: "true", "kubernetes.io/hostname": tray,
     }}  # fmt: skip
     spec = {**SPEC, "prefill": {"replicas": 0}, "decode": {**SPEC["decode"], "replicas": 1},
             "placement": placement}  # fmt: skip
-    http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}).raise_for_status()
-    try:
+    with namespace_held(http, f"mn-short-{secrets.token_hex(3)}") as namespace:
         apply_dm(http, namespace, name, spec)
 
         def leader_up_worker_pending() -> bool:
@@ -188,14 +157,6 @@ def test_a_group_short_of_room_is_not_ready_and_placement_names_its_pending_work
         assert (decode["ready"], decode["desired"]) == (0, 1)
         assert conditions(dm)["Ready"]["status"] == "False"
         assert f"{name}-decode-0-1" in conditions(dm)["Placement"]["message"]
-    finally:
-        http.delete(dm_url(namespace, name))
-        http.delete(f"/api/v1/namespaces/{namespace}")
-        wait_until(
-            f"the pods of namespace {namespace} to go",
-            lambda: not http.get(f"/api/v1/namespaces/{namespace}/pods").json().get("items"),
-            timeout=60,
-        )
 
 
 def test_each_replica_is_a_group_of_pods_in_one_clique_and_the_status_counts_groups(

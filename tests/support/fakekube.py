@@ -69,6 +69,7 @@ class FakeKube:
         self.before_create: Callable[[], None] | None = None
         self.fail_on: str | None = None  # a write verb (apply, delete, ...) that fails with 500
         self.forbidden: set[str] = set()  # kinds whose list answers 403
+        self.unserved: set[str] = set()  # kinds whose API is not served (CRD not installed)
         self.created: list[dict[str, Any]] = []  # Events
         self.closed = False
 
@@ -86,6 +87,10 @@ class FakeKube:
         meta = stored["metadata"]
         self.objects[(stored["kind"], meta.get("namespace", ""), meta["name"])] = stored
         return stored
+
+    async def serves(self, kind: Kind) -> bool:
+        self.reads.append(f"discover {kind.api_version}")
+        return kind.kind not in self.unserved
 
     async def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         self.reads.append(f"get {kind.kind} {namespace or ''}/{name}")

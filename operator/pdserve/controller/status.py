@@ -65,7 +65,7 @@ def observed_generation(workload: Mapping[str, Any]) -> int:
     records none (neither in status nor in its conditions): it counts as current while it
     says Available and no update is in progress."""
     status = workload.get("status", {})
-    if workload.get("kind") != "LeaderWorkerSet":
+    if workload.get("kind") != LWS_KIND:
         return int(status.get("observedGeneration", 0))
     said = {c.get("type"): c.get("status") for c in status.get("conditions", [])}
     settled = said.get("Available") == "True" and said.get("UpdateInProgress") != "True"

@@ -153,3 +153,35 @@ async def test_a_field_of_a_newer_crd_is_ignored_with_one_warning_not_a_failed_m
     assert ("StatefulSet", NS, "qwen-decode") in kube.objects
     newer = [r for r in caplog.records if "spec.decode.futureDrain: not known" in r.getMessage()]
     assert len(newer) == 1
+
+
+WIDE = {**SPEC, "model": {"name": "deepseek-ai/DeepSeek-R1-0528"},
+        "decode": {"replicas": 1, "nodesPerReplica": 2, "dataParallelSize": 8}}  # fmt: skip
+
+
+async def test_a_model_spanning_nodes_without_the_leaderworkerset_api_fails_naming_the_fix() -> (
+    None
+):
+    kube = FakeKube()
+    kube.unserved.add("LeaderWorkerSet")
+    model_in(kube, WIDE)
+    outcome = await one_pass(kube)
+    assert outcome.status is not None
+    assert outcome.status.phase == "Failed"
+    ready = {c.type: c for c in outcome.status.conditions}["Ready"]
+    assert ready.reason == "MissingAPI"
+    assert ready.message.startswith("spec.decode.nodesPerReplica above 1 runs each replica as a "
+                                    "LeaderWorkerSet group, but this cluster does not serve "
+                                    "leaderworkerset.x-k8s.io/v1 LeaderWorkerSet")  # fmt: skip
+    assert outcome.applied == []  # nothing half-made
+    assert [e.reason for e in outcome.events] == ["MissingAPI"]
+
+
+async def test_a_model_spanning_nodes_gets_a_leaderworkerset_and_a_statefulset_for_the_rest() -> (
+    None
+):
+    kube = FakeKube()
+    model_in(kube, WIDE)
+    outcome = await one_pass(kube)
+    assert {"LeaderWorkerSet/qwen-decode", "StatefulSet/qwen-prefill"} <= set(outcome.applied)
+    assert "StatefulSet/qwen-decode" not in outcome.applied
