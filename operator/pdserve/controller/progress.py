@@ -12,6 +12,7 @@ from typing import Any
 from pdserve.api import DisaggregatedModel
 from pdserve.api.gateway import RoutingMode
 from pdserve.api.status import PoolStatus
+from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL, WORKER_INDEX_LABEL
 from pdserve.contract.names import COMPONENT_LABEL, Component
 
 SERVING = {c.value for c in (Component.prefill, Component.decode, Component.render,
@@ -92,7 +93,26 @@ def waits_on(pod: Mapping[str, Any], now: datetime) -> str:
         if restarts:
             what += f", {restarts} restart{'s' if restarts > 1 else ''}"
     took = f" for {duration((now - since).total_seconds())}" if since is not None else ""
-    return f"{pool} pod {meta['name']}: {what}{took}"
+    return f"{pool} pod {meta['name']}{group_member(pod)}: {what}{took}"
+
+
+def group_member(pod: Mapping[str, Any]) -> str:
+    """' (group 1, worker 1: DP ranks 2-3)' for a pod of a LeaderWorkerSet group, from its
+    labels and its vLLM line (--data-parallel-size over --nnodes ranks per pod); '' otherwise.
+    One rank not up stalls its whole group, so the user is told which."""
+    labels = pod["metadata"].get("labels", {})
+    group, worker = labels.get(GROUP_INDEX_LABEL), labels.get(WORKER_INDEX_LABEL)
+    if group is None or worker is None:
+        return ""
+    containers = pod.get("spec", {}).get("containers") or [{}]
+    args = list(containers[0].get("args", []))
+    try:
+        ranks = int(args[args.index("--data-parallel-size") + 1])
+        nodes = int(args[args.index("--nnodes") + 1])
+        first = int(worker) * (ranks // nodes)
+    except (ValueError, IndexError):
+        return f" (group {group}, worker {worker})"
+    return f" (group {group}, worker {worker}: DP ranks {first}-{first + ranks // nodes - 1})"
 
 
 def load_progress(pods: Sequence[Mapping[str, Any]], now: datetime) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.api.status import Condition, DisaggregatedModelStatus
 from pdserve.builders import Component
+from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL, WORKER_INDEX_LABEL
 from pdserve.controller.status import Observation, compute_status
 from tests.unit.api.test_api import resource
 from tests.unit.controller.test_controller import DM, workload
@@ -97,3 +98,17 @@ def test_a_pod_past_the_progress_deadline_is_named_and_the_model_degraded() -> N
     later = status_of({"prefill": ok, "decode": workload(1, 0), "render": ok, "gateway": ok},
                       [stuck], patient)  # fmt: skip
     assert conditions(later)["Progressing"].reason == "RollingOut"
+
+
+def test_a_pod_of_a_group_is_named_with_its_group_worker_and_ranks() -> None:
+    worker = pod("m-decode-1-1", "decode", created="2026-12-05T12:29:00Z")
+    worker["metadata"]["labels"].update({GROUP_INDEX_LABEL: "1", WORKER_INDEX_LABEL: "1"})
+    worker["spec"]["containers"] = [{"name": "vllm", "args": [
+        "m", "--data-parallel-size", "16", "--nnodes", "4", "--node-rank", "$(LWS_WORKER_INDEX)",
+    ]}]  # fmt: skip
+    del worker["spec"]["nodeName"]
+    ok = workload(1, 1)
+    status = status_of({"prefill": ok, "decode": workload(2, 1), "render": ok, "gateway": ok},
+                       [worker])  # fmt: skip
+    assert ("decode pod m-decode-1-1 (group 1, worker 1: DP ranks 4-7): waiting to be scheduled "
+            "for 1m00s") in conditions(status)["Progressing"].message  # fmt: skip
