@@ -10,16 +10,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.api import EnginePoolSpec
+from pdserve.contract.names import (
+    LWS_GROUP_INDEX_LABEL,
+    LWS_GROUP_KEY_LABEL,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+)
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 KIND = "LeaderWorkerSet"
-# Labels LWS's pod webhook sets on every pod of a group: the same group key for its pods, the
-# LeaderWorkerSet's name, the group's index (its place under the rollout partition) and the
-# pod's index in its group (0: the leader).
-GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
-NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# The labels LWS sets on every pod of a group (pdserve.contract.names), by their short names here.
+GROUP_KEY_LABEL = LWS_GROUP_KEY_LABEL
+NAME_LABEL = LWS_NAME_LABEL
+GROUP_INDEX_LABEL = LWS_GROUP_INDEX_LABEL
+WORKER_INDEX_LABEL = LWS_WORKER_INDEX_LABEL
 
 
 def leader_worker_set(

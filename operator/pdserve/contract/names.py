@@ -33,6 +33,15 @@ def children_selector(model: str) -> str:
 
 
 ENGINE_PORT = 8000
+# What LeaderWorkerSet (sigs.k8s.io/lws v0.7.0) sets on every pod of a group: labels from its pod
+# webhook (the group's key, index and the pod's index in it; the name from its controller) and
+# the group's size as an annotation. The operator counts groups by them; the gateway routes to a
+# group's pods only while all of them are Ready.
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_SIZE_ANNOTATION = "leaderworkerset.sigs.k8s.io/size"
 # The ZMQ port of a multi-node replica's DP coordination on its leader, the same on every node
 # (vLLM 0.32's default for --data-parallel-rpc-port, config/parallel.py).
 DATA_PARALLEL_RPC_PORT = 29550

@@ -16,9 +16,8 @@ from pdserve.api.status import (
     SliceTransport,
 )
 from pdserve.builders import Component, endpoint
-from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL as LWS_GROUP_INDEX_LABEL
 from pdserve.builders.leaderworkerset import KIND as LWS_KIND
-from pdserve.builders.leaderworkerset import NAME_LABEL as LWS_NAME_LABEL
+from pdserve.contract.groups import whole_groups
 from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
 from pdserve.controller.health import HealthVerdict, kv_policy
 from pdserve.controller.progress import (
@@ -73,18 +72,11 @@ def observed_generation(workload: Mapping[str, Any]) -> int:
 
 
 def ready_groups(workload: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> int:
-    """Groups of a LeaderWorkerSet whose every pod is Ready, counted from the pods: LWS v0.7.0
-    counts a group ready while a worker is still Pending (measured on the plane), and vLLM
-    serves only once every rank of the group runs."""
+    """Groups of a LeaderWorkerSet whose every pod is Ready, counted from the pods
+    (pdserve.contract.groups): LWS v0.7.0 counts a group ready while a worker is still Pending
+    (measured on the plane), and vLLM serves only once every rank of the group runs."""
     name = workload["metadata"]["name"]
-    size = int(workload.get("spec", {}).get("leaderWorkerTemplate", {}).get("size", 1))
-    ready: dict[str, int] = {}
-    for pod in pods:
-        labels = pod["metadata"].get("labels", {})
-        if labels.get(LWS_NAME_LABEL) == name and pod_ready(pod):
-            group = str(labels.get(LWS_GROUP_INDEX_LABEL))
-            ready[group] = ready.get(group, 0) + 1
-    return sum(count >= size for count in ready.values())
+    return sum(group[0] == name for group in whole_groups(pods, pod_ready))
 
 
 def pool_status(

@@ -1,13 +1,14 @@
 """In-cluster discovery: list and watch the model's Pods (namespace-scoped RBAC) and keep every
-pool's endpoints current: ready pods only, addressed by pod IP, each with its parity hash (and,
-engines, its KV-compatibility digest)."""
+pool's endpoints current: ready pods only (a multi-node group's only while the whole group is),
+addressed by pod IP, each with its parity hash (and, engines, its KV-compatibility digest)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pdserve.contract.groups import group_of, whole_groups
 from pdserve.contract.names import (
     KV_COMPAT_ANNOTATION,
     KV_TRANSPORT_ANNOTATION,
@@ -30,6 +31,17 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", [])
     )
+
+
+def routable(pods: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The names of the Ready pods requests may go to: a pod of a LeaderWorkerSet group only
+    while every pod of its group is Ready (pdserve.contract.groups), every other Ready pod."""
+    listed = list(pods)
+    whole = whole_groups(listed, pod_ready)
+    return {
+        p["metadata"]["name"] for p in listed
+        if pod_ready(p) and (group_of(p) is None or group_of(p) in whole)
+    }  # fmt: skip
 
 
 def matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
@@ -64,6 +76,7 @@ class PodDiscovery:
         )  # fmt: skip
 
     def publish(self) -> None:
+        to = routable(self.pods.values())
         for pool, ref in self.pools.items():
             found = [
                 Endpoint(
@@ -77,7 +90,8 @@ class PodDiscovery:
                     name=pod["metadata"]["name"],
                 )
                 for pod in self.pods.values()
-                if matches(pod["metadata"].get("labels", {}), ref.selector) and pod_ready(pod)
+                if matches(pod["metadata"].get("labels", {}), ref.selector)
+                and pod["metadata"]["name"] in to
             ]
             self.endpoints.replace(pool, sorted(found, key=lambda e: e.url))
         gateways = self.config.pools.gateway
