@@ -218,6 +218,39 @@ def test_a_deleted_worker_recreates_its_whole_group_and_the_model_comes_back(
     wait_until("the model Ready again", lambda: ready(http, namespace, name), timeout=WAIT)
 
 
+def evict(http: httpx.Client, namespace: str, pod: str) -> int:
+    """POST the pod's eviction (what `kubectl drain` does): 201 allowed, 429 refused by a PDB."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": {"name": pod, "namespace": namespace}}  # fmt: skip
+    return http.post(f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", json=body).status_code
+
+
+def test_a_drain_takes_one_group_at_a_time_and_the_group_comes_back_whole(
+    http: httpx.Client, model: tuple[str, str]
+) -> None:
+    """The pool's PodDisruptionBudget (maxUnavailable 1 over its pods) lets one eviction through;
+    the evicted worker's whole group is recreated, and while it is, another group's pod is not
+    evicted."""
+    namespace, name = model
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in engine_pods(http, namespace)}
+    assert evict(http, namespace, f"{name}-decode-0-1") == 201
+    assert evict(http, namespace, f"{name}-decode-1-1") == 429
+
+    def group_back() -> bool:
+        now = {p["metadata"]["name"]: p for p in engine_pods(http, namespace)}
+        leader = now.get(f"{name}-decode-0")
+        return (
+            set(now) == set(before) and leader is not None
+            and leader["metadata"]["uid"] != before[f"{name}-decode-0"]  # the whole group
+            and all(map(pod_ready, now.values()))
+        )  # fmt: skip
+
+    wait_until("decode group 0 recreated and Ready", group_back, timeout=WAIT)
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in engine_pods(http, namespace)}
+    assert now[f"{name}-decode-1-1"] == before[f"{name}-decode-1-1"]  # never evicted
+    wait_until("the model Ready again", lambda: ready(http, namespace, name), timeout=WAIT)
+
+
 def test_an_engine_upgrade_rolls_groups_in_lockstep_never_leaving_a_digest_unpaired(
     control_plane: ControlPlane, http: httpx.Client, model: tuple[str, str]
 ) -> None:
