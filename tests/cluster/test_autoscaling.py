@@ -259,10 +259,14 @@ async def test_builtin_loop_scales_render_and_whole_slices_from_simulator_metric
                 return " | ".join(e["message"] for e in events_for(http_api, namespace, "qwen")
                                   if e["reason"] == "ScaledUp")  # fmt: skip
 
-            async def explained() -> bool:  # each Event is posted after its replicas change
-                return "-> 3: parser busy" in scaled_up()
+            async def explained() -> bool:
+                # Each Event is posted after the pass that changed its replicas: the slices'
+                # may come after render's even though its replicas changed first.
+                messages = scaled_up()
+                return "-> 3: parser busy" in messages and "slices 1 -> 2: prefill:" in messages
 
-            await eventually("a ScaledUp event for render -> 3", explained, timeout=30)
+            await eventually("ScaledUp events for render -> 3 and slices 1 -> 2", explained,
+                             timeout=30)  # fmt: skip
             messages = scaled_up()
             assert "render replicas 1 -> " in messages  # in one step or two
             assert "-> 3: parser busy" in messages
