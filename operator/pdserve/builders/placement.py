@@ -109,11 +109,16 @@ def engine_pod_fields(dm: DisaggregatedModel) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if placement.resource_claims:
         fields["resourceClaims"] = [claim.to_json() for claim in placement.resource_claims]
-    rdma = placement.rdma
+    return fields | host_network_fields(dm)
+
+
+def host_network_fields(dm: DisaggregatedModel) -> dict[str, Any]:
+    """Pod spec fields of RDMA host networking: the engines' and their nodes' probes'."""
+    rdma = dm.spec.placement.rdma
     if rdma is not None and rdma.host_network:
         # Cluster DNS must keep working for the engine's own lookups (model hub, peers).
-        fields |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
-    return fields
+        return {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    return {}
 
 
 def engine_pod_annotations(dm: DisaggregatedModel) -> dict[str, str]:

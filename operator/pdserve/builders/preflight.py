@@ -16,8 +16,8 @@ from pdserve.builders.engines import nixl_env
 from pdserve.builders.names import labels, meta
 from pdserve.builders.placement import (
     engine_pod_annotations,
-    engine_pod_fields,
     engine_security_context,
+    host_network_fields,
 )
 from pdserve.contract.names import SLICE_LABEL, Component
 from pdserve.contract.pod_layout import PROBE_MOUNT
@@ -160,7 +160,10 @@ def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) ->
         "affinity": affinity,
         "containers": [container],
         "volumes": [{"name": "probe", "configMap": {"name": script_config_map_name(dm)}}],
-        **engine_pod_fields(dm),
+        # Not the engines' DRA claims (placement.resourceClaims): the probe uses no GPU, and a
+        # ComputeDomain channel backs one claim per node, which the engine there holds, so a
+        # probe pod claiming one would never be scheduled beside it.
+        **host_network_fields(dm),
     }
     if tolerations:
         spec["tolerations"] = tolerations

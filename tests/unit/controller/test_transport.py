@@ -100,6 +100,18 @@ def test_one_probe_job_per_placed_slice_pinned_to_its_nodes() -> None:
     assert annotations == {"k8s.v1.cni.cncf.io/networks": "roce"}
 
 
+def test_probe_pods_claim_no_compute_domain_channel_the_engines_hold() -> None:
+    """A ComputeDomain channel backs one claim per node (devtools/dra.py): a probe pod claiming
+    the engines' channel beside them would stay Pending ("cannot allocate all claims", seen on
+    the GB200 twin), and the probe uses no GPU."""
+    claims = [{"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}]
+    dm = model(placement={**BODY["spec"]["placement"], "resourceClaims": claims})
+    [job, *_] = [o for o in preflight(dm, PAIRS) if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert "resourceClaims" not in pod
+    assert "claims" not in pod["containers"][0]["resources"]
+
+
 def test_no_probe_when_off_aggregated_or_unplaced() -> None:
     assert preflight(model(kvTransfer={"verify": "Off"}), PAIRS) == []
     aggregated = model(prefill={**BODY["spec"]["prefill"], "replicas": 0})
