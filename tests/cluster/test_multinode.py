@@ -192,6 +192,7 @@ def test_each_replica_is_a_group_of_pods_in_one_clique_and_the_status_counts_gro
     pools = dm["status"]["pools"]
     assert (pools["prefill"]["ready"], pools["prefill"]["desired"]) == (1, 1)
     assert (pools["decode"]["ready"], pools["decode"]["desired"]) == (2, 2)
+    assert (pools["prefill"]["summary"], pools["decode"]["summary"]) == ("1/1 groups", "2/2 groups")
 
 
 def test_a_deleted_worker_recreates_its_whole_group_and_the_model_comes_back(

@@ -52,11 +52,12 @@ class PoolStatus(ApiModel):
     """Replica counts of one pool."""
 
     desired: Annotated[int, Field(ge=0)] = 0
-    """Replicas the pool should have (the HPA's choice for render)."""
+    """Replicas the pool should have (the HPA's choice for render); groups of pods for a pool
+    whose replicas span nodes (nodesPerReplica > 1)."""
     ready: Annotated[int, Field(ge=0)] = 0
-    """Replicas that are ready."""
+    """Replicas that are ready; for a multi-node pool, groups whose every pod is Ready."""
     summary: str = "0/0"
-    """ready/desired, for printer columns."""
+    """ready/desired, for printer columns ("1/2 groups" for a multi-node pool)."""
 
 
 class PoolsStatus(ApiModel):

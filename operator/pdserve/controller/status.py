@@ -98,7 +98,9 @@ def pool_status(
         rolled_out = (rolled_out and observed_generation(workload) >= generation
                       and updated >= want and have >= want)  # fmt: skip
         desired, ready = desired + want, ready + have
-    return PoolStatus(desired=desired, ready=ready, summary=f"{ready}/{desired}"), rolled_out
+    groups = any(workload.get("kind") == LWS_KIND for workload in workloads)
+    summary = f"{ready}/{desired} groups" if groups else f"{ready}/{desired}"
+    return PoolStatus(desired=desired, ready=ready, summary=summary), rolled_out
 
 
 def _unschedulable(pod: Mapping[str, Any]) -> str | None:

@@ -10,7 +10,8 @@ from pdserve.api import DisaggregatedModel, parse_resource
 from pdserve.api.status import Condition, DisaggregatedModelStatus
 from pdserve.builders import Component
 from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL, WORKER_INDEX_LABEL
-from pdserve.controller.status import Observation, compute_status
+from pdserve.contract.names import LWS_NAME_LABEL, LWS_SIZE_ANNOTATION
+from pdserve.controller.status import Observation, compute_status, pool_status
 from tests.unit.api.test_api import resource
 from tests.unit.controller.test_controller import DM, workload
 
@@ -112,3 +113,25 @@ def test_a_pod_of_a_group_is_named_with_its_group_worker_and_ranks() -> None:
                        [worker])  # fmt: skip
     assert ("decode pod m-decode-1-1 (group 1, worker 1: DP ranks 4-7): waiting to be scheduled "
             "for 1m00s") in conditions(status)["Progressing"].message  # fmt: skip
+
+
+def test_a_multi_node_pool_counts_and_prints_whole_groups() -> None:
+    """`kubectl get dm` prints a multi-node pool in groups; a group with a pod not Ready is not
+    counted, whatever LWS's own readyReplicas says."""
+    lws = {
+        "kind": "LeaderWorkerSet", "metadata": {"name": "m-decode", "generation": 1},
+        "spec": {"replicas": 2}, "status": {"readyReplicas": 2, "updatedReplicas": 2},
+    }  # fmt: skip
+
+    def member(name: str, group: str, ready: bool) -> dict[str, Any]:
+        return {"metadata": {
+            "name": name, "annotations": {LWS_SIZE_ANNOTATION: "2"},
+            "labels": {LWS_NAME_LABEL: "m-decode", GROUP_INDEX_LABEL: group},
+        }, "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}  # fmt: skip
+
+    pods = [member("m-decode-0", "0", True), member("m-decode-0-1", "0", True),
+            member("m-decode-1", "1", True), member("m-decode-1-1", "1", False)]  # fmt: skip
+    counts, rolled_out = pool_status([lws], pods)
+    assert (counts.ready, counts.desired, counts.summary) == (1, 2, "1/2 groups")
+    assert not rolled_out
+    assert pool_status([workload(2, 2)])[0].summary == "2/2"
