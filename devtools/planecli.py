@@ -20,7 +20,7 @@ from typing import Any
 from devtools import localplane
 from devtools.clitools import ToolsError, cache_root, ensure_cli_tools
 from devtools.localplane import ControlPlane, ControlPlaneError, build_binaries
-from devtools.nodes import create_nodes, demo_nodes, wait_nodes_ready
+from devtools.nodes import FakeNode, create_nodes, demo_nodes, wait_nodes_ready
 from devtools.procs import pid_alive, terminate
 from devtools.realnode import NODE_WORKDIR, RealNode, delete_bridge
 
@@ -44,8 +44,9 @@ def record_process(state_dir: Path, name: str, pid: int) -> None:
     state_file.write_text(json.dumps(state, indent=2))
 
 
-def bring_up(state_dir: Path) -> dict[str, Any]:
-    """Start a detached plane with the demo nodes (or reuse a running one); returns its state."""
+def bring_up(state_dir: Path, nodes: Sequence[FakeNode] | None = None) -> dict[str, Any]:
+    """Start a detached plane with `nodes` (default: the demo nodes), or reuse a running one;
+    returns its state."""
     if (state := load_state(state_dir)) is not None:
         print(f"control plane already running at {state['server']}")
         return state
@@ -55,7 +56,7 @@ def bring_up(state_dir: Path) -> dict[str, Any]:
     plane = ControlPlane(workdir=state_dir, binaries=build_binaries())
     plane.start()
     with plane.http() as http:
-        names = create_nodes(http, demo_nodes())
+        names = create_nodes(http, demo_nodes() if nodes is None else nodes)
         wait_nodes_ready(http, names, timeout=60)
     print(f"control plane up in {time.monotonic() - started:.1f}s at {plane.server}")
     print(f"fake nodes: {', '.join(names)}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def spawn_component(
-    name: str, args: list[str], *, logs: Path, cwd: Path
+    name: str, args: list[str], *, logs: Path, cwd: Path, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """A component process writing to logs/<name>.log, in a session of its own: Ctrl-C in a
     terminal must not leave half a plane behind, and `down` from another process can stop the
@@ -24,7 +24,7 @@ def spawn_component(
     with (logs / f"{name}.log").open("ab") as log:
         return subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=cwd,
+            start_new_session=True, cwd=cwd, env=None if env is None else {**os.environ, **env},
         )  # fmt: skip
 
 
