@@ -156,7 +156,13 @@ def test_a_group_short_of_room_is_not_ready_and_placement_names_its_pending_work
         decode = dm["status"]["pools"]["decode"]
         assert (decode["ready"], decode["desired"]) == (0, 1)
         assert conditions(dm)["Ready"]["status"] == "False"
-        assert f"{name}-decode-0-1" in conditions(dm)["Placement"]["message"]
+        placed = conditions(dm)["Placement"]["message"]
+        assert f"{name}-decode-0-1" in placed
+        # The leader holds the only tray; the scheduler will not move it: the fix is named.
+        assert f"Group leaders bound where their workers do not fit: {name}-decode-0 on {tray}" in (
+            placed
+        )
+        assert "delete the leader pod" in placed
 
 
 def test_each_replica_is_a_group_of_pods_in_one_clique_and_the_status_counts_groups(

@@ -18,7 +18,12 @@ from pdserve.api.status import (
 from pdserve.builders import Component, endpoint
 from pdserve.builders.leaderworkerset import KIND as LWS_KIND
 from pdserve.contract.groups import whole_groups
-from pdserve.contract.names import COMPONENT_LABEL, SLICE_LABEL
+from pdserve.contract.names import (
+    COMPONENT_LABEL,
+    LWS_GROUP_INDEX_LABEL,
+    LWS_NAME_LABEL,
+    SLICE_LABEL,
+)
 from pdserve.controller.health import HealthVerdict, kv_policy
 from pdserve.controller.progress import (
     available,
@@ -110,6 +115,30 @@ def _unschedulable(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
+def stranded_leaders(engines: Sequence[Mapping[str, Any]], topology_key: str | None) -> str:
+    """What to do about groups whose leader is bound while a worker cannot be: a required
+    podAffinity reserves nothing, so the leader may have taken a domain without room for the
+    rest of its group, and the scheduler will not move it. Empty when there are none."""
+    bound = {p["metadata"]["name"]: p["spec"].get("nodeName") for p in engines}
+    leaders: set[tuple[str, str]] = set()
+    for pod in engines:
+        labels = pod["metadata"].get("labels", {})
+        if LWS_NAME_LABEL not in labels or _unschedulable(pod) is None:
+            continue
+        leader = f"{labels[LWS_NAME_LABEL]}-{labels.get(LWS_GROUP_INDEX_LABEL, '')}"
+        if bound.get(leader):
+            leaders.add((leader, str(bound[leader])))
+    if not leaders:
+        return ""
+    where = f" ({topology_key} of its node)" if topology_key else ""
+    named = ", ".join(f"{leader} on {node}" for leader, node in sorted(leaders))
+    return (
+        f". Group leaders bound where their workers do not fit: {named}. A group must fit in "
+        f"one domain{where}: free room there, or delete the leader pod so the group is "
+        "recreated and placed anew; a gang scheduler (Kueue, Volcano) places whole groups"
+    )
+
+
 def component_pods(
     pods: Sequence[Mapping[str, Any]], *components: Component
 ) -> list[Mapping[str, Any]]:
@@ -141,7 +170,8 @@ def placement_condition(
             if domain is not None
             else ""
         )
-        return False, "Unschedulable", "; ".join(sorted(refused)) + hint
+        stranded = stranded_leaders(engines, dm.spec.placement.group_topology_key)
+        return False, "Unschedulable", "; ".join(sorted(refused)) + hint + stranded
     nodes: dict[str, set[str]] = {}
     waiting = 0
     for pod in engines:

@@ -11,7 +11,12 @@ from pdserve.api.status import Condition, DisaggregatedModelStatus
 from pdserve.builders import Component
 from pdserve.builders.leaderworkerset import GROUP_INDEX_LABEL, WORKER_INDEX_LABEL
 from pdserve.contract.names import LWS_NAME_LABEL, LWS_SIZE_ANNOTATION
-from pdserve.controller.status import Observation, compute_status, pool_status
+from pdserve.controller.status import (
+    Observation,
+    compute_status,
+    placement_condition,
+    pool_status,
+)
 from tests.unit.api.test_api import resource
 from tests.unit.controller.test_controller import DM, workload
 
@@ -135,3 +140,24 @@ def test_a_multi_node_pool_counts_and_prints_whole_groups() -> None:
     assert (counts.ready, counts.desired, counts.summary) == (1, 2, "1/2 groups")
     assert not rolled_out
     assert pool_status([workload(2, 2)])[0].summary == "2/2"
+
+
+def test_a_group_whose_leader_took_a_domain_without_room_is_named_with_the_fix() -> None:
+    leader = pod("m-decode-0", "decode", created="2026-12-05T12:29:00Z")
+    worker = pod("m-decode-0-1", "decode", created="2026-12-05T12:29:00Z", conditions=[
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/4 nodes are available: 4 node(s) didn't match pod affinity rules."},
+    ])  # fmt: skip
+    del worker["spec"]["nodeName"]
+    for member, index in ((leader, "0"), (worker, "1")):
+        member["metadata"]["labels"].update(
+            {LWS_NAME_LABEL: "m-decode", GROUP_INDEX_LABEL: "0", WORKER_INDEX_LABEL: index}
+        )
+    status, reason, message = placement_condition(DM, [leader, worker])
+    assert (status, reason) == (False, "Unschedulable")
+    assert message.startswith("decode pod m-decode-0-1: 0/4 nodes are available")
+    assert "Group leaders bound where their workers do not fit: m-decode-0 on h200-0" in message
+    assert "delete the leader pod so the group is recreated and placed anew" in message
+    # A pool of single-node replicas has no group to name.
+    del worker["metadata"]["labels"][LWS_NAME_LABEL]
+    assert "Group leaders" not in placement_condition(DM, [leader, worker])[2]
