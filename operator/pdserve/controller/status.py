@@ -119,7 +119,7 @@ def stranded_leaders(engines: Sequence[Mapping[str, Any]], topology_key: str | N
     """What to do about groups whose leader is bound while a worker cannot be: a required
     podAffinity reserves nothing, so the leader may have taken a domain without room for the
     rest of its group, and the scheduler will not move it. Empty when there are none."""
-    bound = {p["metadata"]["name"]: p["spec"].get("nodeName") for p in engines}
+    bound = {p["metadata"]["name"]: p.get("spec", {}).get("nodeName") for p in engines}
     leaders: set[tuple[str, str]] = set()
     for pod in engines:
         labels = pod["metadata"].get("labels", {})
