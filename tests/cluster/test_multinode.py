@@ -318,3 +318,27 @@ def ready_digests(pods: list[dict[str, Any]]) -> dict[str, set[str]]:
 def pod_ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def test_the_builtin_autoscaler_holds_a_pool_in_whole_groups(
+    http: httpx.Client, model: tuple[str, str]
+) -> None:
+    """A Builtin-scaled multi-node pool is planned in groups: below minReplicas, the operator
+    writes the LeaderWorkerSet's replicas up to it and LWS creates whole groups. (The loop's
+    own decisions, from per-rank metrics, are tested in tests/unit/controller/test_autoscale.py:
+    kwok pods serve no /metrics.)"""
+    name = "scaled"
+    decode = {**SPEC["decode"], "replicas": 1,
+              "autoscaling": {"engine": "Builtin", "minReplicas": 2, "maxReplicas": 3}}  # fmt: skip
+    spec = {**SPEC, "prefill": {"replicas": 0}, "decode": decode,
+            "gateway": {"replicas": 1, "slo": {"itlMs": 50}}}  # fmt: skip
+    with namespace_held(http, f"mn-scaled-{secrets.token_hex(3)}") as namespace:
+        apply_dm(http, namespace, name, spec)
+        wait_until("the model Ready", lambda: ready(http, namespace, name), timeout=WAIT)
+        lws = get(http, lws_path(namespace, f"{name}-decode")) or {}
+        assert lws["spec"]["replicas"] == 2
+        found = groups(engine_pods(http, namespace))
+        assert sorted(found) == [(f"{name}-decode", "0"), (f"{name}-decode", "1")]
+        assert all(len(members) == 2 for members in found.values())
+        pools = (get(http, dm_url(namespace, name)) or {})["status"]["pools"]
+        assert pools["decode"]["summary"] == "2/2 groups"

@@ -72,9 +72,11 @@ class EngineAutoscalingSpec(ScalingBehaviour):
     <name>-prefill or <name>-decode, or the LeaderWorkerSet of that name when nodesPerReplica
     > 1, whose /scale counts groups; one slice only)."""
     min_replicas: Annotated[int, Field(ge=1, le=1024)] = 1
-    """Fewest engine pods of the pool (all slices together)."""
+    """Fewest engine replicas of the pool (all slices together): pods, or groups of pods with
+    nodesPerReplica > 1."""
     max_replicas: Annotated[int, Field(ge=1, le=1024)] = 4
-    """Most engine pods of the pool (all slices together)."""
+    """Most engine replicas of the pool (all slices together): pods, or groups of pods with
+    nodesPerReplica > 1."""
     target_utilization_percent: Annotated[int, Field(ge=10, le=100)] = 80
     """prefill: share of the measured prefill throughput (prompt tokens per busy second) the
     pool may be loaded to; decode: KV-cache usage the pool aims for."""

@@ -236,15 +236,6 @@ class DisaggregatedModelSpec(ApiModel):
         for name, pool in self.engine_pools():
             if pool.expert_parallel is not None:
                 check_expert_parallel_args(name, pool.extra_args)
-            scaling = pool.autoscaling
-            if pool.multi_node and scaling and scaling.engine is EngineAutoscaler.builtin:
-                # Its SLO model counts pods as replicas; a group is nodesPerReplica pods.
-                raise ValueError(
-                    f"spec.{name}.autoscaling engine Builtin does not scale groups of "
-                    f"nodesPerReplica {pool.nodes_per_replica} pods yet: use engine External "
-                    f"(an HPA or KEDA on the LeaderWorkerSet's /scale, which counts groups) or "
-                    f"remove spec.{name}.autoscaling"
-                )
             if shape is None or not shape.dense:
                 continue
             dense = f"{self.model.name} is a dense model (spec.model.shape.experts 0)"

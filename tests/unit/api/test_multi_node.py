@@ -104,9 +104,12 @@ def test_groups_without_a_domain_or_rdma_are_warned_of_and_gb200_without_imex_ch
     assert "spec.placement.resourceClaims" in imex
 
 
-def test_the_builtin_autoscaler_is_refused_for_groups_and_external_is_not() -> None:
+def test_groups_take_the_builtin_autoscaler_and_an_external_one() -> None:
+    """Both count groups: the Builtin loop writes the LeaderWorkerSet's replicas, an HPA or
+    KEDA scales it through /scale."""
     decode = {"nodesPerReplica": 2, "dataParallelSize": 8, "autoscaling": {"minReplicas": 1}}
-    [problem] = problems(wide(decode, gateway={"slo": {"itlMs": 50}}))
-    assert problem.startswith("spec.decode.autoscaling engine Builtin does not scale groups")
+    builtin = parse_resource(wide(decode, gateway={"slo": {"itlMs": 50}})).spec.decode
+    assert builtin.autoscaling is not None
+    assert builtin.autoscaling.engine.value == "Builtin"
     external = {**decode, "autoscaling": {"engine": "External", "minReplicas": 1}}
     assert parse_resource(wide(external)).spec.decode.autoscaling is not None

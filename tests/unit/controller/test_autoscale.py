@@ -323,3 +323,57 @@ async def test_loop_serves_the_bound_it_holds_a_pool_at_until_the_model_goes() -
     scaler.forget(key)
     assert (value("replicas"), value("max_replicas"), value("recommendation")) == (None,) * 3
     await client.aclose()
+
+
+async def test_loop_reads_each_data_parallel_rank_and_scales_groups() -> None:
+    """Engines with data-parallel ranks report KV-cache use and prefill time per rank
+    (`engine="<rank>"`): the decode signal is the mean over ranks, not their sum, and a replica
+    (here a group of two pods, 2 ranks each) prefills as fast as all its ranks. The plan is in
+    groups, what the LeaderWorkerSet's replicas count."""
+    groups = model(
+        model={"name": "deepseek-ai/DeepSeek-R1-0528"},
+        prefill={"replicas": 1, "nodesPerReplica": 2, "dataParallelSize": 4,
+                 "autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+        decode={"replicas": 2, "nodesPerReplica": 2, "dataParallelSize": 4,
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 6}},
+    )  # fmt: skip
+    fake, clock = FakePods(), Clock()
+    changed: list[tuple[str, str]] = []
+
+    def ranks(first: int, **values: float) -> dict[str, float]:
+        return {f'{name}{{engine="{rank}"}}': value for rank in (first, first + 1)
+                for name, value in values.items()}  # fmt: skip
+
+    # Decode: every rank's cache 60% full (under the 80% target: a sum would read 120% and
+    # scale up). Prefill: each rank prefills 4000 tokens per busy second.
+    for host, first in (("d0", 0), ("d1", 2), ("d2", 0), ("d3", 2)):
+        fake.engine[host] = ranks(first, **{"vllm:kv_cache_usage_perc": 0.6})
+    prefill = {"vllm:prompt_tokens_total": 0.0, "vllm:request_prefill_time_seconds_sum": 0.0}
+    for host, first in (("p0", 0), ("p1", 2)):
+        fake.engine[host] = ranks(first, **prefill)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(fake.handler))
+    scaler = Autoscaler(changed.append, client=client, resolve=resolve, clock=clock)
+    pods = [
+        pod("qwen-prefill-0", "prefill", "p0"), pod("qwen-prefill-0-1", "prefill", "p1"),
+        pod("qwen-decode-0", "decode", "d0"), pod("qwen-decode-0-1", "decode", "d1"),
+        pod("qwen-decode-1", "decode", "d2"), pod("qwen-decode-1-1", "decode", "d3"),
+    ]  # fmt: skip
+    key = ("llm", "qwen")
+    scaler.plan(key, groups, ReplicaPlan(prefill=1, decode=2), pods)
+    await scaler.scrape_once()
+    # 24000 prompt tokens/s over the group's 4 ranks at 4000 tokens per rank-busy-second: one
+    # group prefills 16000 tokens/s, 12800 at the 80% target: 2 groups (4 if it were per pod).
+    for _ in range(6):  # sustained past the 60 s up window
+        clock.now += 15
+        for host in ("p0", "p1"):
+            for name, value in fake.engine[host].items():
+                if name.startswith("vllm:prompt_tokens_total"):
+                    fake.engine[host][name] = value + 6000 * 15
+                else:
+                    fake.engine[host][name] = value + 6000 * 15 / 4000
+        await scaler.scrape_once()
+    plan, [decision] = scaler.plan(key, groups, ReplicaPlan(prefill=1, decode=2), pods)
+    assert (plan.prefill, plan.decode) == (2, 2)
+    assert decision.reason.startswith("prefill replicas 1 -> 2: 24000 prompt tokens/s")
+    assert "over 16000 tokens/s per replica" in decision.reason
+    await client.aclose()

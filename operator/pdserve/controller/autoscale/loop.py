@@ -29,6 +29,7 @@ from pdserve.controller.autoscale.rules import (
     slices_for,
 )
 from pdserve.controller.autoscale.series import (
+    ENGINE_COUNTED,
     GATEWAY_BUSY_PREFIX,
     GAUGES,
     engine_series,
@@ -43,7 +44,7 @@ from pdserve.controller.autoscale.targets import (
 )
 from pdserve.controller.scraper import Key, PeriodicScraper
 from pdserve.vllm import metrics
-from pdserve.vllm.metrics import Selector, Totals, sum_samples
+from pdserve.vllm.metrics import SAMPLES_SUFFIX, Selector, Totals, sum_samples
 
 log = logging.getLogger("pdserve.autoscale")
 Window = tuple[str, float, Totals]  # pod, seconds, deltas since its previous scrape
@@ -118,22 +119,27 @@ class Autoscaler(PeriodicScraper):
         self.metrics.forget(*key)
 
     # ---- the loop -------------------------------------------------------------------------------
-    async def _fetch(self, url: str, select: Selector) -> Totals | None:
+    async def _fetch(self, url: str, select: Selector, counted: frozenset[str]) -> Totals | None:
         text = await self.fetch_text(url)
         if text is None:
             return None
         try:
-            return sum_samples(text, select)
+            return sum_samples(text, select, counted)
         except ValueError as error:
             log.debug("%s: unreadable metrics: %s", url, error)
             return None
 
     async def _windows(
-        self, model: _Model, pods: Mapping[str, str], select: Selector
+        self,
+        model: _Model,
+        pods: Mapping[str, str],
+        select: Selector,
+        counted: frozenset[str] = frozenset(),
     ) -> list[Window]:
-        """(pod, seconds, deltas) of every pod that answered now and at the previous scrape."""
+        """(pod, seconds, deltas) of every pod that answered now and at the previous scrape;
+        with `counted`, how many samples each of those keys summed (sum_samples)."""
         names = sorted(pods)
-        results = await asyncio.gather(*(self._fetch(pods[n], select) for n in names))
+        results = await asyncio.gather(*(self._fetch(pods[n], select, counted) for n in names))
         now = self.clock()
         out = []
         for name, totals in zip(names, results, strict=True):
@@ -172,10 +178,13 @@ class Autoscaler(PeriodicScraper):
             count = engines.get(name)
             if not urls or count is None:
                 continue
-            windows = await self._windows(model, urls, engine_series)
+            windows = await self._windows(model, urls, engine_series, ENGINE_COUNTED)
             if not windows:
                 continue
-            rec = (self._prefill if name == "prefill" else self._decode)(model, count, windows)
+            if name == "prefill":
+                rec = self._prefill(model, count, windows, pool.nodes_per_replica)
+            else:
+                rec = self._decode(model, count, windows)
             if rec is not None:
                 out[name] = rec
         if current.slices is not None:
@@ -214,7 +223,7 @@ class Autoscaler(PeriodicScraper):
         return sum(deltas.get(key, 0.0) for _, _, deltas in windows)
 
     def _prefill(
-        self, model: _Model, current: int, windows: Sequence[Window]
+        self, model: _Model, current: int, windows: Sequence[Window], pods_per_replica: int
     ) -> Recommendation | None:
         dm = model.dm
         auto = dm.spec.prefill.autoscaling if dm.spec.prefill else None
@@ -224,7 +233,11 @@ class Autoscaler(PeriodicScraper):
         seconds = max(s for _, s, _ in windows)
         tokens, busy = self._sum(windows, "prompt_tokens"), self._sum(windows, "prefill_seconds")
         if busy > 0 and tokens > 0:
-            model.measured["prefill_throughput"] = tokens / busy
+            # Prefill seconds add up over the data-parallel ranks, which prefill side by side:
+            # a replica (a pod, or a group of pods) prefills as fast as all its ranks.
+            ranks = self._sum(windows, "prefill_seconds" + SAMPLES_SUFFIX) / len(windows)
+            per_replica = max(1.0, ranks) * pods_per_replica
+            model.measured["prefill_throughput"] = tokens / busy * per_replica
         prompts = self._sum(windows, "prompts")
         if prompts:
             model.measured["prompt_length"] = self._sum(windows, "prompt_lengths") / prompts
@@ -243,7 +256,9 @@ class Autoscaler(PeriodicScraper):
         dm = model.dm
         auto = dm.spec.decode.autoscaling
         assert auto is not None
-        kv = self._sum(windows, "kv_usage") / len(windows)
+        # The mean over every data-parallel rank of every pod: each reports its own cache.
+        ranks = self._sum(windows, "kv_usage" + SAMPLES_SUFFIX)
+        kv = self._sum(windows, "kv_usage") / (ranks or len(windows))
         count = self._sum(windows, "itl_count")
         itl = self._sum(windows, "itl_seconds") / count if count else None
         slo = dm.spec.gateway.slo.itl_ms

@@ -48,7 +48,13 @@ ENGINE_SERIES = {
     metrics.total(metrics.TIME_TO_FIRST_TOKEN): "ttft_seconds",
     metrics.count(metrics.TIME_TO_FIRST_TOKEN): "ttft_count",
 }
-GAUGES = frozenset({"waiting", "kv_usage"})  # read as they are, not as windows
+# Counted as well as summed (vllm.metrics.sum_samples): each data-parallel rank of an engine
+# reports its own, so a pod's count is the ranks it runs.
+ENGINE_COUNTED = frozenset({"kv_usage", "prefill_seconds"})
+# Read as they are, not as windows.
+GAUGES = frozenset(
+    {"waiting", "kv_usage", *(key + metrics.SAMPLES_SUFFIX for key in ENGINE_COUNTED)}
+)
 
 
 def engine_series(name: str, labels: Mapping[str, str]) -> str | None:
