@@ -24,7 +24,6 @@ side (groups, placement in one clique, the wiring vLLM reads, status), not servi
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from devtools import dra
-from devtools.clitools import ToolsError, ensure_cli_tools
+from devtools.clitools import ToolsError
+from devtools.demo import tool
 from devtools.localplane import (
     OPERATOR_USER,
     ControlPlane,
@@ -70,16 +70,10 @@ def attached_plane(state_dir: Path, state: dict[str, Any]) -> ControlPlane:
     )  # fmt: skip
 
 
-def kubectl(plane: ControlPlane, *args: str, timeout: float = 600) -> str:
+def kubectl(plane: ControlPlane, *args: str) -> str:
     """Run and show `kubectl args` as the plane's admin; its output, or ControlPlaneError."""
     print(f"$ kubectl {' '.join(args)}")
-    proc = subprocess.run(
-        [str(ensure_cli_tools().kubectl), f"--kubeconfig={plane.kubeconfig()}", *args],
-        capture_output=True, text=True, check=False, timeout=timeout,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise ControlPlaneError(f"kubectl {' '.join(args)} failed:\n{proc.stderr.strip()}")
-    return proc.stdout
+    return tool(plane.kubeconfig(), "kubectl", *args)
 
 
 def running(state: dict[str, Any], name: str) -> bool:
