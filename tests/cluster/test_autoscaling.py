@@ -241,7 +241,11 @@ async def test_builtin_loop_scales_render_and_whole_slices_from_simulator_metric
                 return None if obj is None else obj["spec"].get("replicas")
 
             async def started() -> bool:
-                return await replicas(statefulsets, "qwen-decode-s1") == 0
+                # One pass applies the StatefulSets before the Deployments: wait for both.
+                return (
+                    await replicas(statefulsets, "qwen-decode-s1") == 0
+                    and await admin.get(deployments, namespace, "qwen-render") is not None
+                )
 
             # Created at the minimum: one slice of two runs, one render replica.
             await eventually("the model's children", started, timeout=60)
