@@ -118,7 +118,10 @@ def _unschedulable(pod: Mapping[str, Any]) -> str | None:
 def stranded_leaders(engines: Sequence[Mapping[str, Any]], topology_key: str | None) -> str:
     """What to do about groups whose leader is bound while a worker cannot be: a required
     podAffinity reserves nothing, so the leader may have taken a domain without room for the
-    rest of its group, and the scheduler will not move it. Empty when there are none."""
+    rest of its group, and the scheduler will not move it. Empty when there are none, or when
+    groups have no domain to stay in (then the leader's node does not bind its workers)."""
+    if topology_key is None:
+        return ""
     bound = {p["metadata"]["name"]: p.get("spec", {}).get("nodeName") for p in engines}
     leaders: set[tuple[str, str]] = set()
     for pod in engines:
@@ -130,12 +133,12 @@ def stranded_leaders(engines: Sequence[Mapping[str, Any]], topology_key: str | N
             leaders.add((leader, str(bound[leader])))
     if not leaders:
         return ""
-    where = f" ({topology_key} of its node)" if topology_key else ""
     named = ", ".join(f"{leader} on {node}" for leader, node in sorted(leaders))
     return (
         f". Group leaders bound where their workers do not fit: {named}. A group must fit in "
-        f"one domain{where}: free room there, or delete the leader pod so the group is "
-        "recreated and placed anew; a gang scheduler (Kueue, Volcano) places whole groups"
+        f"one domain ({topology_key} of its leader's node): free room there, or delete the "
+        "leader pod so the group is recreated and placed anew; a gang scheduler (Kueue, "
+        "Volcano) places whole groups"
     )
 
 

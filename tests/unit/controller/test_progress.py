@@ -153,11 +153,15 @@ def test_a_group_whose_leader_took_a_domain_without_room_is_named_with_the_fix()
         member["metadata"]["labels"].update(
             {LWS_NAME_LABEL: "m-decode", GROUP_INDEX_LABEL: "0", WORKER_INDEX_LABEL: index}
         )
-    status, reason, message = placement_condition(DM, [leader, worker])
+    placement = DM.spec.placement.model_copy(update={"gpu_products": ["NVIDIA-GB200"]})
+    gb200 = DM.model_copy(update={"spec": DM.spec.model_copy(update={"placement": placement})})
+    assert gb200.spec.placement.group_topology_key == "nvidia.com/gpu.clique"
+    assert placement_condition(DM, [leader, worker])[2].count("Group leaders") == 0  # no domain
+    status, reason, message = placement_condition(gb200, [leader, worker])
     assert (status, reason) == (False, "Unschedulable")
     assert message.startswith("decode pod m-decode-0-1: 0/4 nodes are available")
     assert "Group leaders bound where their workers do not fit: m-decode-0 on h200-0" in message
     assert "delete the leader pod so the group is recreated and placed anew" in message
     # A pool of single-node replicas has no group to name.
     del worker["metadata"]["labels"][LWS_NAME_LABEL]
-    assert "Group leaders" not in placement_condition(DM, [leader, worker])[2]
+    assert "Group leaders" not in placement_condition(gb200, [leader, worker])[2]
