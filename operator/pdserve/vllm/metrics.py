@@ -55,13 +55,15 @@ Totals = dict[str, float]
 Selector = Callable[[str, Mapping[str, str]], str | None]
 
 
-SAMPLES_SUFFIX = ":samples"
+def samples_of(key: str) -> str:
+    """The key under which `sum_samples` counts the samples it summed into `key`."""
+    return f"{key}:samples"
 
 
 def sum_samples(text: str, select: Selector, counted: frozenset[str] = frozenset()) -> Totals:
     """Sum every sample `select(name, labels)` maps to a key (label sets: data-parallel ranks,
     finish reasons). For the keys in `counted`, also how many samples were summed, under
-    `<key>:samples` (an engine's data-parallel ranks each report their own KV-cache use)."""
+    `samples_of(key)` (an engine's data-parallel ranks each report their own KV-cache use)."""
     totals: Totals = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -69,7 +71,7 @@ def sum_samples(text: str, select: Selector, counted: frozenset[str] = frozenset
             if key is not None:
                 totals[key] = totals.get(key, 0.0) + sample.value
                 if key in counted:
-                    samples = key + SAMPLES_SUFFIX
+                    samples = samples_of(key)
                     totals[samples] = totals.get(samples, 0.0) + 1
     return totals
 

@@ -44,7 +44,7 @@ from pdserve.controller.autoscale.targets import (
 )
 from pdserve.controller.scraper import Key, PeriodicScraper
 from pdserve.vllm import metrics
-from pdserve.vllm.metrics import SAMPLES_SUFFIX, Selector, Totals, sum_samples
+from pdserve.vllm.metrics import Selector, Totals, samples_of, sum_samples
 
 log = logging.getLogger("pdserve.autoscale")
 Window = tuple[str, float, Totals]  # pod, seconds, deltas since its previous scrape
@@ -235,7 +235,7 @@ class Autoscaler(PeriodicScraper):
         if busy > 0 and tokens > 0:
             # Prefill seconds add up over the data-parallel ranks, which prefill side by side:
             # a replica (a pod, or a group of pods) prefills as fast as all its ranks.
-            ranks = self._sum(windows, "prefill_seconds" + SAMPLES_SUFFIX) / len(windows)
+            ranks = self._sum(windows, samples_of("prefill_seconds")) / len(windows)
             per_replica = max(1.0, ranks) * pods_per_replica
             model.measured["prefill_throughput"] = tokens / busy * per_replica
         prompts = self._sum(windows, "prompts")
@@ -257,7 +257,7 @@ class Autoscaler(PeriodicScraper):
         auto = dm.spec.decode.autoscaling
         assert auto is not None
         # The mean over every data-parallel rank of every pod: each reports its own cache.
-        ranks = self._sum(windows, "kv_usage" + SAMPLES_SUFFIX)
+        ranks = self._sum(windows, samples_of("kv_usage"))
         kv = self._sum(windows, "kv_usage") / (ranks or len(windows))
         count = self._sum(windows, "itl_count")
         itl = self._sum(windows, "itl_seconds") / count if count else None

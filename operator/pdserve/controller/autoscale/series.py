@@ -52,9 +52,7 @@ ENGINE_SERIES = {
 # reports its own, so a pod's count is the ranks it runs.
 ENGINE_COUNTED = frozenset({"kv_usage", "prefill_seconds"})
 # Read as they are, not as windows.
-GAUGES = frozenset(
-    {"waiting", "kv_usage", *(key + metrics.SAMPLES_SUFFIX for key in ENGINE_COUNTED)}
-)
+GAUGES = frozenset({"waiting", "kv_usage", *map(metrics.samples_of, ENGINE_COUNTED)})
 
 
 def engine_series(name: str, labels: Mapping[str, str]) -> str | None:
