@@ -22,7 +22,7 @@ from devtools.images import Builder, earlier_image, image_cache
 from devtools.localplane import wait_until
 from devtools.publish import publish, push
 from devtools.registry import Registry
-from pdserve.contract.names import LEADER_LEASE_NAME
+from pdserve.contract.names import CONFIG_HASH_ANNOTATION, LEADER_LEASE_NAME
 from tests.support.realcluster import (
     CHART,
     EXAMPLE,
@@ -70,9 +70,15 @@ def gateway_image(children: dict[str, Any]) -> str:
 
 
 def without_gateway_image(children: dict[str, Any]) -> dict[str, Any]:
-    """The children as compared across the upgrade: the gateway's image and applied hash aside."""
+    """The children as compared across the upgrade: the gateway's image and applied hash aside,
+    and its routing file's hash (CHANGELOG.md's upgrade note: this version writes the file as
+    schema version 3, which rolls the gateways, as their new image does anyway)."""
     spec, _ = children[GATEWAY]
-    template = {**spec["template"], "spec": {**spec["template"]["spec"], "containers": [
+    metadata = spec["template"].get("metadata", {})
+    annotations = {k: v for k, v in metadata.get("annotations", {}).items()
+                   if k != CONFIG_HASH_ANNOTATION}  # fmt: skip
+    template = {**spec["template"], "metadata": {**metadata, "annotations": annotations},
+                "spec": {**spec["template"]["spec"], "containers": [
         {k: v for k, v in c.items() if k != "image"} for c in spec["template"]["spec"]["containers"]
     ]}}  # fmt: skip
     return {**children, GATEWAY: ({**spec, "template": template}, None)}

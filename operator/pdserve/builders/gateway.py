@@ -42,9 +42,15 @@ from pdserve.contract.routing import (
 
 
 def _pool_ref(
-    dm: DisaggregatedModel, component: Component, port: int, kv_compat: str | None = None
+    dm: DisaggregatedModel,
+    component: Component,
+    port: int,
+    kv_compat: str | None = None,
+    local_ranks: int = 1,
 ) -> PoolRef:
-    extra = {} if kv_compat is None else {"kv_compat": kv_compat}
+    extra: dict[str, Any] = {} if kv_compat is None else {"kv_compat": kv_compat}
+    if local_ranks > 1:  # left unset at 1, so configs of single-rank pods read as before
+        extra["data_parallel_local"] = local_ranks
     return PoolRef(
         service=child_name(dm, component),
         port=port,
@@ -57,7 +63,8 @@ def _engine_pool_ref(dm: DisaggregatedModel, component: Component) -> PoolRef:
     """An engine pool; with P/D, with the KV-compatibility digest its pods get."""
     pool = dm.spec.prefill if component is Component.prefill else dm.spec.decode
     digest = kv_compat_digest(dm, pool) if dm.spec.disaggregated and pool is not None else None
-    return _pool_ref(dm, component, ENGINE_PORT, digest)
+    local_ranks = 1 if pool is None else pool.local_data_parallel_size
+    return _pool_ref(dm, component, ENGINE_PORT, digest, local_ranks)
 
 
 def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:

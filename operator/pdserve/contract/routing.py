@@ -16,7 +16,7 @@ from pdserve.validation import format_validation_error, without_unknown_fields
 log = logging.getLogger("pdserve.gateway")
 
 ROUTING_KEY = "routing.json"  # the ConfigMap's key, mounted as ROUTING_DIR/ROUTING_KEY
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The routing file's schema as this pdserve writes and reads it (a file without
 `schemaVersion` is 1). The skew rule, which lets the operator and the gateways roll separately
 (an operator upgrade or rollback, a gateway image pinned in spec.image.gateway): a gateway
@@ -42,6 +42,9 @@ class PoolRef(_Model):
     kv_compat: str | None = None
     """Prefill and decode with P/D: the KV-compatibility digest the spec gives the pool's pods
     (pdserve.io/kv-compat). Pods of an older spec carry their own until they roll."""
+    data_parallel_local: int = Field(default=1, ge=1)
+    """Engine pools: the data-parallel ranks each pod serves (dataParallelSize /
+    nodesPerReplica); above 1 the gateway routes to each rank (schema version 3)."""
 
 
 class Pools(_Model):
@@ -93,6 +96,9 @@ class StaticEndpoint(_Model):
     slice: str | None = None
     kv_transport: str | None = None
     name: str | None = None  # names the replica in metrics (in a cluster: the pod name)
+    data_parallel_local: int = Field(default=1, ge=1)
+    """Engines: the data-parallel ranks its server manages (vLLM's --data-parallel-size, or
+    --data-parallel-size-local); above 1 the gateway routes to each rank."""
 
 
 class StaticEndpoints(_Model):

@@ -1,5 +1,6 @@
 """Where a request's KV most likely already is: an approximate per-engine index of the
-block-aligned token-id prefixes it was sent, and the engines a conversation used last.
+block-aligned token-id prefixes it was sent, and the engines a conversation used last. An
+engine is a routing target (Endpoint.key): a replica, or one data-parallel rank of it.
 
 Token ids, not text: a reasoning template rewrites history (strips <think>), so only the token
 ids say what an engine's prefix cache really holds."""
@@ -33,23 +34,23 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 class PrefixIndex:
-    """Per engine URL, the most recent block hashes it was sent (LRU, bounded)."""
+    """Per engine (Endpoint.key), the most recent block hashes it was sent (LRU, bounded)."""
 
     def __init__(self, max_blocks_per_engine: int = 200_000) -> None:
         self.max_blocks = max_blocks_per_engine
         self.engines: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(self, url: str, hashes: Sequence[bytes]) -> None:
-        blocks = self.engines.setdefault(url, OrderedDict())
+    def record(self, key: str, hashes: Sequence[bytes]) -> None:
+        blocks = self.engines.setdefault(key, OrderedDict())
         for digest in hashes:
             blocks[digest] = None
             blocks.move_to_end(digest)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
 
-    def cached_blocks(self, url: str, hashes: Sequence[bytes]) -> int:
+    def cached_blocks(self, key: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of this prompt the engine probably has cached."""
-        blocks = self.engines.get(url)
+        blocks = self.engines.get(key)
         if not blocks:
             return 0
         count = 0
@@ -61,15 +62,15 @@ class PrefixIndex:
 
 
 class Conversations:
-    """conversation id -> the engine URL per stage it used last (LRU, bounded)."""
+    """conversation id -> the engine (Endpoint.key) per stage it used last (LRU, bounded)."""
 
     def __init__(self, max_conversations: int = 100_000) -> None:
         self.max = max_conversations
         self.last: OrderedDict[tuple[str, str], str] = OrderedDict()
 
-    def remember(self, conversation: str, stage: str, url: str) -> None:
+    def remember(self, conversation: str, stage: str, engine: str) -> None:
         key = (conversation, stage)
-        self.last[key] = url
+        self.last[key] = engine
         self.last.move_to_end(key)
         while len(self.last) > self.max:
             self.last.popitem(last=False)

@@ -16,7 +16,7 @@ from pdserve.contract.names import (
     SLICE_LABEL,
 )
 from pdserve.contract.routing import GatewayConfig, PoolRef
-from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.endpoints import Endpoint, Endpoints, rank_targets
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.kube.client import KINDS, Kube
 from pdserve.kube.informer import Informer
@@ -79,21 +79,13 @@ class PodDiscovery:
         to = routable(self.pods.values())
         for pool, ref in self.pools.items():
             found = [
-                Endpoint(
-                    f"http://{pod['status']['podIP']}:{ref.port}",
-                    pod["metadata"].get("annotations", {}).get(PARITY_HASH_ANNOTATION),
-                    slice=pod["metadata"].get("labels", {}).get(SLICE_LABEL),
-                    kv_transport=pod["metadata"]
-                    .get("annotations", {})
-                    .get(KV_TRANSPORT_ANNOTATION),
-                    kv_compat=pod["metadata"].get("annotations", {}).get(KV_COMPAT_ANNOTATION),
-                    name=pod["metadata"]["name"],
-                )
+                target
                 for pod in self.pods.values()
                 if matches(pod["metadata"].get("labels", {}), ref.selector)
                 and pod["metadata"]["name"] in to
+                for target in rank_targets(self.endpoint_of(pod, ref), ref.data_parallel_local)
             ]
-            self.endpoints.replace(pool, sorted(found, key=lambda e: e.url))
+            self.endpoints.replace(pool, sorted(found, key=lambda e: (e.url, e.rank or 0)))
         gateways = self.config.pools.gateway
         if self.peers is not None and gateways is not None:
 
@@ -109,6 +101,19 @@ class PodDiscovery:
                 # A replica takes part in electing the admission leader once its peers can see it.
                 self_url=None if own is None else url(own),
             )
+
+    @staticmethod
+    def endpoint_of(pod: Mapping[str, Any], ref: PoolRef) -> Endpoint:
+        """A Ready pod of a pool, addressed by its IP, with what its annotations say."""
+        annotations = pod["metadata"].get("annotations", {})
+        return Endpoint(
+            f"http://{pod['status']['podIP']}:{ref.port}",
+            annotations.get(PARITY_HASH_ANNOTATION),
+            slice=pod["metadata"].get("labels", {}).get(SLICE_LABEL),
+            kv_transport=annotations.get(KV_TRANSPORT_ANNOTATION),
+            kv_compat=annotations.get(KV_COMPAT_ANNOTATION),
+            name=pod["metadata"]["name"],
+        )
 
     def _changed(self, event: str, pod: Mapping[str, Any]) -> None:
         name = pod["metadata"]["name"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,12 +42,28 @@ class StepMeter:
             self._started, self._sum, self._count = now, 0.0, 0
 
 
+# vLLM's header naming the engine, among those its API server manages, that serves a request
+# (docs/design/multinode.md "Addressing one DP rank").
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass
+class Replica:
+    """What the routing targets of one engine pod share, one per data-parallel rank it serves:
+    whether its replica check lets it be routed to, and until when it is marked down (a pod
+    that failed a request fails it on every rank)."""
+
+    routable: bool = True
+    down_until: float = 0.0
+
+
 @dataclass
 class Endpoint:
+    """One routing target: a replica's server, or one data-parallel rank of it (`rank`)."""
+
     url: str
     parity_hash: str | None = None
     inflight: int = 0
-    down_until: float = 0.0
     # From the engine's own /metrics (vllm:num_requests_waiting/running, kv_cache_usage_perc),
     # refreshed by the load scraper; zero until the first scrape.
     waiting: float = 0.0
@@ -69,13 +86,50 @@ class Endpoint:
     prefill_backlog: int = 0
     name: str | None = None  # the pod's name (discovery) or a static endpoint's name
     steps: StepMeter = field(default_factory=StepMeter)
-    # False while its replica check (replica_contract.py) is pending or found it disagreeing.
-    routable: bool = True
+    rank: int | None = None
+    """The engine of the pod this target is (X-data-parallel-rank: an index into the engines
+    its API server manages, 0..dataParallelLocal-1); None where the pod runs one, or where
+    vLLM balances over its ranks itself."""
+    replica: Replica = field(default_factory=Replica)
+
+    @property
+    def routable(self) -> bool:
+        """False while its replica check (replica_contract.py) is pending or found it
+        disagreeing."""
+        return self.replica.routable
+
+    @routable.setter
+    def routable(self, value: bool) -> None:
+        self.replica.routable = value
+
+    @property
+    def down_until(self) -> float:
+        return self.replica.down_until
+
+    @down_until.setter
+    def down_until(self, value: float) -> None:
+        self.replica.down_until = value
 
     @property
     def label(self) -> str:
         """How metrics name this replica: its pod name, else its URL."""
         return self.name or self.url
+
+    @property
+    def key(self) -> str:
+        """Names this target among all (affinity, load): the URL, with the rank if any."""
+        return self.url if self.rank is None else f"{self.url}#dp{self.rank}"
+
+    @property
+    def target(self) -> str:
+        """How a request's log and headers name where it went: the replica, with the rank."""
+        return self.label if self.rank is None else f"{self.label}#dp{self.rank}"
+
+    def upstream_headers(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """`headers` for a call to this target: with its rank, vLLM's header that pins it."""
+        if self.rank is None:
+            return dict(headers)
+        return {**headers, DATA_PARALLEL_RANK_HEADER: str(self.rank)}
 
     def healthy(self, now: float) -> bool:
         return self.routable and self.down_until <= now
@@ -91,6 +145,19 @@ class Endpoint:
             + self.prefill_backlog / PREFILL_TOKENS_PER_LOAD_UNIT
             + 8 * max(0.0, self.kv_usage - 0.9)
         )
+
+
+def rank_targets(endpoint: Endpoint, ranks: int) -> list[Endpoint]:
+    """A pod serving `ranks` data-parallel ranks as that many routing targets sharing one
+    Replica: each rank has its own prefix cache and queue, so the gateway's affinity and load
+    are right only per rank. One rank: the endpoint itself."""
+    if ranks <= 1:
+        return [endpoint]
+    shared = Replica()
+    return [
+        dataclasses.replace(endpoint, rank=rank, replica=shared, steps=StepMeter())
+        for rank in range(ranks)
+    ]
 
 
 class NoEndpoints(Exception):
@@ -115,23 +182,27 @@ class Endpoints:
         if config.endpoints is not None:
             for pool in self.pools:
                 self.pools[pool] = [
-                    Endpoint(
-                        e.url.rstrip("/"),
-                        e.parity_hash,
-                        slice=e.slice,
-                        kv_transport=e.kv_transport,
-                        kv_compat=e.kv_compat,
-                        name=e.name,
-                    )
+                    target
                     for e in getattr(config.endpoints, pool)
+                    for target in rank_targets(
+                        Endpoint(
+                            e.url.rstrip("/"),
+                            e.parity_hash,
+                            slice=e.slice,
+                            kv_transport=e.kv_transport,
+                            kv_compat=e.kv_compat,
+                            name=e.name,
+                        ),
+                        e.data_parallel_local,
+                    )
                 ]
 
     def replace(self, pool: str, endpoints: Iterable[Endpoint]) -> None:
         """Discovery updates a pool, keeping in-flight counts of endpoints that stay."""
-        current = {e.url: e for e in self.pools[pool]}
+        current = {e.key: e for e in self.pools[pool]}
         updated = []
         for endpoint in endpoints:
-            kept = current.get(endpoint.url)
+            kept = current.get(endpoint.key)
             # A new pod on a released pod IP is a new replica (its own replica check).
             if kept is not None and kept.name == endpoint.name:
                 kept.parity_hash = endpoint.parity_hash
@@ -203,18 +274,25 @@ class Endpoints:
         affinity: Mapping[str, int] | None = None,
         slack: float = 4.0,
     ) -> Endpoint | None:
-        """Least loaded, skipping ones that already failed this request. With `affinity` (URL ->
-        cached prefix blocks, or a conversation bonus), the endpoint holding the most of this
-        request's KV wins unless it is more than `slack` busier than the least loaded one."""
-        skipped = {id(e) for e in exclude}
-        pool = [e for e in candidates if id(e) not in skipped] if skipped else candidates
+        """Least loaded, skipping the replicas that already failed this request (every rank of
+        one: a retry goes to another pod). With `affinity` (Endpoint.key -> cached prefix
+        blocks, or a conversation bonus), the target holding the most of this request's KV wins
+        unless it is more than `slack` busier than the least loaded one."""
+        failed = {e.url for e in exclude}
+        pool = [e for e in candidates if e.url not in failed] if failed else candidates
+        return Endpoints._best(pool, affinity, slack)
+
+    @staticmethod
+    def _best(
+        pool: list[Endpoint], affinity: Mapping[str, int] | None, slack: float = 4.0
+    ) -> Endpoint | None:
         if not pool:
             return None
         least = min(e.load() for e in pool)
         if affinity:
-            warm = [e for e in pool if affinity.get(e.url, 0) > 0 and e.load() <= least + slack]
+            warm = [e for e in pool if affinity.get(e.key, 0) > 0 and e.load() <= least + slack]
             if warm:
-                return max(warm, key=lambda e: (affinity[e.url], -e.load()))
+                return max(warm, key=lambda e: (affinity[e.key], -e.load()))
         return min(pool, key=lambda e: e.load())
 
     @staticmethod
@@ -223,8 +301,10 @@ class Endpoints:
     ) -> list[Endpoint]:
         """Every candidate, best first, in the order `pick` would choose them."""
         ranked: list[Endpoint] = []
-        while (best := Endpoints.pick(candidates, ranked, affinity)) is not None:
+        remaining = list(candidates)
+        while (best := Endpoints._best(remaining, affinity)) is not None:
             ranked.append(best)
+            remaining = [e for e in remaining if e is not best]
         return ranked
 
     @staticmethod

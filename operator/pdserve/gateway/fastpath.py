@@ -106,7 +106,9 @@ def served_route(
 
 
 def urls(endpoints: Iterable[Endpoint]) -> list[str]:
-    return sorted(e.url for e in endpoints)
+    """The servers: a pod whose data-parallel ranks are routed one by one is one URL here (the
+    data plane sends no rank header and vLLM balances over its ranks itself)."""
+    return sorted({e.url for e in endpoints})
 
 
 def admission_table(
@@ -147,9 +149,18 @@ def routing_table(
         "handOverParams": list(TOKENIZER_PARAMS) if config.tokens_only_engines else [],
         "streamHandOverParams": list(RENDERED_STREAM_PARAMS),
         "derenderPipelining": settings.derender_pipelining,
-        "load": {e.url: base_load(e) for pool in endpoints.pools.values() for e in pool},
+        "load": pod_loads(endpoints),
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
     }
+
+
+def pod_loads(endpoints: Endpoints) -> dict[str, float]:
+    """Per server URL, the base load of its routing targets (all its ranks) together."""
+    loads: dict[str, float] = {}
+    for pool in endpoints.pools.values():
+        for each in pool:
+            loads[each.url] = round(loads.get(each.url, 0.0) + base_load(each), 3)
+    return loads
 
 
 def base_load(endpoint: Endpoint) -> float:

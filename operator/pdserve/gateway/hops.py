@@ -117,7 +117,11 @@ class Hops:
         (affinity and load rank them); if that replica fails, the slot goes back and the next
         one with room is tried. UpstreamFailed when none could."""
         # Short prompts need no slot: post_json itself moves on to the next replica.
-        ranked = [e.url for e in Endpoints.rank(pool, affinity)] if request_class == LONG else []
+        # Slots are per replica: a pod's data-parallel ranks share its slots.
+        ranked = (
+            list(dict.fromkeys(e.url for e in Endpoints.rank(pool, affinity)))
+            if request_class == LONG else []
+        )  # fmt: skip
         while True:
             granted: str | None = None
             try:
@@ -231,7 +235,7 @@ class Hops:
                 )
             except UpstreamFailed as again:
                 raise GatewayError(502, str(again), kind="UpstreamError") from None
-            exchange.served_by["decode"] = endpoint.label
+            exchange.served_by["decode"] = endpoint.target
             exchange.decoded_on = endpoint
             exchange.decode_pulled_kv = False
         if not (isinstance(answer, dict) and has_choices(answer)):

@@ -25,8 +25,9 @@ FIELDS = {
 }
 # A regex, not a Prometheus parser: an engine's full exposition is tens of KB every scrape.
 SAMPLE = re.compile(
-    rf"^({'|'.join(map(re.escape, FIELDS))})(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)", re.MULTILINE
+    rf"^({'|'.join(map(re.escape, FIELDS))})(?:\{{([^}}]*)\}})?\s+([0-9.eE+-]+)", re.MULTILINE
 )
+ENGINE_LABEL = re.compile(r'(?:^|,)\s*engine="([^"]*)"')
 CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 # Called with a decode engine and the KV transfers it finished since the previous scrape:
@@ -34,13 +35,36 @@ LABEL = re.compile(r'(\w+)="([^"]*)"')
 TransferListener = Callable[[Endpoint, float, float], None]
 
 
+def _add(load: dict[str, float], field: str, number: float) -> None:
+    load[field] = max(load[field], number) if field == "kv_usage" else load[field] + number
+
+
+def parse_engine_loads(text: str) -> list[dict[str, float]]:
+    """Per engine the pod's API server manages, in the order of its `engine` label (vLLM's
+    global data-parallel rank): the order of the indexes X-data-parallel-rank takes."""
+    engines: dict[str, dict[str, float]] = {}
+    for name, labels, value in SAMPLE.findall(text):
+        found = ENGINE_LABEL.search(labels)
+        engine = found.group(1) if found else ""
+        load = engines.setdefault(engine, dict.fromkeys(FIELDS.values(), 0.0))
+        _add(load, FIELDS[name], float(value))
+
+    def order(engine: str) -> tuple[int, str]:
+        return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+
+    return [engines[engine] for engine in sorted(engines, key=order)]
+
+
 def parse_load(text: str) -> dict[str, float]:
     """Summed over an engine's label sets (data-parallel ranks); KV usage the maximum."""
+    return total_load(parse_engine_loads(text))
+
+
+def total_load(engines: list[dict[str, float]]) -> dict[str, float]:
     load = dict.fromkeys(FIELDS.values(), 0.0)
-    for name, value in SAMPLE.findall(text):
-        field = FIELDS[name]
-        number = float(value)
-        load[field] = max(load[field], number) if field == "kv_usage" else load[field] + number
+    for each in engines:
+        for field, number in each.items():
+            _add(load, field, number)
     return load
 
 
@@ -59,6 +83,14 @@ def parse_cache_config(text: str) -> tuple[int, int]:
     return (min(blocks), size) if blocks else (0, 0)
 
 
+def by_pod(targets: list[Endpoint]) -> list[list[Endpoint]]:
+    """Routing targets grouped by their server (the ranks of one pod scrape together)."""
+    pods: dict[str, list[Endpoint]] = {}
+    for target in targets:
+        pods.setdefault(target.url, []).append(target)
+    return list(pods.values())
+
+
 class LoadScraper:
     def __init__(
         self,
@@ -71,26 +103,46 @@ class LoadScraper:
         self.on_transfers = on_transfers
         self.transfer_totals: dict[str, TransferCounters] = {}
         """Per decode engine URL, its cumulative transfer counters at the last scrape."""
+        self.warned: set[str] = set()
 
-    async def scrape(self, endpoint: Endpoint, decode: bool = False) -> None:
+    async def scrape(self, targets: list[Endpoint], decode: bool = False) -> None:
+        """One pod's /metrics, for its routing targets: the pod itself, or each of its
+        data-parallel ranks (Endpoint.rank) from the series of that engine."""
+        pod = targets[0]
         try:
             async with self.session.get(
-                f"{endpoint.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
+                f"{pod.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
             ) as response:
                 if response.status != 200:
                     return
                 text = await response.text()
-                load = parse_load(text)
         except (TimeoutError, aiohttp.ClientError):
             return  # the request path marks endpoints down; keep the last known load
-        endpoint.waiting, endpoint.running, endpoint.kv_usage = (
-            load["waiting"],
-            load["running"],
-            load["kv_usage"],
-        )
+        engines = parse_engine_loads(text)
+        total = total_load(engines)
+        for target in targets:
+            if target.rank is None:
+                load = total
+            elif target.rank < len(engines):
+                load = engines[target.rank]
+            else:
+                self.warn_missing_rank(target, len(engines))
+                load = total  # no series of its own: as busy as the whole pod
+            target.waiting, target.running = load["waiting"], load["running"]
+            target.kv_usage = load["kv_usage"]
+            if decode:
+                target.kv_blocks, target.kv_block_size = parse_cache_config(text)
         if decode:
-            endpoint.kv_blocks, endpoint.kv_block_size = parse_cache_config(text)
-            self.note_transfers(endpoint, load["transfers"], load["transfer_seconds"])
+            self.note_transfers(pod, total["transfers"], total["transfer_seconds"])
+
+    def warn_missing_rank(self, target: Endpoint, engines: int) -> None:
+        if target.url not in self.warned:
+            self.warned.add(target.url)
+            log.warning(
+                "%s exposes %d engine(s) in /metrics, fewer than the data-parallel ranks it is "
+                "routed as (dataParallelLocal): is its --data-parallel-size what the routing "
+                "config says?", target.label, engines,
+            )  # fmt: skip
 
     def note_transfers(self, endpoint: Endpoint, transfers: float, seconds: float) -> None:
         now = TransferCounters(transfers=transfers, seconds=seconds)
@@ -106,8 +158,8 @@ class LoadScraper:
         while True:
             pools = self.endpoints.pools
             await asyncio.gather(
-                *(self.scrape(e) for e in pools["prefill"]),
-                *(self.scrape(e, decode=True) for e in pools["decode"]),
+                *(self.scrape(pod) for pod in by_pod(pools["prefill"])),
+                *(self.scrape(pod, decode=True) for pod in by_pod(pools["decode"])),
             )
             urls = {e.url for e in pools["decode"]}
             for gone in set(self.transfer_totals) - urls:

@@ -17,26 +17,27 @@ class Placement:
     def affinity(
         self, exchange: Exchange, stage: str, token_ids: list[int] | None
     ) -> dict[str, int]:
-        """Where this request's prefix is probably cached, and where its conversation ran."""
+        """Where this request's prefix is probably cached, and where its conversation ran, by
+        Endpoint.key: a data-parallel rank's prefix cache is its own."""
         scores: dict[str, int] = {}
         if token_ids:
             hashes = self.hashes(exchange, token_ids)
             for endpoint in exchange.selection.pools.get(stage, []):
-                if blocks := self.prefixes.cached_blocks(endpoint.url, hashes):
-                    scores[endpoint.url] = blocks
+                if blocks := self.prefixes.cached_blocks(endpoint.key, hashes):
+                    scores[endpoint.key] = blocks
         conversation = exchange.conversation
-        if conversation and (url := self.conversations.endpoint(conversation, stage)):
-            scores[url] = scores.get(url, 0) + 1_000_000  # stay on the conversation's engine
+        if conversation and (key := self.conversations.endpoint(conversation, stage)):
+            scores[key] = scores.get(key, 0) + 1_000_000  # stay on the conversation's engine
         return scores
 
     def remember(
         self, exchange: Exchange, stage: str, endpoint: Endpoint, token_ids: list[int] | None
     ) -> None:
-        exchange.served_by[stage] = endpoint.label
+        exchange.served_by[stage] = endpoint.target
         if token_ids:
-            self.prefixes.record(endpoint.url, self.hashes(exchange, token_ids))
+            self.prefixes.record(endpoint.key, self.hashes(exchange, token_ids))
         if conversation := exchange.conversation:
-            self.conversations.remember(conversation, stage, endpoint.url)
+            self.conversations.remember(conversation, stage, endpoint.key)
 
     def hashes(self, exchange: Exchange, token_ids: list[int]) -> list[bytes]:
         """The prompt's block hashes, computed once per request: every hop asks for them."""

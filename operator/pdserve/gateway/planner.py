@@ -134,15 +134,22 @@ class RoutePlanner:
 
         pools = selection.pools
         prefill = pools.get("prefill", [])
-        queued = (self.admission.queued + self.peers.queued()) / max(1, len(prefill))
-        ahead_by = {e.url: active(e) + queued for e in prefill}
+        replicas = {e.url for e in prefill}
+        queued = (self.admission.queued + self.peers.queued()) / max(1, len(replicas))
+        # Per replica, its calmest data-parallel rank: where a request would go there.
+        ahead_by: dict[str, float] = {}
+        backlog_by: dict[str, float] = {}
+        for e in prefill:
+            ahead_by[e.url] = min(ahead_by.get(e.url, float("inf")), active(e) + queued)
+            backlog = float(e.prefill_backlog)
+            backlog_by[e.url] = min(backlog_by.get(e.url, float("inf")), backlog)
         calmest = min(pools.get("decode", []), key=active, default=None)
         return QueueState(
             decode_active=None if calmest is None else active(calmest),
             decode_step_seconds=None if calmest is None else calmest.steps.seconds,
             prefill_ahead=min(ahead_by.values(), default=None),
             prefill_ahead_by=ahead_by,
-            prefill_backlog_by={e.url: float(e.prefill_backlog) for e in prefill},
+            prefill_backlog_by=backlog_by,
         )
 
     def auto_decision(
@@ -151,13 +158,13 @@ class RoutePlanner:
         """Routing mode Auto: P/D or local prefill for this request (see policy.py); P/D keeps
         only the prefill replicas whose KV path fits the TTFT budget."""
         prefill = selection.pools.get("prefill", [])
-        self.policy.health.forget([e.url for e in self.endpoints.pools.get("prefill", [])])
+        self.policy.health.forget(list({e.url for e in self.endpoints.pools.get("prefill", [])}))
         decision = self.policy.decide(
             prompt_tokens=prompt_tokens,
             prefill_available=prefill_available,
             ttft_budget=self.ttft_budget(),
             queues=self.queue_state(selection),
-            prefill_replicas=[e.url for e in prefill],
+            prefill_replicas=list(dict.fromkeys(e.url for e in prefill)),
             itl_budget=self.itl_budget(),
         )
         if decision.disaggregated and decision.prefill:
@@ -187,7 +194,7 @@ class RoutePlanner:
         per_transfer = seconds / transfers * self.engine_seconds_scale
         prefills = Endpoints.same_slice(self.endpoints.pools["prefill"], decode)
         self.policy.health.observe_transfers(
-            per_transfer, self.ttft_budget(), [e.url for e in prefills]
+            per_transfer, self.ttft_budget(), list(dict.fromkeys(e.url for e in prefills))
         )
         self.metrics.pd_degraded.set(int(self.policy.health.degraded))
 

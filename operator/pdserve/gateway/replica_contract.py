@@ -189,7 +189,9 @@ class ReplicaContract:
     report: Report = lambda check: None
     attempts: int = 4
     retry_seconds: float = 1.0
-    checks: dict[int, ReplicaCheck] = field(default_factory=dict)  # id(endpoint) -> check
+    # id(endpoint.replica) -> check: one per pod, however many data-parallel ranks it serves
+    # (each rank a routing target): a wide pod gets one vote in its group, not one per rank.
+    checks: dict[int, ReplicaCheck] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _order: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -199,9 +201,10 @@ class ReplicaContract:
         self.sync()
 
     def sync(self) -> None:
-        current: dict[int, tuple[str, Endpoint]] = {
-            id(e): (pool, e) for pool, found in self.endpoints.pools.items() for e in found
-        }
+        current: dict[int, tuple[str, Endpoint]] = {}
+        for pool, found in self.endpoints.pools.items():
+            for e in found:
+                current.setdefault(id(e.replica), (pool, e))
         for gone in self.checks.keys() - current.keys():
             del self.checks[gone]
         for key, (pool, endpoint) in current.items():
@@ -236,7 +239,7 @@ class ReplicaContract:
                     # Backoff between tries of one replica, not synchronization.
                     await asyncio.sleep(self.retry_seconds * 2**attempt)
                 continue
-            if id(check.endpoint) in self.checks:  # not gone meanwhile
+            if id(check.endpoint.replica) in self.checks:  # not gone meanwhile
                 check.answers, check.order = answers, next(self._order)
                 self._settle()
             return

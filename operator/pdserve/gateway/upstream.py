@@ -114,7 +114,8 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(wait):
                 return await self.session.post(
-                    f"{endpoint.url}{path}", data=dumps(body), headers=json_headers(headers),
+                    f"{endpoint.url}{path}", data=dumps(body),
+                    headers=json_headers(endpoint.upstream_headers(headers)),
                     timeout=aiohttp.ClientTimeout(
                         total=None, sock_connect=self.settings.connect_timeout
                     ),
@@ -168,7 +169,7 @@ class UpstreamClient:
                     self.session.post(
                         f"{endpoint.url}{path}",
                         data=dumps(body),
-                        headers=json_headers(headers),
+                        headers=json_headers(endpoint.upstream_headers(headers)),
                         timeout=aiohttp.ClientTimeout(
                             total=limit, sock_connect=self.settings.connect_timeout
                         ),
