@@ -53,7 +53,7 @@ def gateway_names() -> set[str]:
 
 def engine_names() -> set[str]:
     # vLLM's own names only: the simulator's extra pdserve_sim_* series do not exist in vLLM.
-    return {n for n in exported(EngineMetrics("m", "e").registry) if n.startswith("vllm:")}
+    return {n for n in exported(EngineMetrics("m").registry) if n.startswith("vllm:")}
 
 
 def metric_names(expr: str) -> set[str]:

@@ -12,11 +12,13 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pdserve.sim.chat import BUILTIN_TEMPLATES, ChatError
+from pdserve.sim.data_parallel import DataParallelFlags, local_ranks
 from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineServer
@@ -82,6 +84,7 @@ def engine_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
+    _data_parallel(parser)
     sim = parser.add_argument_group("simulator (not vLLM flags)")
     sim.add_argument(
         "--role",
@@ -125,6 +128,24 @@ def engine_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _data_parallel(parser: argparse.ArgumentParser) -> None:
+    """vLLM's data-parallel flags (vllm/engine/arg_utils.py L1138-1256): the server runs its
+    node's ranks (data_parallel.local_ranks). The parallel sizes within a rank only enter that
+    arithmetic; the address and RPC port are accepted and unused (one process, no peers)."""
+    group = parser.add_argument_group("data parallelism (vLLM's flags)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    group.add_argument("--data-parallel-size-local", "-dpl", type=int)
+    group.add_argument("--data-parallel-start-rank", "-dpr", type=int)
+    group.add_argument("--data-parallel-hybrid-lb", "-dph", action="store_true")
+    group.add_argument("--data-parallel-address", "-dpa")
+    group.add_argument("--data-parallel-rpc-port", "-dpp", type=int)
+    group.add_argument("--nnodes", "-n", type=int, default=1)
+    group.add_argument("--node-rank", "-r", type=int, default=0)
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    group.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+
+
 USAGE = """usage: pdserve sim {render,engine,vllm} ...
 
   render MODEL [flags]          simulated `vllm launch render` (render/derender)
@@ -161,7 +182,22 @@ def _api_of_flags(args: argparse.Namespace) -> str:
     return ENGINE_APIS["--enable-scale-out" if args.enable_scale_out else ""]
 
 
+def _data_parallel_flags(args: argparse.Namespace) -> DataParallelFlags:
+    return DataParallelFlags(
+        size=args.data_parallel_size,
+        size_local=args.data_parallel_size_local,
+        start_rank=args.data_parallel_start_rank,
+        hybrid_lb=args.data_parallel_hybrid_lb,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        world_size_within_dp=args.tensor_parallel_size
+        * args.pipeline_parallel_size
+        * args.prefill_context_parallel_size,
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The simulated engine's configuration; ValueError where vLLM refuses the flags."""
     kv = args.kv_transfer_config or {}
     role = args.role or ROLES.get(kv.get("kv_role", "kv_both"))
     if role is None:
@@ -169,6 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
         )
     extra = kv.get("kv_connector_extra_config") or {}
+    ranks = local_ranks(_data_parallel_flags(args))
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -177,6 +214,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         advertise_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
         port=args.port,
+        # vLLM's KVTransferConfig.engine_id: the configured one, else a fresh uuid4.
+        engine_id=str(kv.get("engine_id") or uuid.uuid4().hex),
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_size_local=ranks.size_local,
+        data_parallel_start_rank=ranks.start_rank,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

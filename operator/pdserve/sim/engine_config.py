@@ -38,6 +38,14 @@ class EngineConfig:
     advertise_host: str = "127.0.0.1"
     port: int = 8000
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """kv_transfer_config.engine_id; each DP rank's KV connector suffixes it (kv_engine_id)."""
+    data_parallel_size: int = 1
+    """--data-parallel-size: the deployment's DP ranks, over all its nodes."""
+    data_parallel_size_local: int = 1
+    """The DP ranks this server runs (vLLM's data_parallel_size_local): local indices 0..L-1,
+    which the X-data-parallel-rank header addresses."""
+    data_parallel_start_rank: int = 0
+    """The global DP rank of local index 0 (its metrics label and KV engine id use it)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     behaviour: ModelBehaviour = field(default_factory=ModelBehaviour)
@@ -46,6 +54,20 @@ class EngineConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def global_ranks(self) -> range:
+        """The global DP ranks this server runs, in local-index order."""
+        start = self.data_parallel_start_rank
+        return range(start, start + self.data_parallel_size_local)
+
+    def kv_engine_id(self, rank: int) -> str:
+        """The KV connector's engine id of global rank `rank`. Every engine process of a DP
+        deployment appends `_dp<global rank>` so that sibling ranks' NIXL agents differ (vLLM
+        0.32 v1/engine/core.py L1405, L1417-1422: when data_parallel_size > 1 or rank > 0)."""
+        if self.data_parallel_size > 1 or rank > 0:
+            return f"{self.engine_id}_dp{rank}"
+        return self.engine_id
 
     @property
     def generate_api(self) -> bool:

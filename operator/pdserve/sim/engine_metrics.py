@@ -1,10 +1,14 @@
 """The simulated engine's Prometheus registry: vLLM's metric names (pdserve.vllm.metrics) with
-its labels and buckets, and what each token, finished request and scrape records in it."""
+its labels and buckets, and what each token, finished request, KV transfer and scrape records in
+it. One registry per server, each family created once; every data-parallel rank records under
+its own `engine="<global rank>"` label, as vLLM's API server does for the ranks it manages
+(`engine_idxs=engine_ranks_managed`, vllm/v1/engine/async_llm.py L199)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -38,31 +42,29 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 
 
+SimSeconds = Callable[[float], float]
+"""Real elapsed seconds -> the simulated seconds a real engine would report."""
+
+
 class EngineMetrics:
-    def __init__(self, model: str, engine: str) -> None:
+    """The server's registry and its metric families (no label values: see `rank`)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
-        self.labels = {"model_name": model, "engine": engine}
         r = self.registry
 
-        # vLLM exposes every metric at zero from the start, not from its first event: a
-        # reader that sums a metric must find it on an idle engine too.
         def gauge(name: str, doc: str) -> Gauge:
-            metric = Gauge(name, doc, labels, registry=r)
-            metric.labels(**self.labels)
-            return metric
+            return Gauge(name, doc, labels, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            metric = Counter(name, doc, labels, registry=r)
-            metric.labels(**self.labels)
-            return metric
+            return Counter(name, doc, labels, registry=r)
 
         def histogram(
             name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
         ) -> Histogram:
-            metric = Histogram(name, doc, labels, buckets=buckets, registry=r)
-            metric.labels(**self.labels)
-            return metric
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
         self.running = gauge(metrics.NUM_REQUESTS_RUNNING, "Requests in the running batch")
         self.waiting = gauge(metrics.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled")
@@ -102,42 +104,79 @@ class EngineMetrics:
             "Prompt tokens whose KV came back from decode (bidirectional)",
         )
 
-    # ---- what the engine records -----------------------------------------------------------------
-    def on_token(self, seq: Sequence, now: float, sim_seconds: Callable[[float], float]) -> None:
-        """A token left the engine at `now` (monotonic); sim_seconds turns real seconds into
-        simulated ones."""
-        labels = self.labels
-        if seq.first_token_at == now and seq.emitted == 1:
-            self.ttft.labels(**labels).observe(sim_seconds(now - seq.arrival))
-            if seq.admitted_at is not None:
-                self.prefill.labels(**labels).observe(sim_seconds(now - seq.admitted_at))
-        elif seq.last_token_at is not None:
-            self.itl.labels(**labels).observe(sim_seconds(now - seq.last_token_at))
-        self.generation_tokens.labels(**labels).inc()
+    def rank(self, engine: int, sim_seconds: SimSeconds = float) -> RankMetrics:
+        """The recorder of DP rank `engine` (global): its series exist at zero from now on, as
+        vLLM exposes every metric from the start, not from its first event (a reader that sums
+        a metric must find it on an idle engine too)."""
+        recorder = RankMetrics(self, {"model_name": self.model, "engine": str(engine)}, sim_seconds)
+        for family in (
+            self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+            self.preemptions, self.prompt_tokens, self.request_prompt_tokens,
+            self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.queue,
+            self.prefill, self.decode, self.xfer_time, self.post_time, self.xfer_bytes,
+            self.failed_transfers, self.failed_notifications, self.expired, self.reused,
+        ):  # fmt: skip
+            family.labels(**recorder.labels)
+        return recorder
 
-    def on_finish(self, seq: Sequence, sim_seconds: Callable[[float], float]) -> None:
-        labels = self.labels
+
+@dataclass(frozen=True)
+class RankMetrics:
+    """What one DP rank records, under its own labels."""
+
+    families: EngineMetrics
+    labels: dict[str, str]
+    sim_seconds: SimSeconds
+
+    # ---- the scheduler -------------------------------------------------------------------------
+    def on_token(self, seq: Sequence, now: float) -> None:
+        """A token left the engine at `now` (monotonic)."""
+        m, labels, sim = self.families, self.labels, self.sim_seconds
+        if seq.first_token_at == now and seq.emitted == 1:
+            m.ttft.labels(**labels).observe(sim(now - seq.arrival))
+            if seq.admitted_at is not None:
+                m.prefill.labels(**labels).observe(sim(now - seq.admitted_at))
+        elif seq.last_token_at is not None:
+            m.itl.labels(**labels).observe(sim(now - seq.last_token_at))
+        m.generation_tokens.labels(**labels).inc()
+
+    def on_finish(self, seq: Sequence) -> None:
+        m, labels, sim = self.families, self.labels, self.sim_seconds
         now = seq.last_token_at or time.monotonic()
-        self.e2e.labels(**labels).observe(sim_seconds(now - seq.arrival))
+        m.e2e.labels(**labels).observe(sim(now - seq.arrival))
         if seq.admitted_at is not None:
-            self.queue.labels(**labels).observe(sim_seconds(seq.admitted_at - seq.arrival))
+            m.queue.labels(**labels).observe(sim(seq.admitted_at - seq.arrival))
         if seq.first_token_at is not None:
-            self.decode.labels(**labels).observe(sim_seconds(now - seq.first_token_at))
+            m.decode.labels(**labels).observe(sim(now - seq.first_token_at))
             if seq.emitted > 1:
-                self.tpot.labels(**labels).observe(
-                    sim_seconds(now - seq.first_token_at) / (seq.emitted - 1)
-                )
-        self.prompt_tokens.labels(**labels).inc(len(seq.prompt_ids) - seq.cached_tokens)
-        self.request_prompt_tokens.labels(**labels).observe(len(seq.prompt_ids))
-        self.success.labels(**labels, finished_reason=seq.finish_reason).inc()
+                m.tpot.labels(**labels).observe(sim(now - seq.first_token_at) / (seq.emitted - 1))
+        m.prompt_tokens.labels(**labels).inc(len(seq.prompt_ids) - seq.cached_tokens)
+        m.request_prompt_tokens.labels(**labels).observe(len(seq.prompt_ids))
+        m.success.labels(**labels, finished_reason=seq.finish_reason).inc()
 
     def refresh(self, core: EngineCore) -> None:
         """The gauges and the prefix cache counters from the scheduler's state, before a scrape."""
-        labels = self.labels
-        self.running.labels(**labels).set(len(core.running))
-        self.waiting.labels(**labels).set(len(core.waiting))
-        self.kv_usage.labels(**labels).set(core.kv_usage())
-        query = self.prefix_queries.labels(**labels)
+        m, labels = self.families, self.labels
+        m.running.labels(**labels).set(len(core.running))
+        m.waiting.labels(**labels).set(len(core.waiting))
+        m.kv_usage.labels(**labels).set(core.kv_usage())
+        query = m.prefix_queries.labels(**labels)
         query.inc(core.prefix_queries - query._value.get())
-        hits = self.prefix_hits.labels(**labels)
+        hits = m.prefix_hits.labels(**labels)
         hits.inc(core.prefix_hits - hits._value.get())
+
+    # ---- the KV handoff ------------------------------------------------------------------------
+    def lease_expired(self) -> None:
+        self.families.expired.labels(**self.labels).inc()
+
+    def transfer_failed(self) -> None:
+        self.families.failed_transfers.labels(**self.labels).inc()
+
+    def transferred(self, sim_seconds: float, num_bytes: int) -> None:
+        """A pull that arrived: its simulated duration and size."""
+        self.families.xfer_time.labels(**self.labels).observe(sim_seconds)
+        self.families.xfer_bytes.labels(**self.labels).observe(num_bytes)
+
+    def reused(self, tokens: int) -> None:
+        """Prompt tokens whose KV came back from decode (bidirectional)."""
+        self.families.reused.labels(**self.labels).inc(tokens)

@@ -1,19 +1,24 @@
 """The simulated engine's OpenAI API (`vllm serve` without --tokens-only: deployments without a
 render pool, and --enable-scale-out engines): /v1/chat/completions and /v1/completions, rendered
 and derendered in process by the render server's own code, with derender's gaps closed as
-`vllm serve` has none of them (pdserve/vllm/derender_gaps.py)."""
+`vllm serve` has none of them (pdserve/vllm/derender_gaps.py). A request runs on the
+data-parallel rank its X-data-parallel-rank header names, else on the least loaded one
+(engine_ranks)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Any
 
 from aiohttp import web
 
+from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_core import Sequence
-from pdserve.sim.engine_requests import EngineRequests
+from pdserve.sim.engine_rank import EngineRank
+from pdserve.sim.engine_ranks import EngineRanks
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
 from pdserve.sim.render_server import RenderServer
 from pdserve.vllm.derender_gaps import match_vllm_serve, without_stop_tokens
@@ -27,9 +32,8 @@ from pdserve.vllm.protocol import (
 
 
 class OpenAIApi:
-    def __init__(self, requests: EngineRequests, render: RenderServer) -> None:
-        self.requests, self.render = requests, render
-        self.config, self.kv = requests.config, requests.kv
+    def __init__(self, config: EngineConfig, ranks: EngineRanks, render: RenderServer) -> None:
+        self.config, self.ranks, self.render = config, ranks, render
 
     async def openai_chat(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, chat=True)
@@ -38,6 +42,12 @@ class OpenAIApi:
         return await self._openai(request, chat=False)
 
     async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        with ExitStack() as on_rank:  # the request counts as its rank's until it is answered
+            return await self._answer(request, on_rank, chat=chat)
+
+    async def _answer(
+        self, request: web.Request, on_rank: ExitStack, *, chat: bool
+    ) -> web.StreamResponse:
         try:
             body = await read_json(request)
             if chat:
@@ -54,7 +64,10 @@ class OpenAIApi:
             own = request.headers.get("X-Request-Id")
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{own}" if own else rendered["request_id"]
-            sequences, remote_decode = await self.requests.start(
+            # After rendering, as vLLM checks the rank in process_inputs.
+            rank = self.ranks.for_request(request.headers)
+            on_rank.enter_context(rank.serving())
+            sequences, remote_decode = await rank.requests.start(
                 request_id, prompt_ids, params, kv_params
             )
         except HttpError as error:
@@ -64,19 +77,19 @@ class OpenAIApi:
         derender_path = self.render.chat_derender if chat else self.render.completion_derender
         if body.get("stream"):
             return await self._openai_stream(
-                request, body, sequences, prompt_ids, params, derender_path
+                request, rank, body, sequences, prompt_ids, params, derender_path
             )
         choices: list[dict[str, Any]] = []
         generated_tokens = 0
         try:
             for index, seq in enumerate(sequences):
-                ids, finish = await self.requests.collect(seq)
+                ids, finish = await rank.requests.collect(seq)
                 generated_tokens += len(ids)
                 choices.append(
                     {"index": index, "token_ids": ids, "finish_reason": finish, "stop_reason": None}
                 )
         except asyncio.CancelledError:
-            self.requests.abort(sequences)  # the client went away (vLLM aborts it too)
+            rank.requests.abort(sequences)  # the client went away (vLLM aborts it too)
             raise
         generated = {
             "request_id": request_id,
@@ -97,12 +110,13 @@ class OpenAIApi:
         answer = json.loads(derendered.text or "{}")
         match_vllm_serve(answer, generated, params, body, chat=chat)
         if remote_decode:
-            answer["kv_transfer_params"] = self.kv.hold(request_id, len(prompt_ids))
+            answer["kv_transfer_params"] = rank.kv.hold(request_id, len(prompt_ids))
         return web.json_response(answer)
 
     async def _openai_stream(
         self,
         request: web.Request,
+        rank: EngineRank,
         body: Mapping[str, Any],
         sequences: list[Sequence],
         prompt_ids: list[int],
@@ -149,6 +163,6 @@ class OpenAIApi:
                 await response.write(sse_event(trailer))
             await response.write(SSE_DONE)
         except (ConnectionResetError, asyncio.CancelledError):
-            self.requests.abort(sequences)
+            rank.requests.abort(sequences)
             raise
         return response

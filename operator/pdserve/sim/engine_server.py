@@ -7,9 +7,15 @@ a finished prefill's blocks for the lease, the consumer pulls them (unknown or e
 refused), waits bytes / bandwidth + overhead, and on failure applies kv_load_failure_policy
 (fail -> error, recompute -> prefill locally). Faults can be injected through /sim/faults.
 
+One server runs the data-parallel ranks vLLM would run on its node (EngineConfig's
+data_parallel_size_local, from global rank data_parallel_start_rank), each an EngineRank with
+its own scheduler, prefix cache, KV blocks and metric labels, behind this one HTTP server (as
+vLLM's API server in front of its local engine cores in hybrid or single-node DP).
+
 This module puts the engine together and serves it; the pieces: engine_config (configuration,
-faults, clock), engine_metrics (the registry), kv_transfer (the handoff), engine_requests (a
-request's way into the scheduler), engine_tokens and engine_openai (the two APIs)."""
+faults, clock), engine_metrics (the registry), engine_rank and engine_ranks (the DP ranks and
+which one serves a request), kv_transfer (the handoff), engine_requests (a request's way into
+a rank's scheduler), engine_tokens and engine_openai (the two APIs)."""
 
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ import httpx
 from aiohttp import web
 
 from pdserve.sim.engine_config import EngineConfig, Faults, SimClock
-from pdserve.sim.engine_core import EngineCore, Sequence
+from pdserve.sim.engine_core import EngineCore
 from pdserve.sim.engine_metrics import EngineMetrics
 from pdserve.sim.engine_openai import OpenAIApi
+from pdserve.sim.engine_rank import EngineRank
+from pdserve.sim.engine_ranks import EngineRanks
 from pdserve.sim.engine_requests import EngineRequests
 from pdserve.sim.engine_tokens import TokensApi
 from pdserve.sim.http import (
@@ -46,9 +54,9 @@ class EngineServer:
         self.config = config
         self.tokenizer = tokenizer or SimTokenizer()
         self.clock = SimClock(config.scheduler)
-        self.metrics = EngineMetrics(config.name, config.engine_id[:8])
-        self.core = EngineCore(config.scheduler, on_token=self._on_token, on_finish=self._on_finish)
-        self.faults = Faults()
+        self.metrics = EngineMetrics(config.name)
+        """The one registry: every rank's series, labelled engine="<global rank>"."""
+        self.faults = Faults()  # shared: a fault is the server's, whichever rank it hits
         self.render = RenderServer(
             config.render
             or RenderConfig(
@@ -59,20 +67,46 @@ class EngineServer:
             self.tokenizer,
         )
         self._client = httpx.AsyncClient(timeout=30.0)
-        self._loop_task: asyncio.Task[None] | None = None
         self._emitted_total = 0
         self._shutting_down = asyncio.Event()
-        self.kv = KvTransfer(config, self.core, self.metrics, self.faults, self._client)
-        self.requests = EngineRequests(
-            config, self.tokenizer, self.core, self.faults, self.kv, self._shutting_down
+        self.ranks = EngineRanks(
+            [
+                EngineRank(
+                    index,
+                    config,
+                    tokenizer=self.tokenizer,
+                    metrics=self.metrics,
+                    faults=self.faults,
+                    client=self._client,
+                    shutting_down=self._shutting_down,
+                    on_token=self._on_token,
+                )
+                for index in range(config.data_parallel_size_local)
+            ]
         )
-        self.tokens_api = TokensApi(self.requests)
-        self.openai_api = OpenAIApi(self.requests, self.render)
+        self.tokens_api = TokensApi(config, self.ranks, self.faults)
+        self.openai_api = OpenAIApi(config, self.ranks, self.render)
+
+    # ---- local index 0's pieces (what a single-rank engine's tests read) -----------------------
+    @property
+    def core(self) -> EngineCore:
+        """Local rank 0's scheduler (the only one without data parallelism)."""
+        return self.ranks[0].core
+
+    @property
+    def kv(self) -> KvTransfer:
+        """Local rank 0's KV handoff."""
+        return self.ranks[0].kv
+
+    @property
+    def requests(self) -> EngineRequests:
+        """Local rank 0's request intake."""
+        return self.ranks[0].requests
 
     @property
     def held(self) -> dict[str, HeldBlocks]:
-        """KV blocks held for peers, by request id."""
-        return self.kv.held
+        """KV blocks local rank 0 holds for peers, by request id."""
+        return self.ranks[0].kv.held
 
     # ---- time ----------------------------------------------------------------------------------
     def sim_seconds(self, real: float) -> float:
@@ -82,16 +116,13 @@ class EngineServer:
     async def sim_sleep(self, seconds: float) -> None:
         await self.clock.sleep(seconds)
 
-    # ---- metrics hooks ---------------------------------------------------------------------------
-    def _on_token(self, seq: Sequence, now: float) -> None:
-        self.metrics.on_token(seq, now, self.clock.sim_seconds)
+    # ---- fault hook ----------------------------------------------------------------------------
+    def _on_token(self) -> None:
+        """Any rank emitted a token: exit_after counts the server's tokens."""
         self._emitted_total += 1
         limit = self.faults.exit_after
         if limit is not None and self._emitted_total >= limit:
             os._exit(1)  # fault injection: the engine process dies mid-generation
-
-    def _on_finish(self, seq: Sequence) -> None:
-        self.metrics.on_finish(seq, self.clock.sim_seconds)
 
     # ---- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -110,7 +141,7 @@ class EngineServer:
         if self.config.detokenizes:
             app.router.add_post("/v1/chat/completions", self.openai_api.openai_chat)
             app.router.add_post("/v1/completions", self.openai_api.openai_completions)
-        app.router.add_post("/sim/kv/pull", self.kv.kv_pull)
+        app.router.add_post("/sim/kv/pull", self.kv_pull)
         app.router.add_post("/sim/faults", self.set_faults)
         app.router.add_get("/health", health)
         app.router.add_get("/version", version)
@@ -119,19 +150,35 @@ class EngineServer:
         return app
 
     async def _start(self, _: web.Application) -> None:
-        self._loop_task = asyncio.create_task(self.core.run(), name="engine-loop")
+        for rank in self.ranks:
+            rank.start()
 
     async def _shutdown(self, _: web.Application) -> None:
         self._shutting_down.set()  # releases hung requests so shutdown does not wait on them
 
     async def _stop(self, _: web.Application) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for rank in self.ranks:
+            rank.stop()
         await self._client.aclose()
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
-        self.metrics.refresh(self.core)
+        for rank in self.ranks:
+            rank.metrics.refresh(rank.core)
         return metrics_response(self.metrics.registry)
+
+    async def kv_pull(self, request: web.Request) -> web.Response:
+        """POST /sim/kv/pull: a peer takes the blocks a rank holds for a request. The body's
+        remote_engine_id (from the kv_transfer_params that rank returned) names the rank, as a
+        NIXL peer reaches one rank's agent; this server has none of another's."""
+        try:
+            body = await read_json(request)
+        except HttpError as error:
+            return error_response(error.status, error.message)
+        engine_id = body.get("remote_engine_id")
+        rank = self.ranks.by_engine_id(engine_id)
+        if rank is None:
+            return error_response(404, f"no engine {engine_id!r} on this server")
+        return rank.kv.give(body)
 
     def set_faults_from(self, faults: Mapping[str, Any]) -> None:
         """Apply faults by name; ValueError names unknown ones."""

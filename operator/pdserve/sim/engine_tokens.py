@@ -2,7 +2,9 @@
 `--enable-scale-out`): POST /inference/v1/generate, streamed or not, handing KV to a peer through
 kv_transfer_params, and POST /inference/v1/abort_requests. Requests are named as vLLM names
 them (`generate-tokens-<id>`), and aborts go by that name; without a tokenizer (--tokens-only),
-stop strings and structured outputs are refused as vLLM refuses them."""
+stop strings and structured outputs are refused as vLLM refuses them. A request runs on the
+data-parallel rank its X-data-parallel-rank header names, else on the least loaded one
+(engine_ranks); an abort reaches every rank."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.sim.engine_config import EngineConfig, Faults
 from pdserve.sim.engine_core import Sequence
-from pdserve.sim.engine_requests import EngineRequests
+from pdserve.sim.engine_rank import EngineRank
+from pdserve.sim.engine_ranks import EngineRanks
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
 from pdserve.vllm.protocol import generate_request_id, usage
 
@@ -24,14 +28,14 @@ OUTPUT_MODE = "tokens"
 
 
 class TokensApi:
-    def __init__(self, requests: EngineRequests) -> None:
-        self.requests = requests
-        self.config, self.kv, self.faults = requests.config, requests.kv, requests.faults
+    def __init__(self, config: EngineConfig, ranks: EngineRanks, faults: Faults) -> None:
+        self.config, self.ranks, self.faults = config, ranks, faults
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            prompt_ids = self.requests.validate_prompt(body.get("token_ids"))
+            # Any rank's check: it reads only the server's config and tokenizer.
+            prompt_ids = self.ranks[0].requests.validate_prompt(body.get("token_ids"))
             params = dict(body.get("sampling_params") or {})
             extra = params.get("extra_args") or {}
             kv_params = body.get("kv_transfer_params") or extra.get("kv_transfer_params")
@@ -40,7 +44,27 @@ class TokensApi:
             )
             if not self.config.detokenizes:
                 refuse_what_needs_a_tokenizer(params)
-            sequences, remote_decode = await self.requests.start(
+            # After the request's own checks, as vLLM checks the rank in process_inputs.
+            rank = self.ranks.for_request(request.headers)
+        except HttpError as error:
+            return error_response(error.status, error.message, error.param)
+        with rank.serving():
+            return await self._generate(
+                request, rank, body, request_id, prompt_ids, params, kv_params
+            )
+
+    async def _generate(
+        self,
+        request: web.Request,
+        rank: EngineRank,
+        body: Mapping[str, Any],
+        request_id: str,
+        prompt_ids: list[int],
+        params: Mapping[str, Any],
+        kv_params: Mapping[str, Any] | None,
+    ) -> web.StreamResponse:
+        try:
+            sequences, remote_decode = await rank.requests.start(
                 request_id, prompt_ids, params, kv_params
             )
         except HttpError as error:
@@ -49,6 +73,7 @@ class TokensApi:
             options = body.get("stream_options") or {}
             return await self._stream(
                 request,
+                rank,
                 request_id,
                 sequences,
                 prompt_ids,
@@ -57,17 +82,17 @@ class TokensApi:
         try:
             choices, completion_tokens = [], 0
             for index, seq in enumerate(sequences):
-                ids, finish = await self.requests.collect(seq)
+                ids, finish = await rank.requests.collect(seq)
                 completion_tokens += len(ids)
                 choices.append(
                     {"index": index, "token_ids": ids, "finish_reason": finish, "logprobs": None}
                 )
         except asyncio.CancelledError:
-            self.requests.abort(sequences)  # the client went away
+            rank.requests.abort(sequences)  # the client went away
             raise
         kv_out = None
         if remote_decode:
-            kv_out = self.kv.hold(request_id, len(prompt_ids))
+            kv_out = rank.kv.hold(request_id, len(prompt_ids))
         elif (
             self.config.transfer.bidirectional
             and self.config.role == "decode"
@@ -75,7 +100,7 @@ class TokensApi:
         ):
             # Keep this turn's KV (prompt + answer) for the next turn's prefill to pull back.
             tokens = [*prompt_ids, *sequences[0].output_ids[: sequences[0].emitted]]
-            kv_out = self.kv.hold(
+            kv_out = rank.kv.hold(
                 request_id,
                 len(tokens),
                 token_ids=tokens,
@@ -97,6 +122,7 @@ class TokensApi:
     async def _stream(
         self,
         request: web.Request,
+        rank: EngineRank,
         request_id: str,
         sequences: list[Sequence],
         prompt_ids: list[int],
@@ -142,7 +168,7 @@ class TokensApi:
                         await response.write(sse_event(event))
                         sent += 1
                     if drop_after is not None and sent >= drop_after:
-                        self.requests.abort(sequences)
+                        rank.requests.abort(sequences)
                         request.transport and request.transport.close()  # type: ignore[func-returns-value]
                         return response
                     if finish is None:
@@ -158,7 +184,7 @@ class TokensApi:
                 await response.write(sse_event(final))
             await response.write(SSE_DONE)
         except (ConnectionResetError, asyncio.CancelledError):
-            self.requests.abort(sequences)  # the client went away: stop generating for it
+            rank.requests.abort(sequences)  # the client went away: stop generating for it
             for future in pending:
                 future.cancel()
             raise
@@ -166,7 +192,8 @@ class TokensApi:
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         """Abort requests by the engine's names for them (`generate-tokens-<id>`): an id the
-        engine does not know, the bare <id> among them, aborts nothing."""
+        engine does not know, the bare <id> among them, aborts nothing. Every rank is told, as
+        the request may run or hold KV on any of them."""
         try:
             body = await read_json(request)
         except HttpError as error:
@@ -176,8 +203,9 @@ class TokensApi:
             return error_response(400, "Missing 'request_ids' in request body", "request_ids")
         for request_id in ids:
             request_id = str(request_id)
-            self.requests.core.abort(request_id)
-            self.kv.release(request_id)  # a producer's lease ends with the request
+            for rank in self.ranks:
+                rank.core.abort(request_id)
+                rank.kv.release(request_id)  # a producer's lease ends with the request
         return web.Response(status=200)  # vLLM's answer: no body
 
 

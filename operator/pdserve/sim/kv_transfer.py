@@ -5,7 +5,11 @@ transfer a decode engine holds its turn's KV (prompt + answer) for the next turn
 
 Expiry goes by the engine's own monotonic clock, time.perf_counter(), as vLLM's NIXL connector
 does: a decode engine's remote_blocks_expiry_time is a reading of that clock (meaningless to any
-other process), a prefill engine's is null."""
+other process), a prefill engine's is null.
+
+One KvTransfer per data-parallel rank: as each of vLLM's DP ranks runs its own NIXL agent, its
+kv_transfer_params name that rank's engine id, and a pull names it back so the server hands it
+to the rank that holds the blocks (`EngineServer.kv_pull`)."""
 
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from aiohttp import web
 
 from pdserve.sim.engine_config import EngineConfig, Faults, SimClock
 from pdserve.sim.engine_core import EngineCore
-from pdserve.sim.engine_metrics import EngineMetrics
-from pdserve.sim.http import error_response, read_json
+from pdserve.sim.engine_metrics import RankMetrics
+from pdserve.sim.http import error_response
 
 
 @dataclass
@@ -37,12 +41,14 @@ class KvTransfer:
         self,
         config: EngineConfig,
         core: EngineCore,
-        metrics: EngineMetrics,
+        metrics: RankMetrics,
         faults: Faults,
         client: httpx.AsyncClient,
+        engine_id: str,
     ) -> None:
         self.config, self.core, self.metrics, self.faults = config, core, metrics, faults
         self.client = client
+        self.engine_id = engine_id  # this rank's NIXL engine id (EngineConfig.kv_engine_id)
         self.clock = SimClock(config.scheduler)
         self.held: dict[str, HeldBlocks] = {}
 
@@ -52,7 +58,7 @@ class KvTransfer:
         for request_id, held in list(self.held.items()):
             if held.expires_at <= now:
                 self.release(request_id)
-                self.metrics.expired.labels(**self.metrics.labels).inc()
+                self.metrics.lease_expired()
 
     def release(self, request_id: str) -> None:
         held = self.held.pop(request_id, None)
@@ -74,7 +80,7 @@ class KvTransfer:
             "do_remote_prefill": token_ids is None,
             "do_remote_decode": False,
             "remote_block_ids": list(range(blocks)),
-            "remote_engine_id": self.config.engine_id,
+            "remote_engine_id": self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.config.advertise_host,
             "remote_port": self.config.port,
@@ -85,14 +91,13 @@ class KvTransfer:
             "transfer_mode": "pull",
         }
 
-    async def kv_pull(self, request: web.Request) -> web.Response:
-        """POST /sim/kv/pull: a peer takes the blocks held for a request."""
-        body = await read_json(request)
+    def give(self, body: Mapping[str, Any]) -> web.Response:
+        """A peer's POST /sim/kv/pull for this rank: it takes the blocks held for a request."""
         self.expire_leases()
         request_id = str(body.get("remote_request_id"))
         if self.faults.expire_leases and request_id in self.held:
             self.release(request_id)
-            self.metrics.expired.labels(**self.metrics.labels).inc()
+            self.metrics.lease_expired()
             return error_response(410, f"KV blocks of {request_id} expired")
         held = self.held.get(request_id)
         if held is None:
@@ -115,7 +120,6 @@ class KvTransfer:
         reusing decode's KV of an earlier turn (bidirectional), which only helps as far as the
         token ids agree: a template that strips <think> from history breaks the match early."""
         transfer = self.config.transfer
-        labels = self.metrics.labels
         started = time.monotonic()
         try:
             if self.faults.fail_transfers > 0:
@@ -123,6 +127,8 @@ class KvTransfer:
                 raise RuntimeError("injected transfer failure")
             url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/sim/kv/pull"
             response = await self.client.post(url, json={
+                # The peer's server runs several ranks: the engine id names the one to ask.
+                "remote_engine_id": params.get("remote_engine_id"),
                 "remote_request_id": params.get("remote_request_id"),
                 "remote_block_ids": params.get("remote_block_ids"),
             })  # fmt: skip
@@ -143,19 +149,19 @@ class KvTransfer:
                     common += 1
                 block = self.config.scheduler.block_size
                 usable = min(common - common % block, len(prompt_ids) - 1)
-                self.metrics.reused.labels(**labels).inc(usable)
+                self.metrics.reused(usable)
             seconds = usable * transfer.bytes_per_token / (transfer.bandwidth_gb_s * 1e9)
             seconds += transfer.overhead_ms / 1000 + transfer.poll_ms / 1000
             if self.faults.delay_transfers > 0:
                 self.faults.delay_transfers -= 1
                 seconds += self.faults.delay_ms / 1000
             await self.clock.sleep(seconds)
-            self.metrics.xfer_time.labels(**labels).observe(
-                self.clock.sim_seconds(time.monotonic() - started)
+            self.metrics.transferred(
+                self.clock.sim_seconds(time.monotonic() - started),
+                usable * transfer.bytes_per_token,
             )
-            self.metrics.xfer_bytes.labels(**labels).observe(usable * transfer.bytes_per_token)
             return usable, None
         except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as error:
-            self.metrics.failed_transfers.labels(**labels).inc()
+            self.metrics.transfer_failed()
             peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
             return 0, f"KV transfer from {peer} failed: {error}"
