@@ -80,6 +80,11 @@ async def gateway_over(
     if kv_transfer is not None:
         config["kvTransfer"] = dict(kv_transfer)
     if operator_config is not None:
+        # The pods' ranks as the operator describes its pools' pods (dataParallelLocal).
+        for name, listed in config["endpoints"].items():
+            ranks = (operator_config["pools"].get(name) or {}).get("dataParallelLocal", 1)
+            for endpoint in listed if ranks > 1 else []:
+                endpoint["dataParallelLocal"] = ranks
         config = {**operator_config, "endpoints": config["endpoints"]}
         if engine_api == "openai":  # the same engines' OpenAI API, no render pool
             config |= {"engineApi": "openai", "pools": {**config["pools"], "render": None}}
