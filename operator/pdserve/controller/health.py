@@ -6,15 +6,16 @@ derived from its TTFT SLO. Reconcile reads the cached verdict into TransportHeal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.contract.metrics import GATEWAY_PD_DEGRADED, GATEWAY_PD_RECENT_FAILURES
 from pdserve.controller.scraper import Key, PeriodicScraper
-from pdserve.vllm.metrics import TransferCounters, parse_transfer_counters, sum_samples
+from pdserve.vllm.metrics import TransferCounters, parse_engine_transfer_counters, sum_samples
 
 log = logging.getLogger("pdserve.health")
 # Share of the TTFT SLO a KV handoff may take: prefill and decode's first step need the rest.
@@ -95,12 +96,52 @@ def kv_policy(
     return True, "Consistent", f"{setting}" + (f" covers the {measured}" if measured else "")
 
 
+# Where a verdict names the engines that failed: the worst few, by their count in the window.
+NAMED_ENGINES = 3
+Engine = tuple[str, str]
+"""A decode server's /metrics URL and one engine of it (its `engine` label: the global
+data-parallel rank)."""
+
+
+def where_failing(
+    verdict: HealthVerdict,
+    windows: Mapping[Engine, TransferCounters],
+    names: Mapping[str, str],
+) -> HealthVerdict:
+    """A failing verdict with the decode engines its failures (or expired leases) came from: a
+    rank's NIXL agent pulls on its own path (its GPU's NIC), so one bad rail shows on one rank."""
+    counted = {"TransferFailures": "failed", "LeasesExpiring": "expired"}.get(verdict.reason)
+    if counted is None:
+        return verdict
+    engines_of: dict[str, int] = {}
+    for url, _ in windows:
+        engines_of[url] = engines_of.get(url, 0) + 1
+    found = sorted(
+        ((int(getattr(window, counted)), url, engine) for (url, engine), window in windows.items()
+         if getattr(window, counted) > 0),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )  # fmt: skip
+    if not found:
+        return verdict
+    named = []
+    for number, url, engine in found[:NAMED_ENGINES]:
+        pod = names.get(url, url)
+        rank = f" rank {engine}" if engine and engines_of[url] > 1 else ""
+        named.append(f"{pod}{rank} ({number})")
+    more = f" and {len(found) - NAMED_ENGINES} more" if len(found) > NAMED_ENGINES else ""
+    return dataclasses.replace(
+        verdict, message=f"{verdict.message}; {counted} on decode {', '.join(named)}{more}"
+    )
+
+
 @dataclass
 class _Tracked:
     urls: list[str]
     budget: float | None
     gateways: list[str] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # URL -> the pod's name
     last: TransferCounters | None = None
+    last_by_engine: dict[Engine, TransferCounters] = field(default_factory=dict)
     verdict: HealthVerdict | None = None  # from the engines' metrics
     gateway_fallback: str | None = None  # gateways that route everything local, in words
 
@@ -113,14 +154,20 @@ class TransportMonitor(PeriodicScraper):
         self.tracked: dict[Key, _Tracked] = {}
 
     def track(
-        self, key: Key, urls: Sequence[str], budget: float | None, gateways: Sequence[str] = ()
+        self,
+        key: Key,
+        urls: Sequence[str],
+        budget: float | None,
+        gateways: Sequence[str] = (),
+        names: Mapping[str, str] | None = None,
     ) -> None:
         """`urls`: decode engines' /metrics; `gateways`: the model's gateway base URLs, whose
-        /metrics say whether Auto mode degraded P/D to local prefill."""
+        /metrics say whether Auto mode degraded P/D to local prefill; `names`: a URL's pod."""
         entry = self.tracked.get(key)
         if entry is None:
             entry = self.tracked[key] = _Tracked(list(urls), budget)
         entry.urls, entry.budget, entry.gateways = list(urls), budget, list(gateways)
+        entry.names = dict(names or {})
 
     def forget(self, key: Key) -> None:
         self.tracked.pop(key, None)
@@ -161,10 +208,10 @@ class TransportMonitor(PeriodicScraper):
             "the TTFT budget); they probe P/D and recover on their own"
         )
 
-    async def _fetch(self, url: str) -> TransferCounters | None:
+    async def _fetch(self, url: str) -> dict[str, TransferCounters] | None:
         text = await self.fetch_text(url)
         try:
-            return None if text is None else parse_transfer_counters(text)
+            return None if text is None else parse_engine_transfer_counters(text)
         except ValueError as error:
             log.debug("%s: unreadable metrics: %s", url, error)
             return None
@@ -178,16 +225,23 @@ class TransportMonitor(PeriodicScraper):
             if not entry.urls:
                 continue
             results = await asyncio.gather(*(self._fetch(u) for u in entry.urls))
-            reached = [r for r in results if r is not None]
-            if not reached:
+            engines = {
+                (url, engine): counters
+                for url, found in zip(entry.urls, results, strict=True) if found is not None
+                for engine, counters in found.items()
+            }  # fmt: skip
+            if not any(found is not None for found in results):
                 verdict: HealthVerdict | None = HealthVerdict(
                     None, "MetricsUnreachable",
                     f"none of {len(entry.urls)} decode engines answered on /metrics",
                 )  # fmt: skip
             else:
-                total = sum(reached, TransferCounters())
+                total = sum(engines.values(), TransferCounters())
                 verdict = judge_health(total.since(entry.last), entry.budget)
-                entry.last = total
+                windows = {e: c.since(entry.last_by_engine.get(e)) for e, c in engines.items()}
+                if verdict is not None and verdict.healthy is False:
+                    verdict = where_failing(verdict, windows, entry.names)
+                entry.last, entry.last_by_engine = total, engines
             if verdict is not None and verdict != entry.verdict:
                 entry.verdict = verdict
                 self.on_change(key)

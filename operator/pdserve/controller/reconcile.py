@@ -213,18 +213,22 @@ def watch_transport(
         health.forget(key)
         return None
 
-    def addresses(component: Component) -> list[str]:
-        return sorted(
-            pod["status"]["podIP"]
+    def addresses(component: Component) -> dict[str, str]:
+        """Pod IP -> pod name, of the component's pods that have one and stay."""
+        return dict(sorted(
+            (pod["status"]["podIP"], pod["metadata"]["name"])
             for pod in component_pods(pods, component)
             if pod.get("status", {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
-        )
+        ))  # fmt: skip
 
+    decode = {f"http://{ip}:{ENGINE_PORT}/metrics": name
+              for ip, name in addresses(Component.decode).items()}  # fmt: skip
     health.track(
         key,
-        [f"http://{ip}:{ENGINE_PORT}/metrics" for ip in addresses(Component.decode)],
+        list(decode),
         transfer_budget_seconds(dm),
         gateways=[f"http://{ip}:{GATEWAY_CONTAINER_PORT}" for ip in addresses(Component.gateway)],
+        names=decode,
     )
     return health.verdict(key)
 

@@ -125,5 +125,18 @@ TRANSFER_SAMPLES = {
 
 def parse_transfer_counters(text: str) -> TransferCounters:
     """A decode engine's KV transfer counters from its exposition."""
-    totals = sum_samples(text, lambda name, _: TRANSFER_SAMPLES.get(name))
-    return TransferCounters(**totals)
+    return sum(parse_engine_transfer_counters(text).values(), TransferCounters())
+
+
+def parse_engine_transfer_counters(text: str) -> dict[str, TransferCounters]:
+    """A decode server's KV transfer counters per engine it manages, by the `engine` label
+    (vLLM's global data-parallel rank; "" for samples without one): each rank's NIXL agent
+    pulls on its own, so a broken path of one rank shows only in its own counters."""
+    fields: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = TRANSFER_SAMPLES.get(sample.name)
+            if field is not None:
+                engine = fields.setdefault(sample.labels.get("engine", ""), {})
+                engine[field] = engine.get(field, 0.0) + sample.value
+    return {engine: TransferCounters(**values) for engine, values in fields.items()}

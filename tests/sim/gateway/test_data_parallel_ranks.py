@@ -9,6 +9,9 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import httpx
+
+from pdserve.controller.health import TransportMonitor
 from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_server import EngineServer
 from tests.support.sim_gateway import LONG, PLAIN, RENDER, Stack, engine, ep, routing
@@ -104,3 +107,24 @@ async def test_a_clients_own_rank_header_never_reaches_the_engines(stack: Stack)
     )
     assert sent.status_code == 200, sent.text  # rank 7 passed on would be vLLM's 400
     assert RENDER.served_model_name == sent.json()["model"]
+
+
+async def test_transport_health_names_the_decode_rank_whose_pulls_fail(stack: Stack) -> None:
+    """The operator's transport monitor reads each rank's NIXL counters: one rank's broken path
+    (its GPU's NIC, on a real node) is named, not averaged away over the pod."""
+    client = await pd_over_ranks(stack)
+    decode = f"http://127.0.0.1:{stack.engines['decode'].config.port}"
+    monitor = TransportMonitor(lambda key: None, interval=0)
+    key = ("llm", "qwen")
+    monitor.track(key, [f"{decode}/metrics"], budget=None, names={f"{decode}/metrics": "d-0"})
+    await monitor.scrape_once()
+    # Decode rank 0 looks busy: the request pulls its KV on rank 1, which fails it once.
+    stack.gateway_server.endpoints.pools["decode"][0].running = 50
+    async with httpx.AsyncClient() as engine_client:
+        await engine_client.post(f"{decode}/sim/faults", json={"fail_transfers": 1})
+    await client.post("/v1/chat/completions", json=PLAIN)
+    await monitor.scrape_once()
+    verdict = monitor.verdict(key)
+    assert verdict is not None
+    assert verdict.reason == "TransferFailures"
+    assert verdict.message.endswith("; failed on decode d-0 rank 1 (1)"), verdict.message
