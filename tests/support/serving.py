@@ -8,16 +8,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-
-def listening_socket(port: int = 0) -> socket.socket:
-    """A loopback socket already listening (port 0: the kernel picks one), so its address can
-    be handed on before the server runs, and no other process can take the port meanwhile."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
+from pdserve.ports import listening_socket as listening_socket  # re-exported: the tests' import
 
 
 @asynccontextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from pdserve.kube.client import Kube
 from pdserve.kube.credentials import load_credentials
 from pdserve.kube.exec_credentials import ExecCredentialError
 from pdserve.logsetup import configure_logging
-from pdserve.ports import free_port
+from pdserve.ports import listening_socket
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         # POD_NAME (set by the operator): not its own peer in the shared prefill limit.
         gateway.discover_pods(Kube(credentials), own_pod=os.environ.get("POD_NAME"))
     host, port = args.host, args.port
+    listener: socket.socket | None = None
     if args.data_plane is not None:
         try:
             binary = build_binary() if args.data_plane == "build" else Path(args.data_plane)
@@ -218,8 +220,11 @@ def run(args: argparse.Namespace) -> int:
         if not binary.is_file():
             print(f"error: --data-plane {binary}: no such file (or pass `build`)", file=sys.stderr)
             return 2
-        # The data plane takes the clients' address; this gateway listens on loopback behind it.
-        host, port = "127.0.0.1", free_port()
+        # The data plane takes the clients' address; this gateway listens on loopback behind it,
+        # on a socket listening before the data plane is told its address (nothing can take
+        # the port in between).
+        listener = listening_socket()
+        host, port = listener.getsockname()[:2]
         gateway.use_data_plane(binary, f"{args.host}:{args.port}", f"http://{host}:{port}")
     server.run(
         gateway.app(),
@@ -228,5 +233,6 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=GATEWAY_SHUTDOWN_SECONDS,
         drain_seconds=args.drain_seconds,
         front=gateway.data_plane,
+        sock=listener,
     )
     return 0

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -143,6 +144,7 @@ async def serve(
     shutdown_timeout: float,
     drain_seconds: float = 0,
     front: Front | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """web.run_app's job on GatewayRunner: serve `app` until a signal, then stop accepting and
     give the requests in flight `shutdown_timeout` seconds to finish.
@@ -156,7 +158,9 @@ async def serve(
     drain.
 
     `front`: a process in front that holds the clients' port (the data plane): it drains with
-    this server and stops before it, while this server still serves what it hands over."""
+    this server and stops before it, while this server still serves what it hands over.
+    `sock`: a socket already listening (then `host` and `port` only name it), whose address the
+    front was given before this server ran."""
     draining = False
 
     async def close_after_answer(request: web.BaseRequest, response: web.StreamResponse) -> None:
@@ -177,7 +181,8 @@ async def serve(
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        site = web.TCPSite(runner, host, port) if sock is None else web.SockSite(runner, sock)
+        await site.start()
         if await signals.get() is signal.SIGTERM and drain_seconds > 0:
             draining = True
             if front is not None:
@@ -207,6 +212,7 @@ def run(
     shutdown_timeout: float = 60,
     drain_seconds: float = 0,
     front: Front | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(
@@ -217,6 +223,7 @@ def run(
                 shutdown_timeout=shutdown_timeout,
                 drain_seconds=drain_seconds,
                 front=front,
+                sock=sock,
             )
         )
 
