@@ -237,7 +237,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if m.route == routePython {
 		return "python_route"
 	}
-	if t.maxTokensCap > 0 && !withinCap(members, t.maxTokensCap) {
+	if t.maxTokensCap > 0 && !withinCap(members, t.maxTokensCap, r.URL.Path == "/v1/chat/completions") {
 		return "max_tokens_cap"
 	}
 	if t.handsOver(members) {
@@ -351,9 +351,16 @@ func planned(m *model) string {
 	return routeDecode
 }
 
-func withinCap(members []member, limit int64) bool {
+// withinCap: the limits the route's schema reads are set and within the cap (intake.py
+// check_body). max_completion_tokens is a chat field: on /v1/completions vLLM ignores it, so
+// it neither counts nor stands in for max_tokens there.
+func withinCap(members []member, limit int64, chat bool) bool {
+	keys := []string{"max_tokens"}
+	if chat {
+		keys = append(keys, "max_completion_tokens")
+	}
 	capped := false
-	for _, key := range []string{"max_tokens", "max_completion_tokens"} {
+	for _, key := range keys {
 		raw := lookup(members, key)
 		if raw == nil || string(raw) == "null" {
 			continue

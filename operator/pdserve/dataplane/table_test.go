@@ -82,15 +82,29 @@ func TestAuthorizedComparesBearerTokensWithTheKeysDigests(t *testing.T) {
 
 func TestWithinCapRefusesWhatThePythonGatewayWouldRefuseOrFillIn(t *testing.T) {
 	for body, want := range map[string]bool{
-		`{"max_tokens":8}`: true, `{"max_tokens":9}`: false, `{"max_completion_tokens":9}`: false,
+		`{"max_tokens":8}`: true, `{"max_completion_tokens":8}`: true,
+		`{"max_tokens":9}`: false, `{"max_completion_tokens":9}`: false,
 		`{}`: false, `{"max_tokens":null}`: false, `{"max_tokens":"8"}`: false,
 	} {
 		members, err := topLevel([]byte(body))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := withinCap(members, 8); got != want {
-			t.Errorf("%s: %v, want %v", body, got, want)
+		if got := withinCap(members, 8, true); got != want {
+			t.Errorf("chat %s: %v, want %v", body, got, want)
+		}
+	}
+	// Completions: max_completion_tokens is not theirs (vLLM ignores it): the cap is filled in.
+	for body, want := range map[string]bool{
+		`{"max_tokens":8}`: true, `{"max_completion_tokens":8}`: false,
+		`{"max_tokens":8,"max_completion_tokens":[null]}`: true,
+	} {
+		members, err := topLevel([]byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := withinCap(members, 8, false); got != want {
+			t.Errorf("completion %s: %v, want %v", body, got, want)
 		}
 	}
 }

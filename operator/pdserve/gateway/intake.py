@@ -231,10 +231,18 @@ class Intake:
             )
         cap = self.settings.max_tokens_cap
         if cap is not None:
-            for field in ("max_tokens", "max_completion_tokens"):
-                if (body.get(field) or 0) > cap:
+            # Only the fields this route's schema reads (validated: positive integers); another
+            # one, e.g. max_completion_tokens on /v1/completions, is ignored by vLLM, so it
+            # neither counts against the cap nor stands in for max_tokens.
+            limits = {
+                field: getattr(request, field)
+                for field in ("max_tokens", "max_completion_tokens")
+                if field in type(request).model_fields
+            }
+            for field, value in limits.items():
+                if (value or 0) > cap:
                     raise GatewayError(400, f"{field} may be at most {cap}", param=field)
-            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            if all(value is None for value in limits.values()):
                 body["max_tokens"] = cap
         return body
 

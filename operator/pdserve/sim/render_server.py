@@ -205,12 +205,17 @@ class RenderServer:
             raise HttpError(404, f"The model `{model}` does not exist.", "model")
         return str(model)
 
-    def sampling_params(self, body: Mapping[str, Any], prompt_len: int) -> dict[str, Any]:
+    def sampling_params(
+        self, body: Mapping[str, Any], prompt_len: int, *, chat: bool
+    ) -> dict[str, Any]:
         if body.get("use_beam_search"):
             raise HttpError(
                 400, "beam search is not supported by the render server", "use_beam_search"
             )
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        # max_completion_tokens is a chat field: vLLM's CompletionRequest has none (it ignores it).
+        limit = body.get("max_tokens")
+        if chat:
+            limit = body.get("max_completion_tokens", limit)
         room = self.config.max_model_len - prompt_len
         if limit is None:
             limit = room
@@ -241,15 +246,15 @@ class RenderServer:
         return params
 
     def generate_request(
-        self, body: Mapping[str, Any], token_ids: list[int], prefix: str
+        self, body: Mapping[str, Any], token_ids: list[int], *, chat: bool
     ) -> dict[str, Any]:
         if not token_ids:
             raise HttpError(400, "the prompt is empty", "messages")
         return {
-            "request_id": f"{prefix}-{uuid.uuid4().hex}",
+            "request_id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "token_ids": token_ids,
             "features": None,
-            "sampling_params": self.sampling_params(body, len(token_ids)),
+            "sampling_params": self.sampling_params(body, len(token_ids), chat=chat),
             "model": self._check_model(body),
             "stream": bool(body.get("stream", False)),
             "stream_options": body.get("stream_options"),
@@ -275,7 +280,7 @@ class RenderServer:
             kwargs=kwargs,
         )
         return web.json_response(
-            self.generate_request(body, self.tokenizer.encode(text), "chatcmpl")
+            self.generate_request(body, self.tokenizer.encode(text), chat=True)
         )
 
     async def completion_render(self, body: dict[str, Any]) -> web.Response:
@@ -292,7 +297,7 @@ class RenderServer:
             raise HttpError(
                 400, "prompt must be a string, a list of strings or token ids", "prompt"
             )
-        return web.json_response([self.generate_request(body, ids, "cmpl") for ids in prompts])
+        return web.json_response([self.generate_request(body, ids, chat=False) for ids in prompts])
 
     async def tokenize(self, body: dict[str, Any]) -> web.Response:
         if "messages" in body:

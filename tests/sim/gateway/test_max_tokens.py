@@ -98,6 +98,21 @@ async def test_a_max_tokens_cap_of_16_reaches_the_engine(stack: Stack, request_p
 
 
 @pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_the_cap_on_completions_reads_only_max_tokens(
+    stack: Stack, request_path: str
+) -> None:
+    """max_completion_tokens is a chat field: on /v1/completions vLLM ignores it, so it neither
+    stands in for max_tokens (the cap is filled in) nor counts against the cap, whatever it
+    holds (the fuzzer's `[null]` once made the cap check fail with a 500)."""
+    client = await render_stack(stack, request_path, pd=False, max_tokens_cap=16)
+    body = {"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True}
+    for ignored in (64, [None]):
+        sent = await client.post("/v1/completions", json={**body, "max_completion_tokens": ignored})
+        assert sent.status_code == 200, sent.text
+        assert sent.json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_without_a_limit_the_answer_runs_to_the_end_of_the_context(
     stack: Stack, request_path: str
 ) -> None:
