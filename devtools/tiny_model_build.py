@@ -8,7 +8,10 @@ and its stop-token handling, something to do. No weights are downloaded.
 Runs inside the vLLM CPU venv (devtools/vllm_cpu.py), which has torch, transformers and
 tokenizers; devtools/tiny_model.py calls it and caches the result.
 
-    <vllm venv>/bin/python devtools/tiny_model_build.py OUT_DIR CHAT_TEMPLATE_FILE
+    <vllm venv>/bin/python devtools/tiny_model_build.py OUT_DIR CHAT_TEMPLATE_FILE [--moe]
+
+--moe builds the same model with a Qwen3-MoE feed-forward (Qwen3MoeForCausalLM: 4 experts,
+top 2, in every layer): the operator spans nodes (nodesPerReplica) only for MoE models.
 """
 
 from __future__ import annotations
@@ -36,15 +39,10 @@ A long document follows. It talks about models, tokens, prefill, decode, render 
 """
 
 
-def build(out: Path, chat_template: str) -> None:
+def build(out: Path, chat_template: str, moe: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GenerationConfig,
-        PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,7 +67,7 @@ def build(out: Path, chat_template: str) -> None:
     vocab = len(fast)
     padded = (vocab + 63) // 64 * 64
     torch.manual_seed(0)
-    config = Qwen3Config(
+    shape: dict[str, Any] = dict(
         vocab_size=padded,
         hidden_size=128,
         intermediate_size=256,
@@ -84,14 +82,35 @@ def build(out: Path, chat_template: str) -> None:
         pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
         torch_dtype="float32",
     )
-    model = Qwen3ForCausalLM(config)
+    model = moe_model(shape) if moe else dense_model(shape)
     train(model, fast)
     model.save_pretrained(out, safe_serialization=True)
     eos = [fast.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(out)
-    (out / "pdserve-tiny-model.json").write_text(
-        json.dumps({"vocab": vocab, "eos_token_ids": eos, "markup": MARKUP}) + "\n"
-    )
+    experts = MOE_EXPERTS if moe else 0
+    meta = {"vocab": vocab, "eos_token_ids": eos, "markup": MARKUP, "experts": experts}
+    (out / "pdserve-tiny-model.json").write_text(json.dumps(meta) + "\n")
+
+
+def dense_model(shape: dict[str, Any]) -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**shape))
+
+
+MOE_EXPERTS = 4
+
+
+def moe_model(shape: dict[str, Any]) -> Any:
+    """Every layer sparse; expert sizes multiples of 32, which vLLM's CPU MoE kernel
+    (fused_moe/experts/cpu_moe.py, isa "vec") needs without padding."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **shape, num_experts=MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, norm_topk_prob=True,
+    )  # fmt: skip
+    return Qwen3MoeForCausalLM(config)
 
 
 QUESTIONS = [
@@ -154,4 +173,4 @@ def train(model: Any, tokenizer: Any, steps: int = 300) -> None:
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]), Path(sys.argv[2]).read_text())
+    build(Path(sys.argv[1]), Path(sys.argv[2]).read_text(), moe="--moe" in sys.argv[3:])

@@ -2,23 +2,35 @@
 arguments and environment the operator builds (pdserve.builders.build_all), untouched except for
 what a pod gets from its cluster: its own IP (here loopback), its own port space (the operator
 gives every pod port 8000 and NIXL side-channel port 5600; here each process needs free ones),
-and the routing config the gateway reads from its ConfigMap (here with static endpoints)."""
+and the routing config the gateway reads from its ConfigMap (here with static endpoints).
+
+A multi-node pool (a LeaderWorkerSet) gives one command per worker of a group, with what LWS
+and the kubelet add: the LWS webhook's LWS_* variables in the container env, and the kubelet's
+expansion of `$(VAR)` in the arguments (--node-rank $(LWS_WORKER_INDEX), ...)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
 from pdserve.builders import build_all
+from pdserve.builders.leaderworkerset import KIND as LWS_KIND
+from pdserve.builders.leaderworkerset import pod_template_of
 from pdserve.contract.names import COMPONENT_LABEL
 
 SERVED_COMPONENTS = ("prefill", "decode", "render")
 PORT_FLAG = "--port"
 POD_IP = "status.podIP"
 SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+RPC_PORT_FLAG = "--data-parallel-rpc-port"
+# On loopback every "node" of a group is this host: the leader's address is loopback too.
+LEADER_ADDRESS = "127.0.0.1"
+# The kubelet's $(VAR) reference in args; $$ escapes a literal $.
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 class OperatorCommandError(AssertionError):
@@ -31,18 +43,25 @@ class PodCommand:
     command: list[str]  # the container's command: ["vllm", "serve"] or ["vllm", "launch", ...]
     args: list[str]
     env: dict[str, str]  # literal values; the pod IP as POD_IP's placeholder
+    worker: int | None = None  # the LWS worker index of a multi-node pool's pod
 
     def on_host(
-        self, vllm: str, port: int, side_channel_port: int
+        self, vllm: str, port: int, side_channel_port: int, rpc_port: int | None = None
     ) -> tuple[list[str], dict[str, str]]:
         """argv and environment for one process on this host: the operator's `vllm` on PATH is
-        this venv's, the pod port and side-channel port the given ones, the pod IP loopback."""
+        this venv's, the pod port and side-channel port the given ones, the pod IP loopback; a
+        multi-node pod's data-parallel RPC port `rpc_port` (one per group, not the operator's
+        fixed one, which another test on this host may hold)."""
         if self.command[:1] != ["vllm"]:
             raise OperatorCommandError(f"{self.component}: command {self.command} is not vllm")
         args = list(self.args)
         if PORT_FLAG not in args:
             raise OperatorCommandError(f"{self.component}: no {PORT_FLAG} in {args}")
         args[args.index(PORT_FLAG) + 1] = str(port)
+        if RPC_PORT_FLAG in args:
+            if rpc_port is None:
+                raise OperatorCommandError(f"{self.component}: {RPC_PORT_FLAG} needs a port")
+            args[args.index(RPC_PORT_FLAG) + 1] = str(rpc_port)
         env = {key: "127.0.0.1" if value == POD_IP else value for key, value in self.env.items()}
         if SIDE_CHANNEL_PORT in env:
             env[SIDE_CHANNEL_PORT] = str(side_channel_port)
@@ -50,18 +69,62 @@ class PodCommand:
 
 
 def pod_commands(dm: DisaggregatedModel) -> dict[str, PodCommand]:
-    """The vLLM container of each engine and render pool the operator builds for `dm`."""
+    """The vLLM container of each engine and render pool the operator builds for `dm`, by
+    component; a multi-node pool's by `<component>-<worker index>`, one per pod of a group."""
     found: dict[str, PodCommand] = {}
     for obj in build_all(dm):
         component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
-        if obj["kind"] not in ("StatefulSet", "Deployment") or component not in SERVED_COMPONENTS:
+        if component not in SERVED_COMPONENTS:
             continue
-        [container] = obj["spec"]["template"]["spec"]["containers"]
-        found[component] = PodCommand(
-            component, list(container["command"]), list(container["args"]),
-            {item["name"]: _env_value(component, item) for item in container.get("env", [])},
-        )  # fmt: skip
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            found[component] = _pod_command(component, obj)
+        elif obj["kind"] == LWS_KIND:
+            for pod in _group_commands(component, obj):
+                found[f"{component}-{pod.worker}"] = pod
     return found
+
+
+def _pod_command(component: str, workload: Mapping[str, Any]) -> PodCommand:
+    [container] = pod_template_of(workload)["spec"]["containers"]
+    return PodCommand(
+        component, list(container["command"]), list(container["args"]),
+        {item["name"]: _env_value(component, item) for item in container.get("env", [])},
+    )  # fmt: skip
+
+
+def _group_commands(component: str, lws: Mapping[str, Any]) -> Iterator[PodCommand]:
+    """Each worker of one group: the LWS webhook's env, then the kubelet's expansion of the
+    arguments with the container's env (command too, as the kubelet does)."""
+    template = _pod_command(component, lws)
+    size = int(lws["spec"]["leaderWorkerTemplate"]["size"])
+    for worker in range(size):
+        env = {**template.env, **lws_env(worker, size)}
+        yield PodCommand(
+            component, [kubelet_expand(arg, env) for arg in template.command],
+            [kubelet_expand(arg, env) for arg in template.args], env, worker,
+        )  # fmt: skip
+
+
+def lws_env(worker: int, size: int) -> dict[str, str]:
+    """What LWS v0.7.0's pod webhook injects into every container of a group's pod."""
+    return {
+        "LWS_LEADER_ADDRESS": LEADER_ADDRESS,
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(worker),
+    }
+
+
+def kubelet_expand(value: str, env: Mapping[str, str]) -> str:
+    """$(VAR) replaced by the container env's VAR, left as written when VAR is not set; $$ is a
+    literal $ (Kubernetes' dependent environment variable expansion)."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "$"
+        return env.get(name, match.group(0))
+
+    return _REFERENCE.sub(one, value)
 
 
 def _env_value(component: str, item: Mapping[str, Any]) -> str:

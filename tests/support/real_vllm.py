@@ -119,10 +119,20 @@ class VllmProcesses:
         command += ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME]
         return self._launch(name, command, port, extra_env or {})
 
-    def start_pod(self, name: str, pod: PodCommand) -> VllmServer:
-        """A process running what the operator's pod for `pod.component` would run."""
+    def start_pod(
+        self,
+        name: str,
+        pod: PodCommand,
+        *,
+        side_channel_port: int | None = None,
+        rpc_port: int | None = None,
+    ) -> VllmServer:
+        """A process running what the operator's pod for `pod.component` would run. The pods of
+        one multi-node group share `rpc_port` (the leader's) and may share `side_channel_port`:
+        NIXL listens on base + global data-parallel rank, distinct across the group."""
         port = free_port()
-        command, pod_env = pod.on_host(str(self.env.vllm), port, free_port())
+        side_channel = free_port() if side_channel_port is None else side_channel_port
+        command, pod_env = pod.on_host(str(self.env.vllm), port, side_channel, rpc_port)
         return self._launch(name, command, port, pod_env)
 
     def _launch(
