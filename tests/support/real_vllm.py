@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,17 @@ class VllmProcesses:
             extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
             extra_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         return self.start(name, ["serve"], args, extra_env)
+
+    @contextmanager
+    def serving_pods(self, pods: Mapping[str, PodCommand]) -> Iterator[dict[str, VllmServer]]:
+        """A process per pod (start_pod), all Ready, by pod name; every one stopped after."""
+        try:
+            for name, pod in pods.items():
+                self.start_pod(name, pod)
+            self.wait_ready()
+            yield dict(self.servers)
+        finally:
+            self.stop()
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Poll every server's /health until all answer 200; a process that exits fails at once

@@ -63,13 +63,8 @@ def group(
     procs = VllmProcesses(
         vllm_processes.env, vllm_processes.model, tmp_path_factory.mktemp("vllm-dp-logs")
     )
-    try:
-        for component, pod in pod_commands(dm).items():
-            procs.start_pod(component, pod)
-        procs.wait_ready()
-        yield Group(dm, dict(procs.servers))
-    finally:
-        procs.stop()
+    with procs.serving_pods(pod_commands(dm)) as servers:
+        yield Group(dm, servers)
 
 
 @pytest.fixture

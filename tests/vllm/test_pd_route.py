@@ -70,13 +70,8 @@ def pair(vllm_processes: VllmProcesses, tmp_path_factory: pytest.TempPathFactory
     procs = VllmProcesses(
         vllm_processes.env, vllm_processes.model, tmp_path_factory.mktemp("vllm-pd-logs")
     )
-    try:
-        for component, pod in pod_commands(dm).items():
-            procs.start_pod(component, pod)
-        procs.wait_ready()
-        yield Pair(dm, dict(procs.servers))
-    finally:
-        procs.stop()
+    with procs.serving_pods(pod_commands(dm)) as servers:
+        yield Pair(dm, servers)
 
 
 @pytest.fixture
