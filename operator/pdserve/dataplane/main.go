@@ -30,6 +30,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -403,7 +404,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	served, f := p.callJSON(ctx, "prefill", []*endpoint{first}, path, request, id, auth,
 		p.upstream.firstByte, true, answer)
 	if f != nil && !f.final && !f.kv {
-		if others := m.rankedPrefill(first)[1:]; len(others) > 0 {
+		if others := m.otherPrefills(first); len(others) > 0 {
 			served, f = p.callJSON(ctx, "prefill", others, path, request, id, auth,
 				p.upstream.firstByte, true, answer)
 		}
@@ -656,9 +657,12 @@ func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body [
 // Python gateway, and holds it until release.
 func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint) (*endpoint, func(), fallback) {
 	ranked := m.rankedPrefill(best)
-	urls := make([]string, len(ranked))
-	for i, e := range ranked {
-		urls[i] = e.url
+	// Slots are per server, however many of its data-parallel ranks the table names.
+	urls := make([]string, 0, len(ranked))
+	for _, e := range ranked {
+		if !slices.Contains(urls, e.url) {
+			urls = append(urls, e.url)
+		}
 	}
 	acquire := p.admission.acquire
 	if t.admitHere {

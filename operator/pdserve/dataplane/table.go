@@ -65,9 +65,11 @@ type groupJSON struct {
 	Decode  []string `json:"decode"`
 }
 
-// endpoint is one engine; its in-flight count survives table updates (same URL, same state).
+// endpoint is one engine, or one data-parallel rank of one (`<url>#dp<n>` in the table); its
+// in-flight count survives table updates (same key, same state).
 type endpoint struct {
-	url      string
+	url      string // the server: failures name it, admission slots and retries go by it
+	key      string // as the table names it: the URL, with the rank if any
 	at       endpointURL
 	base     atomic.Uint64 // float64 bits: the Python gateway's view of its load (scraped)
 	inflight atomic.Int64
@@ -124,17 +126,18 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		t.keys = append(t.keys, key)
 	}
 	next := map[string]*endpoint{}
-	engine := func(url string) (*endpoint, error) {
-		e := known[url]
+	engine := func(key string) (*endpoint, error) {
+		e := known[key]
 		if e == nil {
-			at, err := parseEndpoint(url)
+			at, err := parseEndpoint(key)
 			if err != nil {
 				return nil, err
 			}
-			e = &endpoint{url: url, at: at}
+			server, _, _ := strings.Cut(key, "#")
+			e = &endpoint{url: server, key: key, at: at}
 		}
-		next[url] = e
-		e.base.Store(math.Float64bits(in.Load[url]))
+		next[key] = e
+		e.base.Store(math.Float64bits(in.Load[key]))
 		return e, nil
 	}
 	for name, m := range in.Models {
@@ -271,7 +274,7 @@ func (m *model) pick() (prefill, decode *endpoint) {
 	return nil, decode
 }
 
-// rankedPrefill: every prefill replica of the model, `best` first, then by load.
+// rankedPrefill: every prefill replica (or rank) of the model, `best` first, then by load.
 func (m *model) rankedPrefill(best *endpoint) []*endpoint {
 	ranked := []*endpoint{best}
 	for i := range m.groups {
@@ -286,6 +289,19 @@ func (m *model) rankedPrefill(best *endpoint) []*endpoint {
 	return ranked
 }
 
+// otherPrefills: a failed prefill's retries, the least loaded first: the model's prefill
+// replicas on other servers (a server that failed a request fails it on every rank, as the
+// Python gateway holds).
+func (m *model) otherPrefills(failed *endpoint) []*endpoint {
+	var others []*endpoint
+	for _, e := range m.rankedPrefill(failed)[1:] {
+		if e.url != failed.url {
+			others = append(others, e)
+		}
+	}
+	return others
+}
+
 // decodeFor: the least loaded decode replica that can pull `prefill`'s KV.
 func (m *model) decodeFor(prefill *endpoint) *endpoint {
 	for i := range m.groups {
@@ -298,12 +314,13 @@ func (m *model) decodeFor(prefill *endpoint) *endpoint {
 	return nil
 }
 
-// otherDecodes: the model's decode replicas but `e`, the least loaded first (a retry's).
+// otherDecodes: the model's decode replicas on other servers than `e`'s, the least loaded
+// first (a retry's).
 func (m *model) otherDecodes(e *endpoint) []*endpoint {
 	var others []*endpoint
 	for i := range m.groups {
 		for _, d := range m.groups[i].decode {
-			if d != e {
+			if d.url != e.url {
 				others = append(others, d)
 			}
 		}

@@ -19,6 +19,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -120,12 +121,25 @@ type endpointURL struct {
 	host string // host:port
 	base string // the path prefix, without a trailing slash
 	name string // the Host header
+	rank string // the X-data-parallel-rank pinning one engine of a data-parallel pod; "" none
 }
+
+// rankFragment: how the routing table names one data-parallel rank of a server, `<url>#dp<n>`
+// (the Python gateway's Endpoint.key), n being vLLM's local rank index.
+const rankFragment = "dp"
 
 func parseEndpoint(raw string) (endpointURL, error) {
 	parsed, err := url.Parse(raw)
 	if err != nil || parsed.Scheme != "http" || parsed.Host == "" {
 		return endpointURL{}, fmt.Errorf("routing table: engine %q is not an http://host:port URL", raw)
+	}
+	rank := ""
+	if parsed.Fragment != "" {
+		index, found := strings.CutPrefix(parsed.Fragment, rankFragment)
+		if n, err := strconv.Atoi(index); !found || err != nil || n < 0 || strconv.Itoa(n) != index {
+			return endpointURL{}, fmt.Errorf("routing table: engine %q: a fragment names a data-parallel rank, #%s<n>", raw, rankFragment)
+		}
+		rank = index
 	}
 	host := parsed.Host
 	if parsed.Port() == "" {
@@ -135,7 +149,7 @@ func parseEndpoint(raw string) (endpointURL, error) {
 	for len(base) > 0 && base[len(base)-1] == '/' {
 		base = base[:len(base)-1]
 	}
-	return endpointURL{host: host, base: base, name: parsed.Host}, nil
+	return endpointURL{host: host, base: base, name: parsed.Host, rank: rank}, nil
 }
 
 // post sends one JSON request and returns the answer's head; its body must be read to the end
@@ -180,6 +194,10 @@ func requestHead(into []byte, at endpointURL, path string, length int, id, auth 
 	into = strconv.AppendInt(into, int64(length), 10)
 	into = append(into, "\r\nX-Request-Id: "...)
 	into = append(into, id...)
+	if at.rank != "" {
+		into = append(into, "\r\nX-data-parallel-rank: "...)
+		into = append(into, at.rank...)
+	}
 	if auth != "" {
 		into = append(into, "\r\nAuthorization: "...)
 		into = append(into, auth...)

@@ -106,9 +106,11 @@ def served_route(
 
 
 def urls(endpoints: Iterable[Endpoint]) -> list[str]:
-    """The servers: a pod whose data-parallel ranks are routed one by one is one URL here (the
-    data plane sends no rank header and vLLM balances over its ranks itself)."""
-    return sorted({e.url for e in endpoints})
+    """The routing targets as the data plane names them (Endpoint.key): a server, or one
+    data-parallel rank of it as `<url>#dp<n>`, which the data plane pins with vLLM's
+    X-data-parallel-rank as this gateway does (the rank's own load and queue; a failed server
+    is retried on another server, never on its other rank)."""
+    return sorted({e.key for e in endpoints})
 
 
 def admission_table(
@@ -149,18 +151,14 @@ def routing_table(
         "handOverParams": list(TOKENIZER_PARAMS) if config.tokens_only_engines else [],
         "streamHandOverParams": list(RENDERED_STREAM_PARAMS),
         "derenderPipelining": settings.derender_pipelining,
-        "load": pod_loads(endpoints),
+        "load": target_loads(endpoints),
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
     }
 
 
-def pod_loads(endpoints: Endpoints) -> dict[str, float]:
-    """Per server URL, the base load of its routing targets (all its ranks) together."""
-    loads: dict[str, float] = {}
-    for pool in endpoints.pools.values():
-        for each in pool:
-            loads[each.url] = round(loads.get(each.url, 0.0) + base_load(each), 3)
-    return loads
+def target_loads(endpoints: Endpoints) -> dict[str, float]:
+    """Per routing target (Endpoint.key: a server, or one rank of it), its base load."""
+    return {each.key: base_load(each) for pool in endpoints.pools.values() for each in pool}
 
 
 def base_load(endpoint: Endpoint) -> float:

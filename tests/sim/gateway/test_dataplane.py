@@ -42,13 +42,16 @@ def stack(
     mode: str = "Disaggregated",
     engine_flags: list[str] | None = None,
     render: bool = False,
+    ranks: int = 1,
 ) -> Iterator[tuple[Proc, dict[str, Proc]]]:
-    """A prefill and a decode engine (with `render`: tokens engines behind a render server)
-    and a gateway over them (with `flags`): the gateway and the servers by role."""
+    """A prefill and a decode engine (with `render`: tokens engines behind a render server;
+    with `ranks`, each serving that many data-parallel ranks) and a gateway over them (with
+    `flags`): the gateway and the servers by role."""
+    extra = [*(engine_flags or FAST), *(["--data-parallel-size", str(ranks)] if ranks > 1 else [])]
     with Processes(startup_timeout=60) as procs:
         engines = {
             role: procs.engine(SIM_MODEL, role=role, served_model_name=MODEL,
-                               extra=engine_flags or FAST, tokens_only=render)
+                               extra=extra, tokens_only=render)
             for role in ("prefill", "decode")
         }  # fmt: skip
         if render:
@@ -58,7 +61,11 @@ def stack(
             "model": MODEL, "engineApi": "tokens" if render else "openai",
             "routing": {"mode": mode},
             "pools": {"render": pool if render else None, "prefill": pool, "decode": pool},
-            "endpoints": {role: [{"url": e.url}] for role, e in engines.items()},
+            "endpoints": {
+                role: [{"url": e.url, **({"dataParallelLocal": ranks} if engine else {})}]
+                for role, e in engines.items()
+                for engine in [ranks > 1 and role != "render"]
+            },
         }  # fmt: skip
         yield procs.gateway(config, *flags), engines
 
@@ -149,6 +156,59 @@ def test_the_data_plane_serves_p_d_with_the_answers_of_the_python_gateway(
         for name in ("allocated_objects", "gc_cycles", "gc_cpu_seconds"):
             assert f"pdserve_gateway_dataplane_{name}_total " in httpx.get(
                 f"{gateway.url}/metrics", timeout=10).text, name  # fmt: skip
+
+
+def per_rank(url: str, name: str, ranks: int = 2) -> list[float]:
+    """A metric's value per data-parallel rank (its `engine` label) on a /metrics page."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = re.compile(rf'^{re.escape(name)}{{[^}}]*engine="(\d+)"[^}}]*}} ([0-9.e+-]+)$', re.M)
+    found: dict[int, float] = {}
+    for rank, value in pattern.findall(text):
+        found[int(rank)] = found.get(int(rank), 0.0) + float(value)
+    return [found.get(rank, 0.0) for rank in range(ranks)]
+
+
+def test_the_data_plane_serves_p_d_over_data_parallel_ranks(tmp_path: Path, binary: Path) -> None:
+    """Engines serving two data-parallel ranks each: the data plane answers as the Python
+    gateway does, pinning every hop to one rank (vLLM's header: a rank it keeps a request in
+    flight on is not given the next one), never handing a request over."""
+    with stack(ranks=2) as (gateway, engines):
+        expected = answers(gateway.url)
+    # Slow decoding: a stream stays in flight on its decode rank while the next request runs.
+    slow = [
+        "--sim-time-scale",
+        "0.1",
+        "--sim-kv-overhead-ms",
+        "0",
+        "--sim-kv-bandwidth-gb-s",
+        "1000",
+    ]
+    with stack("--data-plane", str(binary), engine_flags=slow, ranks=2) as (gateway, engines):
+        assert answers(gateway.url) == expected
+        eventually(
+            "3 requests served by the data plane", lambda: served_by_data_plane(gateway) == 3
+        )
+        decode = engines["decode"].url
+        before = per_rank(decode, "vllm:request_success_total")
+        long = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=long,
+                          timeout=60) as streamed:  # fmt: skip
+            lines = streamed.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            running = per_rank(decode, "vllm:num_requests_running")
+            [busy] = [rank for rank, n in enumerate(running) if n]
+            answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=CHAT, timeout=60)
+            assert answer.status_code == 200, answer.text
+            # The stream is still decoding: the request above ran beside it, on the other rank.
+            assert next(line for line in lines if line.startswith("data: "))
+            done = per_rank(decode, "vllm:request_success_total")
+            assert [a - b for a, b in zip(done, before, strict=True)] == [
+                1.0 if rank != busy else 0.0 for rank in range(2)
+            ]
+        eventually(
+            "5 requests served by the data plane", lambda: served_by_data_plane(gateway) == 5
+        )
 
 
 RENDERED = [

@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from pdserve.gateway.endpoints import Endpoint, Endpoints
+from pdserve.gateway.endpoints import Endpoint, Endpoints, rank_targets
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.fastpath import admission_table, routing_table, same_table, served_route
 from pdserve.gateway.settings import GatewaySettings
@@ -207,3 +207,18 @@ def test_the_data_plane_runs_this_replicas_fair_queue_with_the_gateways_limits()
     # Another replica leads: the data plane asks this gateway (which asks the leader); the
     # peers' own long prefills count, replicas without any are left out.
     assert (led["leaderElsewhere"], led["others"]) == (True, {"http://p1": 1})
+
+
+def test_each_data_parallel_rank_is_a_target_of_its_own_with_its_own_load() -> None:
+    """The data plane pins ranks as this gateway does: it is told every rank (`<url>#dp<n>`,
+    Endpoint.key) and each rank's load, never one pod-wide sum."""
+    prefill = rank_targets(Endpoint("http://p", "p1"), 2)
+    decode = rank_targets(Endpoint("http://d", "p1"), 2)
+    prefill[0].waiting, decode[1].running = 1, 3
+    table = table_for(prefill=prefill, decode=decode)
+    assert model(table)["groups"] == [
+        {"prefill": ["http://p#dp0", "http://p#dp1"], "decode": ["http://d#dp0", "http://d#dp1"]}
+    ]
+    assert table["load"] == {
+        "http://p#dp0": 4.0, "http://p#dp1": 0.0, "http://d#dp0": 0.0, "http://d#dp1": 3.0,
+    }  # fmt: skip
