@@ -36,10 +36,11 @@ node-deps: ## Debian packages for the real node and the image builds (root)
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-lint: install ## ruff, and the package graph's import contracts (pyproject.toml)
+lint: install ## ruff, the package graph's import contracts (pyproject.toml), and gofmt, go vet and staticcheck on the Go modules
 	$(VENV)/bin/ruff check operator tests devtools
 	$(VENV)/bin/ruff format --check operator tests devtools
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m devtools.golint
 
 typecheck: install ## mypy --strict
 	$(VENV)/bin/mypy

@@ -319,7 +319,7 @@ func (b *upBody) readHead(reader *bufio.Reader) error {
 			return malformed("protocol switch", line)
 		}
 		b.status, b.keepAlive = status, minor >= 1
-		if err := b.readHeaders(reader); err != nil {
+		if err := b.readHeaders(reader, minor); err != nil {
 			return err
 		}
 		if status >= 200 {
@@ -328,7 +328,7 @@ func (b *upBody) readHead(reader *bufio.Reader) error {
 	}
 }
 
-func (b *upBody) readHeaders(reader *bufio.Reader) error {
+func (b *upBody) readHeaders(reader *bufio.Reader, minor int) error {
 	length, lengthSeen, isChunked, total := int64(0), false, false, 0
 	for lines := 0; ; lines++ {
 		line, err := headLine(reader)
@@ -344,11 +344,10 @@ func (b *upBody) readHeaders(reader *bufio.Reader) error {
 		if line[0] == ' ' || line[0] == '\t' {
 			return malformed("obs-fold continuation line", line) // RFC 9112 5.2: rejected
 		}
-		colon := bytes.IndexByte(line, ':')
-		if colon <= 0 || line[colon-1] == ' ' || line[colon-1] == '\t' {
+		name, value, ok := headerField(line)
+		if !ok {
 			return malformed("header line", line)
 		}
-		name, value := line[:colon], bytes.Trim(line[colon+1:], " \t")
 		switch {
 		case asciiEqualFold(name, "content-length"):
 			parsed, err := strconv.ParseInt(string(value), 10, 64)
@@ -371,6 +370,11 @@ func (b *upBody) readHeaders(reader *bufio.Reader) error {
 				}
 			}
 		}
+	}
+	if isChunked && minor == 0 {
+		// RFC 9112 6.1: framing an HTTP/1.0 message cannot be trusted with (Go's client reads
+		// such a body to the close, as if it were not chunked).
+		return malformed("Transfer-Encoding in an HTTP/1.0 answer", nil)
 	}
 	switch {
 	case b.status < 200 || b.status == http.StatusNoContent || b.status == http.StatusNotModified:
@@ -424,6 +428,38 @@ func parseStatusLine(line []byte) (minor, status int, ok bool) {
 		status = status*10 + int(digit-'0')
 	}
 	return int(line[7] - '0'), status, status >= 100
+}
+
+// headerField splits `name: value`; false when it is not a header line Go's client would
+// read (RFC 9110 5.1, 5.5).
+func headerField(line []byte) (name, value []byte, ok bool) {
+	colon := bytes.IndexByte(line, ':')
+	if colon <= 0 || !isToken(line[:colon]) || !isFieldValue(line[colon+1:]) {
+		return nil, nil, false
+	}
+	return line[:colon], bytes.Trim(line[colon+1:], " \t"), true
+}
+
+// isToken: a header name is a token (RFC 9110 5.6.2): no space before its colon, no
+// delimiter or control byte in it.
+func isToken(name []byte) bool {
+	for _, c := range name {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' ||
+			bytes.IndexByte([]byte("!#$%&'*+-.^_`|~"), c) >= 0) {
+			return false
+		}
+	}
+	return len(name) > 0
+}
+
+// isFieldValue: no control byte but HTAB in a header's value (a bare CR included: RFC 9112 2.2).
+func isFieldValue(value []byte) bool {
+	for _, c := range value {
+		if (c < ' ' && c != '\t') || c == 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 // asciiEqualFold compares a header token with a lowercase name, ignoring ASCII case.
@@ -537,7 +573,7 @@ func chunkFramingBuffered(reader *bufio.Reader) bool {
 // the last (empty) chunk it reads the trailer lines to the head's end and answers io.EOF.
 func (b *upBody) nextChunk(reader *bufio.Reader) error {
 	if b.left == 0 { // a chunk's data was read: its CRLF follows
-		line, err := headLine(reader)
+		line, err := chunkLine(reader)
 		if err != nil {
 			return unexpected(err)
 		}
@@ -545,7 +581,7 @@ func (b *upBody) nextChunk(reader *bufio.Reader) error {
 			return malformed("chunk end", line)
 		}
 	}
-	line, err := headLine(reader)
+	line, err := chunkLine(reader)
 	if err != nil {
 		return unexpected(err)
 	}
@@ -558,17 +594,39 @@ func (b *upBody) nextChunk(reader *bufio.Reader) error {
 		return nil
 	}
 	for lines := 0; ; lines++ { // the trailer, up to its blank line
-		line, err := headLine(reader)
+		line, err := chunkLine(reader)
 		if err != nil {
 			return unexpected(err)
 		}
 		if len(line) == 0 {
 			return io.EOF
 		}
+		if _, _, ok := headerField(line); !ok {
+			return malformed("trailer line", line)
+		}
 		if lines >= maxHeadLines {
 			return malformed("trailer too large", line)
 		}
 	}
+}
+
+// chunkLine is a chunk's size line or the end of its data, which must end with CRLF: a bare LF
+// there is where parsers disagree on a body's end (Go's client refuses it too).
+func chunkLine(reader *bufio.Reader) ([]byte, error) {
+	line, err := reader.ReadSlice('\n')
+	if errors.Is(err, bufio.ErrBufferFull) {
+		return nil, malformed("chunk line too long", line)
+	}
+	if err != nil {
+		if err == io.EOF && len(line) > 0 {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, err
+	}
+	if len(line) < 2 || line[len(line)-2] != '\r' {
+		return nil, malformed("chunk line ends with a bare LF", line)
+	}
+	return line[:len(line)-2], nil
 }
 
 // chunkSize is a chunk size line's size (its extensions ignored); false when it is not one.

@@ -1,26 +1,18 @@
-"""The data plane's own Go tests (the JSON splicer, the routing table, picking, the API keys),
-run by `go test` so `make test` runs them too."""
+"""The data plane's own Go tests (the JSON splicer, the routing table, picking, the API keys,
+the fuzz targets' seed corpora) under the race detector, and the Go code's gofmt, go vet and
+staticcheck (devtools/golint.py), run here so `make test` runs them too."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
-from pdserve.gateway.dataplane import SOURCE
+from devtools.golint import problems, race_tests
 
 
-def test_the_data_plane_go_tests_pass() -> None:
-    go = shutil.which("go")
-    assert go is not None, "Go (>= 1.22) is required: the data plane is built from Go source"
-    done = subprocess.run(
-        [go, "test", "-count=1", "./..."],
-        cwd=SOURCE,
-        env={**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+def test_the_data_plane_go_tests_pass_under_the_race_detector() -> None:
+    done = race_tests()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "ok" in done.stdout
+
+
+def test_the_go_code_is_gofmt_vet_and_staticcheck_clean() -> None:
+    found = problems()
+    assert not found, "\n".join(found)
