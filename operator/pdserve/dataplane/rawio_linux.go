@@ -1,6 +1,10 @@
+//go:build linux
+
 package main
 
-// Socket reads and writes as raw system calls. Go's own (syscall.Syscall) enter and leave the
+// Socket reads and writes as raw system calls (Linux only: elsewhere rawio_other.go gives Go's
+// own calls, the fallback a measurement would take if these stopped paying:
+// docs/benchmarks.md). Go's own (syscall.Syscall) enter and leave the
 // scheduler around every call, and entering wakes the runtime's monitor thread (sysmon) when
 // it sleeps; sysmon sleeps whenever the process idles for a moment, which a proxy below full
 // load does between bursts, and once woken it ticks every 20 µs for a millisecond. A profile of
