@@ -40,16 +40,16 @@ async def tokens_route(
 ) -> AsyncIterator[GatewayUnderTest]:
     """The render route served by the Python gateway, or by its data plane, which must have
     served each request itself or handed it over only where the Python gateway must serve it
-    (a stream with stop strings, a model it does not serve: 404, a body its cheap validation
-    cannot prove valid, such as a named tool_choice: decided before any engine call): a fallback
-    after an engine refused its body would hide a wrong body behind the Python gateway's right
-    answer."""
+    (a model it does not serve: 404, a body its cheap validation cannot prove valid, such as a
+    named tool_choice: decided before any engine call; every stream here, stop strings
+    included, is its own): a fallback after an engine refused its body would hide a wrong body
+    behind the Python gateway's right answer."""
     binary = data_plane if request.param == "data-plane" else None
     async with gateway_over(render=render.url, decode=[engine.url], data_plane=binary) as gateway:
         yield gateway
         if binary is not None:
             stats = await data_plane_stats(gateway)
-            allowed = {"render_stream", "unknown_model", "validation"}
+            allowed = {"unknown_model", "validation"}
             assert set(stats["fallbacks"]) <= allowed, stats
             served = stats["routes"]["render_decode"]
             assert served + sum(stats["fallbacks"].values()) >= 1, stats
@@ -106,6 +106,45 @@ async def test_completions_over_render_match_vllm(
         expected = completion_answer(await reference.completions.create(**body))
         got = completion_answer(await tokens_route.client.completions.create(**body))
     assert got == expected, f"render route:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
+
+
+def stop_inside(text: str) -> str:
+    """Three characters of a greedy answer, past its first few, where they first appear: a stop
+    string the engine is sure to meet, completed by a token that may carry more text."""
+    for start in range(3, len(text) - 3):
+        stop = text[start : start + 3]
+        if stop.strip() and text.find(stop) == start:
+            return stop
+    raise AssertionError(f"no stop string to take from {text!r}")
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+async def test_a_stream_ends_where_its_stop_string_starts_as_vllm_ends_it(
+    api: str, tokens_route: GatewayUnderTest, reference: AsyncOpenAI
+) -> None:
+    """A stop string met mid-answer: the engine stops on the token that completes it and
+    derender decodes that whole token, so the stream is cut where the stop string starts,
+    across chunks, as `vllm serve` streams it (by the data plane itself on that path)."""
+    if api == "completions":
+        body: dict[str, Any] = {"model": SERVED_NAME, "prompt": "The weather in the city",
+                                "max_tokens": 24, "temperature": 0}  # fmt: skip
+        whole = (await reference.completions.create(**body)).choices[0].text
+        create, answer = reference.completions.create, completion_stream_answer
+        ours = tokens_route.client.completions.create
+    else:
+        body = request(CHAT_CASES["reasoning-off"]) | {"max_tokens": 24}
+        whole = (await reference.chat.completions.create(**body)).choices[0].message.content
+        create, answer = reference.chat.completions.create, chat_stream_answer  # type: ignore[assignment]
+        ours = tokens_route.client.chat.completions.create  # type: ignore[assignment]
+    stop = stop_inside(whole or "")
+    body |= {"stop": [stop], "stream": True, "stream_options": {"include_usage": True}}
+    expected = answer([c async for c in await create(**body)])
+    got = answer([c async for c in await ours(**body)])
+    assert got == expected, (
+        f"stop {stop!r} in {whole!r}; render route:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
+    )
+    finished = expected["choices"][0]["finish_reason"]
+    assert finished == "stop", pretty(expected)  # the stop string ended it, not the length
 
 
 async def test_an_unknown_model_is_a_404_naming_it(tokens_route: GatewayUnderTest) -> None:

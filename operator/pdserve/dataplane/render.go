@@ -131,7 +131,8 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if stream {
 		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,
 			auth: auth, tokens: tokens, count: promptTokens, request: body,
-			pipelining: t.derenderPipelining, renderer: renderer, routed: m, includeStop: includeStop, served: s}
+			pipelining: t.derenderPipelining, renderer: renderer, routed: m, includeStop: includeStop,
+			stopHold: stopHold(members), served: s}
 		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), local, usageAsked(members))
 		if reason == "" {
 			p.countRendered(prefill != nil)
@@ -367,10 +368,8 @@ func withoutStopTokens(dst *bytes.Buffer, answer []byte, fields []member, includ
 		if err != nil || string(lookup(members, "finish_reason")) != `"stop"` || includeStop {
 			continue
 		}
-		reason := lookup(members, "stop_reason")
-		if len(reason) > 0 && reason[0] == '"' {
-			var stop string
-			if json.Unmarshal(reason, &stop) == nil && stop != "" {
+		if reason := lookup(members, "stop_reason"); len(reason) > 0 && reason[0] == '"' {
+			if stop := stopStringOf(members, includeStop); stop != "" {
 				if stops == nil {
 					stops = map[string]string{}
 				}

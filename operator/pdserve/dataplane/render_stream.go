@@ -10,6 +10,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -32,6 +33,7 @@ type rendering struct {
 	renderer    *endpoint
 	routed      *model // its render servers, for a derender call's retry
 	includeStop bool
+	stopHold    int // characters a stream holds back for stop strings (stream_stop.go)
 	served      *served
 }
 
@@ -75,11 +77,13 @@ func (s *streamWriter) write(data []byte, flush, answer bool) {
 type piece struct {
 	ids       []byte // the token ids, without brackets ("1,2")
 	finish    []byte // the finish_reason's JSON, nil while the choice goes on
+	stop      string // with finish: the stop string that ended the choice, cut from its text
 	abandoned bool   // the stream ended without this choice's finish_reason
 }
 
 type derenderPipeline struct {
 	index    []byte
+	stops    *streamStop // the choice's text as sent, for stop strings (runPipeline's own)
 	mu       sync.Mutex
 	pending  []piece
 	wake     chan struct{}
@@ -90,7 +94,7 @@ type derenderPipeline struct {
 
 func (p *plane) startPipeline(ctx context.Context, rs *rendering, index []byte, out *streamWriter) *derenderPipeline {
 	pipeline := &derenderPipeline{index: append([]byte(nil), index...), wake: make(chan struct{}, 1),
-		done: make(chan struct{})}
+		done: make(chan struct{}), stops: newStreamStop(rs.stopHold)}
 	go func() {
 		defer close(pipeline.done)
 		pipeline.err = p.runPipeline(ctx, rs, pipeline, out)
@@ -127,7 +131,7 @@ func (d *derenderPipeline) take(pipelining bool) (piece, bool) {
 		more := d.pending[0]
 		d.pending = d.pending[1:]
 		next.ids = joinIDs(next.ids, more.ids)
-		next.finish, next.abandoned = more.finish, more.abandoned
+		next.finish, next.stop, next.abandoned = more.finish, more.stop, more.abandoned
 	}
 	return next, true
 }
@@ -187,7 +191,17 @@ func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipel
 		if next := lookup(fields, "stream_state"); next != nil {
 			state = append(state[:0:0], next...)
 		}
-		if worthSending(lookup(chunkFields, "choices")) {
+		choices := lookup(chunkFields, "choices")
+		if next.stop != "" || d.stops.hold > 0 {
+			final := next.finish != nil || next.abandoned
+			if fixed := d.stops.correctAll(choices, next.stop, final); !bytes.Equal(fixed, choices) {
+				var cut bytes.Buffer
+				splice(&cut, chunk, chunkFields, choicesDrops, []field{{"choices", fixed}})
+				chunk, choices = cut.Bytes(), fixed
+				chunkFields, _ = topLevel(chunk)
+			}
+		}
+		if worthSending(choices) {
 			var named bytes.Buffer
 			splice(&named, chunk, chunkFields, idModelDrops, []field{{"id", rs.quotedID}, {"model", rs.model}})
 			out.chunk(named.Bytes())
@@ -455,8 +469,21 @@ func eventPiece(choice []member, includeStop bool) (piece, bool) {
 	next := piece{ids: append([]byte(nil), ids...)}
 	if finish := lookup(choice, "finish_reason"); finish != nil && string(finish) != "null" {
 		next.finish = append([]byte(nil), finish...)
+		next.stop = stopStringOf(choice, includeStop)
 	}
 	return next, true
+}
+
+// stopStringOf: the stop string that ended a generate choice, when the text must end before it
+// (vllm/protocol.py stop_string_of): finish_reason "stop" with a string stop_reason, unless
+// include_stop_str_in_output; "" otherwise.
+func stopStringOf(choice []member, includeStop bool) string {
+	var stop string
+	if includeStop || string(lookup(choice, "finish_reason")) != `"stop"` ||
+		json.Unmarshal(lookup(choice, "stop_reason"), &stop) != nil {
+		return ""
+	}
+	return stop
 }
 
 // endsOnStopToken: finished on an EOS or a stop_token_ids hit (its stop_reason is no string),

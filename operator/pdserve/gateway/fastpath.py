@@ -8,7 +8,7 @@ Aggregated (straight to decode), with engines that speak OpenAI or behind render
 -> P/D -> derender, streamed through the same derender pipeline or not). Everything else goes to
 the Python gateway, request by request: routing mode Auto (a decision per request),
 bidirectional KV (a conversation's KV on decode is tracked per request), streams through render
-servers with stop strings or log probabilities, a request log (every request must be in it),
+servers with log probabilities, a request log (every request must be in it),
 and every request whose fast path failed before its answer began (the Python gateway retries
 and falls back as always). Long prompts (by body size, or by rendered token count behind render
 servers) wait for a fair prefill admission slot in this replica's queue, which the data plane
@@ -26,10 +26,11 @@ from pdserve.gateway.openai_schema import TOKENIZER_PARAMS
 from pdserve.gateway.settings import GatewaySettings
 
 PYTHON, PD, DECODE = "python", "pd", "decode"
-RENDERED_STREAM_PARAMS = ("stop", "logprobs", "top_logprobs", "prompt_logprobs")
-"""Streams behind render servers that set one of these are the Python gateway's: it cuts stop
-strings across chunks (vllm/derender_gaps.StreamStop) and refuses log probabilities with a 400
-naming the parameter (tokens_route.py)."""
+RENDERED_STREAM_PARAMS = ("logprobs", "top_logprobs", "prompt_logprobs")
+"""Streams behind render servers that set one of these are the Python gateway's: it refuses log
+probabilities with a 400 naming the parameter (tokens_route.py). Stop strings the data plane cuts
+across chunks itself (dataplane/stream_stop.go, vllm/derender_gaps.StreamStop: one set of cases,
+dataplane/testdata/stream_stop_cases.json)."""
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""

@@ -191,9 +191,7 @@ class DerenderPipeline:
             chunk["model"] = d.model
             choices = chunk.get("choices") or []
             for sent in choices:
-                if stop is not None:
-                    self.stops.cut_final(sent, stop)
-                self.stops.note_sent(sent)
+                self.stops.correct(sent, stop, final=finish is not None or abandoned)
             if any(_has_content(c) or c.get("finish_reason") for c in choices):
                 self.writer.note_token()
                 await self.writer.send(chunk)

@@ -6,7 +6,8 @@ simulated `vllm serve` closes them here too:
 - the stop token that ended a choice (EOS or a stop_token_ids hit) is kept in the engine's
   token ids and derender decodes it into the content: the gateway drops it before derender;
 - a stop string is applied by the engine on the token that completes it, and derender decodes
-  that whole token: the gateway cuts the text where the stop string starts;
+  that whole token: the gateway cuts the text where the stop string starts, and in a stream
+  holds back the tail that may begin one, as vLLM's detokenizer does (StreamStop);
 - a whole (not streamed) chat answer whose tool calls were parsed keeps finish_reason "stop";
   `vllm serve` says "tool_calls" unless the request named the function;
 - a whole answer's usage is counted from the token ids derender was given: the engine's own
@@ -80,29 +81,60 @@ def cut_text(text: str, stop: str) -> str:
 
 
 class StreamStop:
-    """Stop strings in a streamed choice: the chunk that completes one is cut where it starts.
-    Text already sent cannot be taken back, so the tail of what was sent is kept (as long as
-    the request's longest stop string): a stop string that began there still ends the text at
-    once, its first characters staying sent."""
+    """Stop strings in a streamed choice, as vLLM 0.32 streams them (v1/engine/detokenizer.py
+    get_next_output_text): while the choice goes on, the last `longest - 1` characters of its
+    text (the request's longest stop string) are held back, since they may begin a stop string;
+    its last chunk sends them, cut where the stop string that ended it starts. Held text spans
+    the text fields in the order derender gave them (reasoning, then content)."""
 
     def __init__(self, request: Mapping[str, Any]) -> None:
         stops = request.get("stop")
         listed = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
-        self.longest = max((len(s) for s in listed if isinstance(s, str)), default=0)
-        self.sent = {"content": "", "reasoning": "", "text": ""}
+        longest = max((len(s) for s in listed if isinstance(s, str)), default=0)
+        self.hold = 0 if request.get("include_stop_str_in_output") else max(0, longest - 1)
+        self.held: list[tuple[str, str]] = []
 
-    def note_sent(self, choice: Mapping[str, Any]) -> None:
-        if not self.longest:
+    def correct(self, choice: MutableMapping[str, Any], stop: str | None, *, final: bool) -> None:
+        """Rewrite a derendered choice's text to what vLLM would stream: `stop`, the stop string
+        that ended it (None when none did); `final`, its last chunk."""
+        if not self.hold and stop is None:
             return
-        for field, text in _texts(choice):
-            self.sent[field] = (self.sent[field] + text)[-self.longest :]
+        fields = _texts(choice)
+        pending = [*self.held, *((f, t) for f, t in fields if t)]
+        if final:
+            self.held = []
+            joined = "".join(t for _, t in pending)
+            at = joined.find(stop) if stop else -1
+            released = _split(pending, at)[0] if at >= 0 else pending
+        else:
+            total = sum(len(t) for _, t in pending)
+            released, self.held = _split(pending, max(0, total - self.hold))
+        by_field: dict[str, str] = {}
+        for field, text in released:
+            by_field[field] = by_field.get(field, "") + text
+        for field, _ in fields:
+            _set_text(choice, field, by_field.pop(field, ""))
+        for field, text in by_field.items():  # released from a field this chunk does not carry
+            _set_text(choice, field, text)
 
-    def cut_final(self, choice: MutableMapping[str, Any], stop: str) -> None:
-        for field, text in _texts(choice):
-            joined = self.sent[field] + text
-            at = joined.find(stop)
-            if at >= 0:
-                _set_text(choice, field, text[: max(0, at - len(self.sent[field]))])
+
+def _split(
+    segments: list[tuple[str, str]], count: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The first `count` characters of the segments, and the rest."""
+    first: list[tuple[str, str]] = []
+    rest: list[tuple[str, str]] = []
+    for field, text in segments:
+        if count >= len(text):
+            first.append((field, text))
+            count -= len(text)
+        elif count > 0:
+            first.append((field, text[:count]))
+            rest.append((field, text[count:]))
+            count = 0
+        else:
+            rest.append((field, text))
+    return first, rest
 
 
 def _texts(choice: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -117,4 +149,4 @@ def _set_text(choice: MutableMapping[str, Any], field: str, text: str) -> None:
     if field == "text":
         choice["text"] = text
     else:
-        choice["delta"][field] = text
+        choice.setdefault("delta", {})[field] = text
