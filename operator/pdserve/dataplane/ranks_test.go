@@ -83,21 +83,27 @@ func TestEachHopIsPinnedToTheLeastBusyRankOfItsPod(t *testing.T) {
 	}
 }
 
-// A prefill server that fails a request fails it on every rank (one process fronts them all):
-// the retry goes to another server, never to the failed one's other rank; an engine without
-// ranks gets no header.
-func TestAFailedPrefillIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
-	broken, healthy := &rankLog{}, &rankLog{}
+// retriedElsewhere serves one chat request by `table` (URL: a server of two ranks that fails
+// the `failing` hop on both; OTHER: a healthy server) and says what each server was sent.
+func retriedElsewhere(t *testing.T, table, failing string) (broken, healthy *rankLog, u *planeUnderTest) {
+	t.Helper()
+	broken, healthy = &rankLog{}, &rankLog{}
 	other := httptest.NewServer(rankedEngine(healthy, ""))
 	t.Cleanup(other.Close)
-	table := `{"version":1,"models":{"m":{"route":"pd","groups":[
-		{"prefill":["URL#dp0","URL#dp1","OTHER"],"decode":["OTHER"]}]}},
-		"load":{"OTHER":3}}`
-	u := newPlaneUnderTest(t, strings.ReplaceAll(table, "OTHER", other.URL), rankedEngine(broken, "prefill"), nil)
+	u = newPlaneUnderTest(t, strings.ReplaceAll(table, "OTHER", other.URL), rankedEngine(broken, failing), nil)
 	response, text := u.post(t, chatBody)
 	if response.StatusCode != 200 || !strings.Contains(text, "hi") {
 		t.Fatalf("%d %s", response.StatusCode, text)
 	}
+	return broken, healthy, u
+}
+
+// A prefill server that fails a request fails it on every rank (one process fronts them all):
+// the retry goes to another server, never to the failed one's other rank; an engine without
+// ranks gets no header.
+func TestAFailedPrefillIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
+	broken, healthy, u := retriedElsewhere(t, `{"version":1,"models":{"m":{"route":"pd","groups":[
+		{"prefill":["URL#dp0","URL#dp1","OTHER"],"decode":["OTHER"]}]}},"load":{"OTHER":3}}`, "prefill")
 	failed, _ := broken.seen()
 	retried, decoded := healthy.seen()
 	if len(failed) != 1 || len(retried) != 1 || retried[0] != "" || len(decoded) != 1 {
@@ -111,16 +117,8 @@ func TestAFailedPrefillIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
 
 // The same for decode: a decode server that failed is not asked again on another rank.
 func TestAFailedDecodeIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
-	broken, healthy := &rankLog{}, &rankLog{}
-	other := httptest.NewServer(rankedEngine(healthy, ""))
-	t.Cleanup(other.Close)
-	table := `{"version":1,"models":{"m":{"route":"decode","groups":[
-		{"prefill":[],"decode":["URL#dp0","URL#dp1","OTHER"]}]}},"load":{"OTHER":3}}`
-	u := newPlaneUnderTest(t, strings.ReplaceAll(table, "OTHER", other.URL), rankedEngine(broken, "decode"), nil)
-	response, text := u.post(t, chatBody)
-	if response.StatusCode != 200 || !strings.Contains(text, "hi") {
-		t.Fatalf("%d %s", response.StatusCode, text)
-	}
+	broken, healthy, _ := retriedElsewhere(t, `{"version":1,"models":{"m":{"route":"decode","groups":[
+		{"prefill":[],"decode":["URL#dp0","URL#dp1","OTHER"]}]}},"load":{"OTHER":3}}`, "decode")
 	_, failed := broken.seen()
 	_, retried := healthy.seen()
 	if len(failed) != 1 || len(retried) != 1 {

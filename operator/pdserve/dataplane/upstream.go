@@ -395,14 +395,8 @@ func (b *upBody) readHeaders(reader *bufio.Reader, minor int) error {
 // headLine is one line of the head without its CRLF (or bare LF), borrowed from the reader's
 // buffer until its next read.
 func headLine(reader *bufio.Reader) ([]byte, error) {
-	line, err := reader.ReadSlice('\n')
-	if errors.Is(err, bufio.ErrBufferFull) {
-		return nil, malformed("head line too long", line)
-	}
+	line, err := lineSlice(reader, "head line too long")
 	if err != nil {
-		if err == io.EOF && len(line) > 0 {
-			err = io.ErrUnexpectedEOF
-		}
 		return nil, err
 	}
 	line = line[:len(line)-1]
@@ -610,17 +604,27 @@ func (b *upBody) nextChunk(reader *bufio.Reader) error {
 	}
 }
 
-// chunkLine is a chunk's size line or the end of its data, which must end with CRLF: a bare LF
-// there is where parsers disagree on a body's end (Go's client refuses it too).
-func chunkLine(reader *bufio.Reader) ([]byte, error) {
+// lineSlice is the next line with its LF, borrowed from the reader's buffer; a line longer
+// than the buffer is malformed (`tooLong` says which).
+func lineSlice(reader *bufio.Reader, tooLong string) ([]byte, error) {
 	line, err := reader.ReadSlice('\n')
 	if errors.Is(err, bufio.ErrBufferFull) {
-		return nil, malformed("chunk line too long", line)
+		return nil, malformed(tooLong, line)
 	}
 	if err != nil {
 		if err == io.EOF && len(line) > 0 {
 			err = io.ErrUnexpectedEOF
 		}
+		return nil, err
+	}
+	return line, nil
+}
+
+// chunkLine is a chunk's size line or the end of its data, which must end with CRLF: a bare LF
+// there is where parsers disagree on a body's end (Go's client refuses it too).
+func chunkLine(reader *bufio.Reader) ([]byte, error) {
+	line, err := lineSlice(reader, "chunk line too long")
+	if err != nil {
 		return nil, err
 	}
 	if len(line) < 2 || line[len(line)-2] != '\r' {
