@@ -8,11 +8,9 @@ import socket
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-# Where port_block looks: above the well-known and common service ports, below Kubernetes'
-# NodePort range (30000-32767: on a node with kube-proxy, traffic to those ports may be a
-# Service's) and Linux's ephemeral range (32768-60999 by default; read from the kernel).
+# Where port_block looks: above the well-known and common service ports, below Linux's default
+# ephemeral range (32768-60999), which is read from the kernel where it says otherwise.
 BLOCK_FLOOR = 20000
-NODE_PORT_FLOOR = 30000
 
 
 def listening_socket(port: int = 0) -> socket.socket:
@@ -28,9 +26,11 @@ def listening_socket(port: int = 0) -> socket.socket:
 
 def free_port() -> int:
     """Only for a process that takes its port as a flag and binds it itself (a child we start):
-    a free port out of the ephemeral range (port_block), so no outgoing connection takes it
-    before the child binds it. A listener of ours uses listening_socket."""
-    return port_block(1)
+    another process may take the port in between. A listener of ours uses listening_socket."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def port_block(count: int, attempts: int = 200) -> int:
@@ -40,9 +40,9 @@ def port_block(count: int, attempts: int = 200) -> int:
     connection may take before the child binds them; one out of that range only another
     port_block caller could, and each picks at random."""
     try:
-        ceiling = min(int(EPHEMERAL_RANGE.read_text().split()[0]), NODE_PORT_FLOOR)
+        ceiling = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        ceiling = NODE_PORT_FLOOR
+        ceiling = 32768
     for _ in range(attempts):
         base = random.randrange(BLOCK_FLOOR, max(BLOCK_FLOOR + 1, ceiling - count))
         if all(_bindable(port) for port in range(base, base + count)):

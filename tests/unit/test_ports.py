@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import socket
 
-from pdserve.ports import EPHEMERAL_RANGE, NODE_PORT_FLOOR, free_port, port_block
+from pdserve.ports import EPHEMERAL_RANGE, port_block
 
 
-def test_a_block_is_free_and_below_the_ephemeral_and_node_port_ranges() -> None:
-    low = min(int(EPHEMERAL_RANGE.read_text().split()[0]), NODE_PORT_FLOOR)
+def test_a_block_is_free_and_below_the_ephemeral_range() -> None:
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
     base = port_block(4)
     assert base + 4 <= low
-    assert all(free_port() < low for _ in range(20))
     held = []
     try:
         for port in range(base, base + 4):  # each one binds: the block was free
