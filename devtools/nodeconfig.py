@@ -22,6 +22,10 @@ PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 CLUSTER_DOMAIN = "cluster.local"
 
 
+# The CRI plugin's snapshotter, which `ctr images import` must unpack into too (realnode.py).
+SNAPSHOTTER = "overlayfs"
+
+
 def registry_hosts_dir(base: Path) -> Path:
     """containerd's hosts directory (config_path): one <host:port>/hosts.toml per registry."""
     return base / "certs.d"
@@ -60,7 +64,7 @@ def containerd_toml(base: Path, *, socket: Path, cni_conf_dir: Path) -> str:
                 "restrict_oom_score_adj": True,
                 "enable_cdi": False,
                 "containerd": {
-                    "snapshotter": "overlayfs",
+                    "snapshotter": SNAPSHOTTER,
                     "default_runtime_name": "runc",
                     "runtimes": {"runc": {
                         "runtime_type": "io.containerd.runc.v2",
