@@ -327,6 +327,10 @@ class RealNode(Components):
                     self.ctr("containers", "delete", container)
 
 
+GIB = 1 << 30
+MARGIN_BYTES = 2 * GIB
+
+
 def containerd_socket(workdir: Path) -> Path:
     return workdir / "containerd" / "containerd.sock"
 
@@ -346,9 +350,25 @@ def import_archives(workdir: Path, archives: Sequence[Path], *, timeout: float =
     container the kubelet created from it unpacked the image on its own: the real-vLLM pods,
     starting together, held five 5.8 GB snapshots of the vLLM image's one big layer at once
     (measured: 49 GB in 5 minutes, which filled a CI machine's disk)."""
+    ensure_room_for(workdir, archives)
     for archive in archives:
         ctr(workdir, "images", "import", f"--snapshotter={nodeconfig.SNAPSHOTTER}", str(archive),
             timeout=timeout)  # fmt: skip
+
+
+def ensure_room_for(workdir: Path, archives: Sequence[Path]) -> None:
+    """Refuse at once, naming the need, when the node's disk cannot hold the archives imported
+    (their layers kept as content) and unpacked: about twice their size, plus a margin for the
+    containers' own writes. Found out later it is a pod stuck in CreateContainerError."""
+    need = 2 * sum(archive.stat().st_size for archive in archives) + MARGIN_BYTES
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise NodeError(
+            f"the node's containerd under {workdir} needs about {need / GIB:.1f} GiB free to "
+            f"import and unpack {', '.join(a.name for a in archives)}, and {free / GIB:.1f} GiB "
+            "are free: free disk there (old `/tmp/pytest-of-*` runs; `make cluster-down` for a "
+            "demo's node), or give the tests a larger disk with TMPDIR"
+        )
 
 
 def leftovers(node: RealNode) -> list[str]:
