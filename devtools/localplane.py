@@ -140,8 +140,8 @@ class Components:
         """Raise naming the component (and its log) if any process has exited."""
         raise_if_exited(self._procs, self.logs, self._exited)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir)
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        proc = spawn_component(name, args, logs=self.logs, cwd=self.workdir, env=env)
         self._procs[name] = proc
         self.pids[name] = proc.pid
 
@@ -224,6 +224,7 @@ class ControlPlane(Components):
             self._start_controller_manager(timeout)
             self._start_scheduler(timeout)
             self._start_kwok(timeout)
+            self._start_pod_finisher(timeout)
         except BaseException:
             self.stop()
             raise
@@ -336,6 +337,21 @@ class ControlPlane(Components):
         binary, kubeconfig = self.binaries.path("kwok"), self.kubeconfig(ADMIN_USER)
         self._spawn("kwok", planecommands.kwok(binary, kubeconfig=kubeconfig, port=port))
         self._wait_healthy("kwok", f"http://127.0.0.1:{port}/healthz", timeout)
+
+    def _start_pod_finisher(self, timeout: float) -> None:
+        ready = self.workdir / "pod-finisher.ready"
+        ready.unlink(missing_ok=True)
+        command = planecommands.pod_finisher(
+            sys.executable, kubeconfig=self.kubeconfig(ADMIN_USER), ready_file=ready
+        )
+        # It runs in the plane's workdir like every component; devtools comes from this checkout.
+        self._spawn("pod-finisher", command, env={"PYTHONPATH": str(HERE.parent)})
+
+        def watching() -> bool:
+            self.check_alive()
+            return ready.exists()
+
+        wait_until("the pod finisher watching", watching, timeout=timeout)
 
     def _save_state(self) -> None:
         state = {

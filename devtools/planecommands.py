@@ -119,6 +119,13 @@ def _controller(binary: Path, *, kubeconfig: Path, port: int) -> list[str]:
     ]
 
 
+def pod_finisher(python: str, *, kubeconfig: Path, ready_file: Path) -> list[str]:
+    """devtools/pod_finisher.py: the kubelet's final, UID-guarded delete for kwok's pods."""
+    key, value = KWOK_NODE_ANNOTATION
+    return [python, "-m", "devtools.pod_finisher", f"--kubeconfig={kubeconfig}",
+            f"--node-annotation={key}={value}", f"--ready-file={ready_file}"]  # fmt: skip
+
+
 def kwok(binary: Path, *, kubeconfig: Path, port: int) -> list[str]:
     key, value = KWOK_NODE_ANNOTATION
     return [

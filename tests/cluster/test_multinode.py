@@ -5,10 +5,13 @@ groups; a deleted worker recreates its whole group; an engine upgrade rolls pref
 groups in lockstep by KV-compatibility digest.
 
 The module's trays carry a label and a taint of their own (other modules' pods stay off them, the
-model's engines select and tolerate them) and a fabric of their own: two cliques of 6 trays. A
-required podAffinity reserves nothing: the three groups' leaders, created first, may all bind in
-one clique, and their workers must then find room beside them (with 4 trays a clique, two
-workers stayed Pending: the model reports it, test_a_group_short_of_room_is_not_ready)."""
+model's engines select and tolerate them) and a fabric of their own: two cliques of 10 trays. A
+required podAffinity reserves nothing: a model's leaders, created first, may all bind in one
+clique, and their workers must then find room beside them (with 4 trays a clique, two workers
+stayed Pending: the model reports it, test_a_group_short_of_room_is_not_ready). So each clique
+holds the module's model (6 trays) and the autoscaling test's (4) at once: with 6 trays a clique
+the latter's two leaders once bound in the clique the first model mostly filled, and their
+workers found no room (1 run in 6)."""
 
 from __future__ import annotations
 
@@ -44,11 +47,11 @@ POOL_LABEL = "pdserve.io/multinode-test"
 TAINT = {"key": "pdserve.io/multinode-test", "value": "true", "effect": "NoSchedule"}
 TRAY_LABELS = {POOL_LABEL: "true"}
 CLIQUES = (f"{FABRIC}.0", f"{FABRIC}.1")
-TRAYS_PER_CLIQUE = 6
+TRAYS_PER_CLIQUE = 10
 WAIT = 60.0
 ENGINES = ("prefill", "decode")
 
-# 1 prefill group and 2 decode groups, 2 trays each: 6 of the 12 trays. DeepSeek-R1's shape is
+# 1 prefill group and 2 decode groups, 2 trays each: 6 of the 20 trays. DeepSeek-R1's shape is
 # not known to pdserve (MoE, not judged by the memory fit).
 SPEC: dict[str, Any] = {
     "model": {"name": "deepseek-ai/DeepSeek-R1-0528"},
@@ -312,10 +315,11 @@ def test_an_engine_upgrade_rolls_groups_in_lockstep_never_leaving_a_digest_unpai
     # Decode group 1 rolled first (partition 1) while the prefill group waited (partition 1 of
     # 1); then prefill, then decode's last group.
     assert held == {"prefill": {0, 1}, "decode": {0, 1}}, held
-    # Open (issue 38): one full run observed a state with a Ready prefill group and no Ready
-    # decode group at all ({'prefill': {digest}, 'decode': set()}); until it is explained, only
-    # states where decode has a Ready group are held to the pairing rule.
-    unpaired = [s for s in seen if s["decode"] and not s["prefill"] <= s["decode"]]
+    # Every state, including those where a pool has no Ready group at all. (This held only once
+    # the fake nodes finished deletions by UID, as kubelets do: kwok's deletions by name removed
+    # freshly re-created pods, and LWS recreated a new decode group over and over; see
+    # devtools/pod_finisher.py.)
+    unpaired = [s for s in seen if not s["prefill"] <= s["decode"]]
     assert not unpaired, unpaired[:3]
     assert any(len(state["decode"]) == 2 for state in seen), "never saw both digests serving"
 

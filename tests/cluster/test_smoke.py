@@ -1,5 +1,6 @@
 """Proof that the local control plane is a real one: schema + CEL validation, controllers,
-scheduler placement on fake GPU nodes, garbage collection, server-side apply, audit log."""
+scheduler placement on fake GPU nodes, garbage collection, server-side apply, audit log; and
+that its fake nodes finish deletions as a kubelet does."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import yaml
 
 from devtools.clitools import Kubectl
 from devtools.localplane import OPERATOR_USER, ControlPlane, wait_until
-from devtools.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE, RDMA_RESOURCE
+from devtools.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE, RDMA_RESOURCE, cpu_node
+from devtools.planecommands import KWOK_NODE_ANNOTATION
+from devtools.pod_finisher import PodFinisher
+from tests.support.plane_scopes import nodes_held
 
 pytestmark = pytest.mark.cluster
 
@@ -325,3 +329,40 @@ def test_kubectl_of_the_same_release_waits_applies_and_reads(
     assert "serverside-applied" in applied.stdout
     value = kubectl("get", "-n", namespace, "configmap/from-kubectl", "-o", "jsonpath={.data.k}")
     assert value.stdout == "v"
+
+
+def test_a_deleted_pod_on_a_fake_node_goes_and_a_stale_deletion_spares_its_successor(
+    http_api: httpx.Client, namespace: str
+) -> None:
+    """A kubelet removes a deleted pod with the pod's UID as the precondition
+    (kubernetes/kubernetes#25224), so the old pod's deletion can never remove the pod a
+    StatefulSet re-creates under the same name. The fake nodes do the same
+    (devtools/pod_finisher.py; kwok deletes by name)."""
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+
+    def pod_on(node: str) -> dict[str, Any]:
+        container = {"name": "c", "image": "busybox"}
+        return {"metadata": {"name": "same-name"},
+                "spec": {"nodeName": node, "containers": [container]}}  # fmt: skip
+
+    def running() -> bool:
+        found = http_api.get(f"{pods}/same-name")
+        return found.status_code == 200 and found.json()["status"].get("phase") == "Running"
+
+    with nodes_held(http_api, [cpu_node(f"finisher-{secrets.token_hex(3)}")]) as [node]:
+        first = http_api.post(pods, json=pod_on(node)).json()
+        wait_until("the first pod Running", running, timeout=30)
+        # A graceful deletion, as a controller's: the node finishes it.
+        http_api.delete(f"{pods}/same-name").raise_for_status()
+        wait_until("the first pod gone", lambda: http_api.get(f"{pods}/same-name").is_error,
+                   timeout=30)  # fmt: skip
+        second = http_api.post(pods, json=pod_on(node)).json()
+        wait_until("the second pod Running", running, timeout=30)
+        # The old pod's deletion replayed, as kwok's stale events replay it.
+        deleted = {**first["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}
+        stale = {**first, "metadata": deleted}
+        PodFinisher(http_api, KWOK_NODE_ANNOTATION).finish(stale)
+        survivor = http_api.get(f"{pods}/same-name")
+        assert survivor.status_code == 200
+        assert survivor.json()["metadata"]["uid"] == second["metadata"]["uid"]
+        assert not survivor.json()["metadata"].get("deletionTimestamp")
