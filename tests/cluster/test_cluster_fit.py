@@ -971,7 +971,7 @@ def api_server_checks(message: str) -> set[str]:
 
 def pod_templates(dm: DisaggregatedModel) -> list[tuple[str, dict[str, Any]]]:
     """Every pod template pdserve builds: the workloads and a preflight Job between two nodes."""
-    objects = [*build_all(dm), *preflight(dm, {0: NodePair("node-a", "node-b")})]
+    objects = [*build_all(dm), *preflight(dm, {0: [NodePair("node-a", "node-b")]})]
     return [
         (f"{o['kind']}/{o['metadata']['name']}", pod_template_of(o)["spec"])
         for o in objects

@@ -68,14 +68,20 @@ def test_the_wide_ep_example_shows_its_groups_ready_and_cluster_down_stops_it_al
             assert len(set(trays)) == 6
             assert {nodes[t]["nvidia.com/gpu.clique"] for t in trays} == {f"{RACK_FABRIC}.0"}
 
-            # The transport probe is scheduled beside the engines, though each holds its
-            # tray's only ComputeDomain channel (the probe claims none).
-            def probes_bound() -> bool:
+            # The transport probe covers every tray of the rack, one Job per node pair (the
+            # first prefill and first decode tray with each other tray), and is scheduled
+            # beside the engines, though each holds its tray's only ComputeDomain channel (the
+            # probe claims none).
+            def probed_trays() -> set[str]:
                 listed = http.get(f"/api/v1/namespaces/{NAMESPACE}/pods").json()["items"]
                 probes = [p for p in listed if "preflight" in p["metadata"]["name"]]
-                return len(probes) >= 2 and all(p["spec"].get("nodeName") for p in probes)
+                return {p["spec"].get("nodeName", "") for p in probes}
 
-            wait_until("the transport probe's two pods bound", probes_bound, timeout=60)
+            wait_until(
+                "a probe pod on every tray", lambda: probed_trays() == set(trays), timeout=60
+            )
+            jobs = http.get(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs").json()["items"]
+            assert len(jobs) == 2 + 4 - 1
     finally:
         subprocess.run(down, capture_output=True, timeout=120, check=False)
     assert not [pid for pid in state["pids"].values() if pid_alive(pid)]

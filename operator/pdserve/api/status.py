@@ -74,7 +74,9 @@ class PoolsStatus(ApiModel):
 
 
 class SliceTransport(ApiModel):
-    """The preflight verdict on one slice's KV path (prefill node -> decode node)."""
+    """The preflight verdict on one slice's KV paths: the worst of its node pairs' (every node
+    holding one of its engines is probed, each against the first prefill or decode pod's
+    node)."""
 
     slice: Annotated[int, Field(ge=0)]
     """Slice index (0 when the model has one slice)."""
@@ -86,19 +88,20 @@ class SliceTransport(ApiModel):
     ProbeFailed, ProbeUnschedulable (a probe pod cannot be scheduled: no verdict; the probe
     runs again) or WaitingForPlacement."""
     message: str = ""
-    """What the probe saw, for humans."""
+    """What the probe saw, for humans; with several node pairs it names the pair reported
+    (the failed one, or the slowest) and how many there are."""
     nodes: list[str] = Field(default_factory=list)
-    """The prefill and decode nodes probed."""
+    """The nodes probed: every node of the slice when Verified, else the reported pair's."""
     transport: str | None = None
     """Transport class that carried the probe's NIXL READ: rdma, tcp, shm, cuda_ipc."""
     read_path: list[str] = Field(default_factory=list)
     """UCX lanes of the READ, e.g. rc_mlx5/mlx5_0:1 or tcp/eth0."""
     bandwidth_g_bps: float | None = Field(default=None, alias="bandwidthGBps")
-    """Measured bandwidth, GB/s."""
+    """Measured bandwidth, GB/s (the slowest pair's)."""
     latency_ms: float | None = None
     """Median time of one probe transfer, milliseconds."""
     job: str | None = None
-    """The preflight Job whose pods reported."""
+    """The preflight Job of the reported node pair."""
 
 
 class DisaggregatedModelStatus(ApiModel):

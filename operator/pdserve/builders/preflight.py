@@ -1,11 +1,12 @@
-"""Transport preflight: per slice, a two-pod Job on the slice's prefill and decode nodes that
-moves data with NIXL from the engine image (pdserve/probe/kvprobe.py) and reports what carried
-it. Pure: the nodes come from the pods the reconciler observed."""
+"""Transport preflight: per pair of a slice's prefill and decode nodes, a two-pod Job on those
+nodes that moves data with NIXL from the engine image (pdserve/probe/kvprobe.py) and reports
+what carried it. Pure: the nodes come from the pods the reconciler observed."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -36,14 +37,31 @@ def probe_script() -> str:
 
 @dataclass(frozen=True)
 class NodePair:
-    """Where one slice's representative prefill and decode engines run."""
+    """A prefill node and a decode node of one slice, probed together."""
 
     prefill: str
     decode: str
+    slot: int = 0
+    """The pair's place among its slice's pairs, stable while its pods stay where they are:
+    with host networking it picks the probe's ports, as one node may hold the probes of
+    several pairs at once."""
 
     @property
     def nodes(self) -> list[str]:
         return sorted({self.prefill, self.decode})
+
+    def __str__(self) -> str:
+        return f"prefill node {self.prefill} -> decode node {self.decode}"
+
+
+def probe_port(dm: DisaggregatedModel, pair: NodePair) -> int:
+    """The probe server's port (its client listens on the next one). In the pod network each
+    probe pod has an address of its own; on the host network the pairs of a node must not
+    share ports."""
+    rdma = dm.spec.placement.rdma
+    if rdma is not None and rdma.host_network:
+        return PROBE_PORT + 2 * pair.slot
+    return PROBE_PORT
 
 
 def wants_preflight(dm: DisaggregatedModel) -> bool:
@@ -60,21 +78,26 @@ def script_config_map_name(dm: DisaggregatedModel) -> str:
 
 
 def job_name(dm: DisaggregatedModel, slice_index: int, pair: NodePair) -> str:
-    """A new pair of nodes, engine image or UCX setting is a new Job (Job templates are
+    """A new pair of nodes, port, engine image or UCX setting is a new Job (Job templates are
     immutable); the hash keeps the name within 63 characters."""
     kv = dm.spec.kv_transfer
+    port = probe_port(dm, pair)
     identity = json.dumps(
         [pair.prefill, pair.decode, dm.spec.image.engine, kv.ucx_transports, kv.ucx_net_devices,
          dm.spec.placement.rdma.model_dump(mode="json") if dm.spec.placement.rdma else None,
-         probe_script()],
+         probe_script(),
+         # Only where it moved, so the Jobs of pairs on the default port keep their names.
+         *([port] if port != PROBE_PORT else [])],
     )  # fmt: skip
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
     return f"{dm.name}-preflight-s{slice_index}-{digest}"
 
 
-def preflight(dm: DisaggregatedModel, pairs: dict[int, NodePair]) -> list[dict[str, Any]]:
-    """The script ConfigMap and, per placed slice, a headless Service (the client finds the
-    server by DNS) and the probe Job."""
+def preflight(
+    dm: DisaggregatedModel, pairs: Mapping[int, Sequence[NodePair]]
+) -> list[dict[str, Any]]:
+    """The script ConfigMap and, per node pair of each placed slice, a headless Service (the
+    client finds the server by DNS) and the probe Job."""
     if not wants_preflight(dm) or not pairs:
         return []
     config_map = {
@@ -84,13 +107,15 @@ def preflight(dm: DisaggregatedModel, pairs: dict[int, NodePair]) -> list[dict[s
         "data": {"kvprobe.py": probe_script()},
     }
     objects: list[dict[str, Any]] = [config_map]
-    for slice_index, pair in sorted(pairs.items()):
-        name = job_name(dm, slice_index, pair)
-        objects += [_service(dm, name), _job(dm, slice_index, pair, name)]
+    for slice_index, slice_pairs in sorted(pairs.items()):
+        for pair in slice_pairs:
+            name = job_name(dm, slice_index, pair)
+            port = probe_port(dm, pair)
+            objects += [_service(dm, name, port), _job(dm, slice_index, pair, name, port)]
     return objects
 
 
-def _service(dm: DisaggregatedModel, name: str) -> dict[str, Any]:
+def _service(dm: DisaggregatedModel, name: str, port: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -102,13 +127,14 @@ def _service(dm: DisaggregatedModel, name: str) -> dict[str, Any]:
                 "batch.kubernetes.io/job-name": name,
                 "batch.kubernetes.io/job-completion-index": "0",
             },
-            "ports": [{"name": "nixl", "port": PROBE_PORT, "targetPort": PROBE_PORT,
-                       "protocol": "TCP"}],
+            "ports": [{"name": "nixl", "port": port, "targetPort": port, "protocol": "TCP"}],
         },
     }  # fmt: skip
 
 
-def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) -> dict[str, Any]:
+def _job(
+    dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str, port: int
+) -> dict[str, Any]:
     placement = dm.spec.placement
     pod_labels = {**labels(dm, Component.preflight), SLICE_LABEL: str(slice_index)}
     affinity: dict[str, Any] = {
@@ -135,13 +161,13 @@ def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) ->
         "env": [
             *[e for e in nixl_env(dm) if e["name"].startswith("UCX_")],
             {"name": "PROBE_PEER", "value": f"{name}.{dm.namespace}.svc"},
-            {"name": "PROBE_PORT", "value": str(PROBE_PORT)},
+            {"name": "PROBE_PORT", "value": str(port)},
             # No GPU is allocated (the engines hold them), and none is asked for by
             # NVIDIA_VISIBLE_DEVICES=all: hardened NVIDIA runtimes ignore it in unprivileged
             # containers, and a pod that sees GPUs it did not request is what they forbid.
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         ],
-        "ports": [{"name": "nixl", "containerPort": PROBE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "nixl", "containerPort": port, "protocol": "TCP"}],
         "resources": {
             "requests": dict(PROBE_REQUESTS),
             "limits": {"memory": "2Gi", **extended},
@@ -188,4 +214,4 @@ def _job(dm: DisaggregatedModel, slice_index: int, pair: NodePair, name: str) ->
     }
 
 
-__all__ = ["NodePair", "job_name", "preflight", "wants_preflight"]
+__all__ = ["NodePair", "job_name", "preflight", "probe_port", "wants_preflight"]

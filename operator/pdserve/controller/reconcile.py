@@ -72,9 +72,10 @@ from pdserve.controller.status import (
 from pdserve.controller.transport import (
     JOB_UID_LABEL,
     node_pairs,
+    pair_verdicts,
     pod_annotation_patches,
     probe_jobs_to_rerun,
-    slice_verdicts,
+    slice_verdict,
 )
 from pdserve.kube.client import KINDS, Kube, KubeError, kind_of
 
@@ -468,8 +469,9 @@ async def _converge(
         p for p in component_pods(pods, Component.preflight)
         if p["metadata"].get("labels", {}).get(JOB_UID_LABEL) in jobs
     ]  # fmt: skip
-    verdicts = slice_verdicts(dm, engines, probes)
-    for job in probe_jobs_to_rerun(verdicts, probes):
+    by_pair = pair_verdicts(dm, engines, probes)
+    verdicts = [slice_verdict(pairs) for pairs in by_pair]
+    for job in probe_jobs_to_rerun([p.verdict for pairs in by_pair for p in pairs], probes):
         # The next pass makes it again (the Job is one of the model's children).
         await kube.delete(JOB, dm.namespace, job)
         if cache is not None:

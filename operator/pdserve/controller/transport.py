@@ -1,10 +1,12 @@
-"""Transport preflight results: which nodes each slice's probe pins to, the probe pods'
-reports (their termination messages) and the verdict per slice. Pure functions."""
+"""Transport preflight results: which node pairs each slice's probes pin to, the probe pods'
+reports (their termination messages), the verdict per pair and the slice's, the worst of its
+pairs. Pure functions."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
@@ -21,23 +23,45 @@ def _slice(pod: Mapping[str, Any]) -> int:
     return int(pod["metadata"].get("labels", {}).get(SLICE_LABEL, "0"))
 
 
-def node_pairs(pods: Sequence[Mapping[str, Any]]) -> dict[int, NodePair]:
-    """Per slice, the nodes of its first prefill and first decode pod, once both are bound."""
-    first: dict[tuple[int, str], Mapping[str, Any]] = {}
+def node_pairs(pods: Sequence[Mapping[str, Any]]) -> dict[int, list[NodePair]]:
+    """Per slice, pairs that probe every node holding one of its engines, once its first
+    prefill and first decode pod are bound: those two nodes, then each other prefill node with
+    the first decode node and each other decode node with the first prefill node. A replica
+    spanning nodes (or replicas spread over them) pulls KV over every node's NICs, and one bad
+    rail shows on one node; P + D - 1 pairs find it, where all P x D would cost a probe each.
+    A pair's slot comes from its pod's place in name order, so it holds while the pods do."""
+    by_role: dict[tuple[int, str], list[Mapping[str, Any]]] = {}
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         role = pod["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if role in (Component.prefill.value, Component.decode.value):
-            first.setdefault((_slice(pod), role), pod)
-    pairs = {}
-    for (slice_index, role), pod in first.items():
-        if role != Component.prefill.value:
+            by_role.setdefault((_slice(pod), role), []).append(pod)
+    pairs: dict[int, list[NodePair]] = {}
+    for slice_index in sorted({key[0] for key in by_role}):
+        prefill = [_node(p) for p in by_role.get((slice_index, Component.prefill.value), [])]
+        decode = [_node(p) for p in by_role.get((slice_index, Component.decode.value), [])]
+        if not prefill or not decode or prefill[0] is None or decode[0] is None:
             continue
-        decode = first.get((slice_index, Component.decode.value))
-        prefill_node = pod.get("spec", {}).get("nodeName")
-        decode_node = (decode or {}).get("spec", {}).get("nodeName")
-        if prefill_node and decode_node:
-            pairs[slice_index] = NodePair(prefill_node, decode_node)
+        hub = NodePair(prefill[0], decode[0])
+        found = [hub]
+        seen = {(hub.prefill, "p"), (hub.decode, "d")}
+        for offset, side, nodes in ((1, "p", prefill), (2, "d", decode)):
+            for ordinal, node in enumerate(nodes):
+                if node is None or (node, side) in seen:
+                    continue
+                seen.add((node, side))
+                slot = 2 * ordinal + offset
+                found.append(
+                    NodePair(node, hub.decode, slot)
+                    if side == "p"
+                    else NodePair(hub.prefill, node, slot)
+                )
+        pairs[slice_index] = found
     return pairs
+
+
+def _node(pod: Mapping[str, Any]) -> str | None:
+    node = pod.get("spec", {}).get("nodeName")
+    return str(node) if node else None
 
 
 def report_of(pod: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -165,29 +189,80 @@ def judge(
     return SliceTransport(**base, **measured, verified=True, reason="Verified", message=numbers)
 
 
-def slice_verdicts(
+@dataclass(frozen=True)
+class PairVerdict:
+    """One node pair's probe verdict (pair None: the slice is not placed yet)."""
+
+    pair: NodePair | None
+    verdict: SliceTransport
+
+
+def pair_verdicts(
     dm: DisaggregatedModel,
     engine_pods: Sequence[Mapping[str, Any]],
     probe_pods: Sequence[Mapping[str, Any]],
-) -> list[SliceTransport]:
-    """One verdict per slice, from the probe pods of the slice's current Job."""
+) -> list[list[PairVerdict]]:
+    """Per slice (by index), the verdict of each of its node pairs' current Job."""
     if not wants_preflight(dm):
         return []
     pairs = node_pairs(engine_pods)
-    verdicts = []
+    verdicts: list[list[PairVerdict]] = []
     for slice_index in range(dm.spec.placement.slices):
-        pair = pairs.get(slice_index)
-        reports: list[dict[str, Any]] = []
-        waiting: list[str] = []
-        if pair is not None:
+        placed = pairs.get(slice_index)
+        if not placed:
+            verdicts.append([PairVerdict(None, judge(dm, slice_index, None, []))])
+            continue
+        judged = []
+        for pair in placed:
+            reports: list[dict[str, Any]] = []
+            waiting: list[str] = []
             for pod in job_pods(probe_pods, job_name(dm, slice_index, pair)):
                 report = report_of(pod)
                 if report is not None:
                     reports.append(report)
                 if (unplaced := unschedulable(pod)) is not None:
                     waiting.append(unplaced)
-        verdicts.append(judge(dm, slice_index, pair, reports, waiting))
+            judged.append(PairVerdict(pair, judge(dm, slice_index, pair, reports, waiting)))
+        verdicts.append(judged)
     return verdicts
+
+
+def slice_verdict(pairs: Sequence[PairVerdict]) -> SliceTransport:
+    """The slice's verdict, the worst of its pairs': a failed pair (named, with how many
+    failed), else one not concluded, else Verified with the slowest pair's numbers and every
+    node probed. A slice of one pair reads as that pair's verdict."""
+    if len(pairs) == 1:
+        return pairs[0].verdict
+    failed = [p for p in pairs if p.verdict.verified is False]
+    pending = [p for p in pairs if p.verdict.verified is None]
+    if failed:
+        worst = failed[0]
+        note = f" ({len(failed)} of {len(pairs)} node pairs failed)"
+    elif pending:
+        worst = pending[0]
+        note = f" ({len(pairs) - len(pending)} of {len(pairs)} node pairs verified)"
+    else:
+        worst = min(pairs, key=lambda p: p.verdict.bandwidth_g_bps or 0.0)
+        nodes = sorted({n for p in pairs if p.pair is not None for n in p.pair.nodes})
+        return worst.verdict.model_copy(
+            update={
+                "nodes": nodes,
+                "message": f"{len(pairs)} node pairs over {len(nodes)} nodes, the slowest "
+                f"{worst.pair}: {worst.verdict.message}",
+            }
+        )
+    return worst.verdict.model_copy(
+        update={"message": f"{worst.pair}: {worst.verdict.message}{note}"}
+    )
+
+
+def slice_verdicts(
+    dm: DisaggregatedModel,
+    engine_pods: Sequence[Mapping[str, Any]],
+    probe_pods: Sequence[Mapping[str, Any]],
+) -> list[SliceTransport]:
+    """One verdict per slice, from the probe pods of its node pairs' current Jobs."""
+    return [slice_verdict(p) for p in pair_verdicts(dm, engine_pods, probe_pods)]
 
 
 def job_pods(probe_pods: Sequence[Mapping[str, Any]], job: str) -> list[Mapping[str, Any]]:
@@ -197,7 +272,8 @@ def job_pods(probe_pods: Sequence[Mapping[str, Any]], job: str) -> list[Mapping[
 def probe_jobs_to_rerun(
     verdicts: Sequence[SliceTransport], probe_pods: Sequence[Mapping[str, Any]]
 ) -> list[str]:
-    """Jobs whose probe can no longer conclude: one pod cannot be scheduled and the other has
+    """Of the node pairs' verdicts (pair_verdicts, not the slices': a slice's names one Job),
+    the Jobs whose probe can no longer conclude: one pod cannot be scheduled and the other has
     finished without it (its wait for the peer timed out). Deleted, they are made again by the
     next reconcile, and the pair probes once both run (a Job never retries: backoffLimit 0)."""
     return [

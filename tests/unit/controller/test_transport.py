@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from pdserve.api import DisaggregatedModel, parse_resource
-from pdserve.builders.preflight import NodePair, job_name, preflight
+from pdserve.builders.preflight import PROBE_PORT, NodePair, job_name, preflight, probe_port
 from pdserve.controller.transport import (
     node_pairs,
+    pair_verdicts,
     pod_annotation_patches,
     probe_jobs_to_rerun,
     report_of,
@@ -30,6 +31,7 @@ BODY["spec"]["placement"] = {
     "rdma": {"resource": "rdma/rdma_shared_device_a", "networks": ["roce"]},
 }
 PAIRS = {0: NodePair("gpu-a", "gpu-b"), 1: NodePair("gpu-c", "gpu-c")}
+PLACED = {i: [pair] for i, pair in PAIRS.items()}
 
 
 def model(**spec: Any) -> DisaggregatedModel:
@@ -73,7 +75,7 @@ def report(role: str, node: str, **over: Any) -> dict[str, Any]:
 
 def test_one_probe_job_per_placed_slice_pinned_to_its_nodes() -> None:
     dm = model()
-    objects = preflight(dm, PAIRS)
+    objects = preflight(dm, PLACED)
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert kinds[0] == ("ConfigMap", "m-kvprobe")
     jobs = [o for o in objects if o["kind"] == "Job"]
@@ -106,16 +108,16 @@ def test_probe_pods_claim_no_compute_domain_channel_the_engines_hold() -> None:
     the GB200 twin), and the probe uses no GPU."""
     claims = [{"name": "imex", "resourceClaimTemplateName": "nvl72-channel"}]
     dm = model(placement={**BODY["spec"]["placement"], "resourceClaims": claims})
-    [job, *_] = [o for o in preflight(dm, PAIRS) if o["kind"] == "Job"]
+    [job, *_] = [o for o in preflight(dm, PLACED) if o["kind"] == "Job"]
     pod = job["spec"]["template"]["spec"]
     assert "resourceClaims" not in pod
     assert "claims" not in pod["containers"][0]["resources"]
 
 
 def test_no_probe_when_off_aggregated_or_unplaced() -> None:
-    assert preflight(model(kvTransfer={"verify": "Off"}), PAIRS) == []
+    assert preflight(model(kvTransfer={"verify": "Off"}), PLACED) == []
     aggregated = model(prefill={**BODY["spec"]["prefill"], "replicas": 0})
-    assert preflight(aggregated, PAIRS) == []
+    assert preflight(aggregated, PLACED) == []
     assert preflight(model(), {}) == []
 
 
@@ -131,7 +133,7 @@ def test_node_pairs_wait_until_prefill_and_decode_are_bound() -> None:
             engine_pod("m-decode-s0-0", "decode", 0, "gpu-b"),
             engine_pod("m-prefill-s1-0", "prefill", 1, "gpu-c"),
             engine_pod("m-decode-s1-0", "decode", 1, None)]  # fmt: skip
-    assert node_pairs(pods) == {0: NodePair("gpu-a", "gpu-b")}
+    assert node_pairs(pods) == {0: [NodePair("gpu-a", "gpu-b")]}
 
 
 def verdicts_for(dm: DisaggregatedModel, reports: dict[int, list[dict[str, Any]]]) -> list[Any]:
@@ -289,3 +291,93 @@ def test_engine_pods_get_their_slices_verdict_once() -> None:
     ]  # fmt: skip
     pods[0]["metadata"]["annotations"] = {"pdserve.io/kv-transport": "Verified"}
     assert pod_annotation_patches(verdicts, pods[:1]) == []
+
+
+# A wide-EP slice: a prefill group over 2 trays and a decode group over 4 (LeaderWorkerSet
+# names: the leader, then `<leader>-<worker>`).
+GROUPS = [("m-prefill-0", "prefill", "tray-1"), ("m-prefill-0-1", "prefill", "tray-2"),
+          ("m-decode-0", "decode", "tray-3"), ("m-decode-0-1", "decode", "tray-4"),
+          ("m-decode-0-2", "decode", "tray-5"), ("m-decode-0-3", "decode", "tray-6")]  # fmt: skip
+
+
+def test_every_node_of_a_slice_is_probed_with_the_first_pods_nodes() -> None:
+    pods = [engine_pod(name, role, 0, node) for name, role, node in GROUPS]
+    [pairs] = node_pairs(pods).values()
+    assert [(p.prefill, p.decode) for p in pairs] == [
+        ("tray-1", "tray-3"), ("tray-2", "tray-3"), ("tray-1", "tray-4"),
+        ("tray-1", "tray-5"), ("tray-1", "tray-6"),
+    ]  # fmt: skip
+    assert {n for p in pairs for n in p.nodes} == {node for *_, node in GROUPS}
+    # Replicas sharing a node share its probe.
+    twice = [*pods, engine_pod("m-decode-1", "decode", 0, "tray-4")]
+    assert node_pairs(twice)[0] == pairs
+    # A pod bound later adds its pair; the others keep theirs (and their Jobs' names).
+    late = [engine_pod(name, role, 0, None if name == "m-decode-0-1" else node)
+            for name, role, node in GROUPS]  # fmt: skip
+    [earlier] = node_pairs(late).values()
+    assert earlier == [p for p in pairs if p.decode != "tray-4"]
+
+
+def test_pairs_on_the_host_network_get_ports_of_their_own() -> None:
+    """On the host network one node holds the probes of several pairs at once (the first
+    pods' nodes, in every pair): each pair's server and client ports are its own."""
+    rdma = {"resource": "rdma/rdma_shared_device_a", "hostNetwork": True}
+    dm = model(placement={**BODY["spec"]["placement"], "slices": 1, "rdma": rdma})
+    [pairs] = node_pairs([engine_pod(n, r, 0, node) for n, r, node in GROUPS]).values()
+    jobs = [o for o in preflight(dm, {0: pairs}) if o["kind"] == "Job"]
+    ports = []
+    for job in jobs:
+        env = {e["name"]: e.get("value") for e in
+               job["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+        ports += [int(env["PROBE_PORT"]), int(env["PROBE_PORT"]) + 1]  # server, client
+    assert len(set(ports)) == len(ports) == 10
+    assert ports[0] == PROBE_PORT
+    # In the pod network each probe pod has its own address: one port, and the first pair's
+    # Job keeps the name it had before pairs had ports.
+    plain = model(placement={**BODY["spec"]["placement"], "slices": 1})
+    plain_jobs = [o for o in preflight(plain, {0: pairs}) if o["kind"] == "Job"]
+    assert {probe_port(plain, p) for p in pairs} == {PROBE_PORT}
+    assert plain_jobs[0]["metadata"]["name"] == job_name(plain, 0, NodePair("tray-1", "tray-3"))
+    assert job_name(dm, 0, pairs[0]) == job_name(dm, 0, NodePair("tray-1", "tray-3"))
+
+
+def group_verdicts(dm: DisaggregatedModel, failing: str | None = None, pending: str = "") -> Any:
+    engines = [engine_pod(name, role, 0, node) for name, role, node in GROUPS]
+    [pairs] = node_pairs(engines).values()
+    probes = []
+    for pair in pairs:
+        job = job_name(dm, 0, pair)
+        if pending in pair.nodes:
+            probes.append(probe_pod(job, 0, None))
+            continue
+        broken = {"transport": "tcp", "readPath": ["tcp/eth0"]} if failing in pair.nodes else {}
+        speed = {"bandwidthGBps": 19.5} if pair.decode == "tray-5" else {}
+        client = report("client", pair.decode, **{**speed, **broken})
+        probes += [probe_pod(job, 0, report("server", pair.prefill)), probe_pod(job, 1, client)]
+    return pair_verdicts(dm, engines, probes), slice_verdicts(dm, engines, probes)
+
+
+def test_a_slice_is_verified_only_when_every_pair_is_and_names_the_pair_that_is_not() -> None:
+    dm = model(placement={**BODY["spec"]["placement"], "slices": 1})
+    _, [verdict] = group_verdicts(dm)
+    assert (verdict.verified, verdict.reason, verdict.bandwidth_g_bps) == (True, "Verified", 19.5)
+    assert verdict.nodes == [f"tray-{i}" for i in range(1, 7)]
+    assert verdict.message.startswith(
+        "5 node pairs over 6 nodes, the slowest prefill node tray-1 -> decode node tray-5: "
+        "rdma via rc_mlx5/mlx5_0:1: 19.5 GB/s"
+    )
+    # One tray's rail is down: its pair fails the slice, by name.
+    _, [verdict] = group_verdicts(dm, failing="tray-6")
+    assert (verdict.verified, verdict.reason, verdict.nodes) == (
+        False, "TCPFallback", ["tray-1", "tray-6"],
+    )  # fmt: skip
+    assert verdict.message.startswith("prefill node tray-1 -> decode node tray-6: placement.rdma")
+    assert verdict.message.endswith("(1 of 5 node pairs failed)")
+    assert verified_condition([verdict])[:2] == (False, "TCPFallback")
+    # A pair still probing: no verdict yet, and the pods keep Unverified.
+    by_pair, [verdict] = group_verdicts(dm, pending="tray-2")
+    assert (verdict.verified, verdict.reason) == (None, "Probing")
+    assert verdict.message.endswith("(4 of 5 node pairs verified)")
+    assert [p.verdict.verified for p in by_pair[0]] == [True, None, True, True, True]
+    engines = [engine_pod(name, role, 0, node) for name, role, node in GROUPS]
+    assert {v for _, v in pod_annotation_patches([verdict], engines)} == {"Unverified"}
