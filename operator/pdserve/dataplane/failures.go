@@ -71,12 +71,19 @@ func (f *failure) clientMessage() string {
 }
 
 func (f *failure) body() []byte {
-	param := []byte("null")
-	if f.param != "" {
-		param = quoted(f.param)
+	return errorBody(f.status, f.kind, f.clientMessage(), f.param)
+}
+
+// errorBody is every error answer's body, the Python gateway's errors.error_body as its wire
+// codec writes it (param "" is null): the cases in testdata/error_bodies.json hold both sides
+// to the same bytes.
+func errorBody(status int, kind, message, param string) []byte {
+	paramJSON := []byte("null")
+	if param != "" {
+		paramJSON = quoted(param)
 	}
-	return fmt.Appendf(nil, `{"error":{"message":%s,"type":%q,"param":%s,"code":%d}}`,
-		quoted(f.clientMessage()), f.kind, param, f.status)
+	return fmt.Appendf(nil, `{"error":{"message":%s,"type":%s,"param":%s,"code":%d}}`,
+		quoted(message), quoted(kind), paramJSON, status)
 }
 
 // answerFailure ends a request whose answer has not begun with its failure, counted by s.

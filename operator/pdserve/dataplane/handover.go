@@ -9,7 +9,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
@@ -74,10 +73,10 @@ func answerError(w http.ResponseWriter, status int, kind, message string, closin
 	if status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable {
 		header.Set("Retry-After", "1")
 	}
-	body := fmt.Sprintf(`{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`, quoted(message), kind, status)
+	body := errorBody(status, kind, message, "")
 	header.Set("Content-Length", strconv.Itoa(len(body))) // flushed early, still not chunked
 	w.WriteHeader(status)
-	_, _ = io.WriteString(w, body)
+	_, _ = w.Write(body)
 }
 
 // quoted is a JSON string as the Python gateway's encoder writes it (<, > and & as they are).

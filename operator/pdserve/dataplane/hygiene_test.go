@@ -496,7 +496,7 @@ func TestOneInFlightLimitCoversTheRequestsHandedOver(t *testing.T) {
 	}, func(p *plane) { p.maxInflight = 2 })
 	u.python.hold = func(r *http.Request) bool { return r.Header.Get("X-Hold") != "" }
 	done := make(chan int, 2)
-	for range 2 { // an unknown model: handed to the Python gateway, which takes its time
+	for range 2 { // no messages: handed to the Python gateway to validate, which takes its time
 		go func() {
 			request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions",
 				strings.NewReader(`{"model":"other","messages":[]}`))

@@ -233,7 +233,14 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	}
 	m := t.models[string(name[1:len(name)-1])]
 	if m == nil {
-		return "unknown_model" // the Python gateway answers 404
+		// Before any engine call, counted as the Python gateway counts it (intake.py
+		// check_body): no route yet.
+		s.route = "unknown"
+		unknown := gatewayError(http.StatusNotFound, "NotFoundError",
+			"The model `"+string(name[1:len(name)-1])+"` does not exist.")
+		unknown.param = "model"
+		answerFailure(w, s, unknown)
+		return ""
 	}
 	if m.route == routePython {
 		return "python_route"

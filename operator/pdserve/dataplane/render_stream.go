@@ -499,8 +499,7 @@ func streamError(status int, message string) []byte {
 	if status == 504 {
 		kind = "GatewayTimeout"
 	}
-	return fmt.Appendf(nil, `{"error":{"message":%s,"type":%q,"param":null,"code":%d}}`,
-		quoted(withoutAddresses(message)), kind, status)
+	return errorBody(status, kind, withoutAddresses(message), "")
 }
 
 func streamBreak(ctx context.Context, quiet *atomic.Value) string {

@@ -22,13 +22,17 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.gateway.dataplane import build_binary
+from pdserve.gateway.dataplane import SOURCE, build_binary
 from pdserve.sim.procs import Proc, Processes, free_port
 
 MODEL = "qwen"
 SIM_MODEL = "Qwen/Qwen3-8B"
 FAST = ["--sim-time-scale", "0.01", "--sim-kv-overhead-ms", "0", "--sim-kv-bandwidth-gb-s", "1000"]
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 6}
+ERROR_BODIES = {
+    case["name"]: case["body"]
+    for case in json.loads((SOURCE / "testdata/error_bodies.json").read_text())
+}
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +303,10 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
         assert refused.status_code == 401
         assert "missing or invalid API key" in refused.json()["error"]["message"]
         assert httpx.post(url, json=CHAT, headers=key, timeout=30).status_code == 200
-        unknown = httpx.post(url, json={**CHAT, "model": "other"}, headers=key, timeout=30)
-        assert (unknown.status_code, unknown.json()["error"]["param"]) == (404, "model")
+        # Answered by the data plane itself, in the shared words (error_bodies.json).
+        unknown = httpx.post(url, json={**CHAT, "model": "gpt-4"}, headers=key, timeout=30)
+        assert unknown.status_code == 404
+        assert unknown.content == ERROR_BODIES["unknown model"].encode()
         broken = httpx.post(url, content=b'{"model": "qwen",', headers=key, timeout=30)
         assert broken.status_code == 400
         assert "not valid JSON" in broken.json()["error"]["message"]
@@ -309,11 +315,15 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
         twice = b'{"model": "qwen", "messages": [], "model": "other"}'
         assert httpx.post(url, content=twice, headers=key, timeout=30).status_code == 404
         # Only the one well-formed, authorized request within the cap was served in Go; the
-        # 401 was answered there too, before its body was read, and the other four handed over.
-        eventually("one request served by the data plane, four handed over", lambda: (
+        # 401 was answered there too, before its body was read, and the 404 once it was read;
+        # the other three were handed over. Both 404s (the data plane's, and the Python
+        # gateway's for the duplicated key) are counted alike.
+        eventually("one request served by the data plane, three handed over", lambda: (
             metric(gateway.url, "pdserve_gateway_dataplane_requests_total", key) == 1
-            and metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 4
+            and metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 3
         ))  # fmt: skip
+        assert 'outcome="error_404",route="unknown"} 2.0' in httpx.get(
+            f"{gateway.url}/metrics", headers=key, timeout=10).text  # fmt: skip
 
 
 def test_a_failed_prefill_falls_back_to_local_prefill_in_the_data_plane(
