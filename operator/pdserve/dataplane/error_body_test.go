@@ -1,10 +1,8 @@
 package main
 
 import (
-	"encoding/json"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"sync/atomic"
 	"testing"
 )
@@ -20,21 +18,8 @@ type errorBodyCase struct {
 	Body    string  `json:"body"`
 }
 
-func errorBodyCases(t *testing.T) []errorBodyCase {
-	t.Helper()
-	raw, err := os.ReadFile("testdata/error_bodies.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cases []errorBodyCase
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
-	}
-	return cases
-}
-
 func TestAnErrorAnswerIsTheBodyThePythonGatewayWrites(t *testing.T) {
-	for _, c := range errorBodyCases(t) {
+	for _, c := range sharedCases[[]errorBodyCase](t, "error_bodies.json") {
 		param := ""
 		if c.Param != nil {
 			param = *c.Param
@@ -73,7 +58,7 @@ func TestAnUnknownModelIsAnsweredHereWithTheSharedBody(t *testing.T) {
 		engineCalls.Add(1)
 	}, nil)
 	var want string
-	for _, c := range errorBodyCases(t) {
+	for _, c := range sharedCases[[]errorBodyCase](t, "error_bodies.json") {
 		if c.Name == "unknown model" {
 			want = c.Body
 		}

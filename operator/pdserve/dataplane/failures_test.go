@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -14,15 +13,7 @@ import (
 )
 
 func TestFailuresReachTheClientInThePythonGatewaysWordsWithoutAddresses(t *testing.T) {
-	raw, err := os.ReadFile("testdata/without_addresses.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cases []struct{ Message, Client string }
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range cases {
+	for _, c := range sharedCases[[]struct{ Message, Client string }](t, "without_addresses.json") {
 		if got := withoutAddresses(c.Message); got != c.Client {
 			t.Errorf("%q\n got %q\nwant %q", c.Message, got, c.Client)
 		}

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"reflect"
 	"strings"
 	"sync"
@@ -126,15 +125,7 @@ type renderedLimitCase struct {
 }
 
 func TestTheEngineGetsTheLimitRenderResolvedEvenWhereRenderLeftItOut(t *testing.T) {
-	raw, err := os.ReadFile("testdata/rendered_limit_cases.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cases []renderedLimitCase
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range cases {
+	for _, c := range sharedCases[[]renderedLimitCase](t, "rendered_limit_cases.json") {
 		generate := []byte(`{"request_id":"chatcmpl-1","token_ids":[1, 2,3],"sampling_params":` +
 			string(c.Rendered) + `,"stream":false}`)
 		fields, err := topLevel(generate)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"os"
 	"reflect"
 	"testing"
 )
@@ -22,15 +21,7 @@ type streamStopCase struct {
 }
 
 func TestStopStringsAreCutAcrossChunksAsThePythonGatewayCutsThem(t *testing.T) {
-	raw, err := os.ReadFile("testdata/stream_stop_cases.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cases []streamStopCase
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range cases {
+	for _, c := range sharedCases[[]streamStopCase](t, "stream_stop_cases.json") {
 		request, err := topLevel(c.Request)
 		if err != nil {
 			t.Fatal(err)

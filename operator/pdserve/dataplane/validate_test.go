@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"net/http"
-	"os"
 	"strings"
 	"testing"
 )
@@ -19,15 +18,7 @@ type validationCase struct {
 }
 
 func validationCases(t testing.TB) map[string][]validationCase {
-	raw, err := os.ReadFile("testdata/validation_cases.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cases := map[string][]validationCase{}
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
-	}
-	return cases
+	return sharedCases[map[string][]validationCase](t, "validation_cases.json")
 }
 
 func (c validationCase) proven(t testing.TB) bool {
