@@ -231,13 +231,14 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if len(name) < 2 || name[0] != '"' || bytes.IndexByte(name, '\\') >= 0 {
 		return "body_shape"
 	}
-	m := t.models[string(name[1:len(name)-1])]
+	asked := string(name[1 : len(name)-1])
+	m := t.models[asked]
 	if m == nil {
 		// Before any engine call, counted as the Python gateway counts it (intake.py
 		// check_body): no route yet.
 		s.route = "unknown"
 		unknown := gatewayError(http.StatusNotFound, "NotFoundError",
-			"The model `"+string(name[1:len(name)-1])+"` does not exist.")
+			"The model `"+asked+"` does not exist.")
 		unknown.param = "model"
 		answerFailure(w, s, unknown)
 		return ""
