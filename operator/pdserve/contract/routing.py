@@ -61,6 +61,14 @@ class Slo(_Model):
     ttft_ms: int | float | None = None
     itl_ms: int | float | None = None
 
+    @property
+    def ttft_seconds(self) -> float | None:
+        return None if self.ttft_ms is None else self.ttft_ms / 1000
+
+    @property
+    def itl_seconds(self) -> float | None:
+        return None if self.itl_ms is None else self.itl_ms / 1000
+
 
 class Routing(_Model):
     mode: Literal["Auto", "Disaggregated", "Aggregated"] = "Auto"

@@ -190,6 +190,16 @@ type admissionState struct {
 	AdmitsHere bool `json:"admitsHere"`
 }
 
+// waiting: long prompts queued for a slot now.
+func (q *fairQueue) waiting() int {
+	if q == nil {
+		return 0
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.queue)
+}
+
 func (q *fairQueue) state() admissionState {
 	q.mu.Lock()
 	defer q.mu.Unlock()

@@ -56,6 +56,7 @@ type plane struct {
 	admission   *admissionChannel
 	queue       *fairQueue // this gateway replica's fair admission queue
 	metrics     *servedMetrics
+	auto        autoRuntime // routing mode Auto's state between requests
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -265,7 +266,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if len(m.render) > 0 {
 		return p.rendered(ctx, w, r, t, m, body, members, class, id, auth, stream, s)
 	}
-	prefill, decode := m.pick()
+	prefill, decode := p.route(m, estimatedPromptTokens(members), s)
 	release := func() {}
 	if class.long(t.longBody > 0 && int64(len(body)) > t.longBody) && prefill != nil {
 		// Fair prefill admission (this replica's queue, or its peers' leader's): a long
@@ -283,7 +284,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	var kv []byte
 	if prefill != nil {
 		var f *failure
-		kv, decode, f = p.prefill(ctx, m, prefill, decode, r.URL.Path, body, members, id, auth, release)
+		kv, decode, f = p.prefill(ctx, m, prefill, decode, r.URL.Path, body, members, id, auth, release, s)
 		if f != nil {
 			return p.failed(w, s, f)
 		}
@@ -334,6 +335,31 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		s.outcome = "client_gone"
 	}
 	return ""
+}
+
+// route: the engines for one request, P/D or not as the model's route says, or as Auto mode
+// decides for a prompt of `promptTokens` (then what the request teaches is reported).
+func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode *endpoint) {
+	if m.route != routeAuto {
+		return m.pick()
+	}
+	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
+	s.learn, s.promptTokens = &p.auto, promptTokens
+	return m.pickAuto(d, m.auto.LocalOnPrefillPool)
+}
+
+// estimatedPromptTokens: without render servers there are no token ids, so about 4 bytes of
+// the prompt's JSON a token (exchange.estimated_prompt_tokens, which counts its compact
+// re-encoding: the same for a compact body).
+func estimatedPromptTokens(members []member) int64 {
+	prompt := lookup(members, "messages")
+	if empty := string(prompt); empty == "" || empty == "null" || empty == "[]" {
+		prompt = lookup(members, "prompt")
+	}
+	if len(prompt) == 0 || string(prompt) == "null" {
+		return 0
+	}
+	return int64(len(prompt) / 4)
 }
 
 // failed answers a failure after engine work began, as the Python gateway would (counted by s).
@@ -389,7 +415,7 @@ func withinCap(members []member, limit int64, chat bool) bool {
 // gateway counts it. A failure comes back only when the client must get it (an engine's 4xx,
 // the request's deadline). `release` gives the admission slot back once prefill is done.
 func (p *plane) prefill(ctx context.Context, m *model, e, decode *endpoint, path string, body []byte,
-	members []member, id, auth string, release func()) ([]byte, *endpoint, *failure) {
+	members []member, id, auth string, release func(), s *served) ([]byte, *endpoint, *failure) {
 	buffer := p.buffers.Get().(*bytes.Buffer)
 	buffer.Reset()
 	defer p.buffers.Put(buffer)
@@ -399,13 +425,13 @@ func (p *plane) prefill(ctx context.Context, m *model, e, decode *endpoint, path
 	}
 	extra = append(extra, field{"kv_transfer_params", handoff})
 	splice(buffer, body, members, prefillDrops, extra)
-	return p.prefillCall(ctx, m, e, decode, path, buffer.Bytes(), id, auth, release)
+	return p.prefillCall(ctx, m, e, decode, path, buffer.Bytes(), id, auth, release, s)
 }
 
 // prefillCall posts a prefill request to `first`, then to the model's other prefill replicas,
 // as post_json does, and reads where decode pulls the KV from.
 func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoint, path string,
-	request []byte, id, auth string, release func()) ([]byte, *endpoint, *failure) {
+	request []byte, id, auth string, release func(), s *served) ([]byte, *endpoint, *failure) {
 	answer := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(answer)
 	started := time.Now()
@@ -435,6 +461,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 		p.stats.localPrefill("no_kv_params")
 		return nil, decode, nil
 	}
+	s.prefilled(served, time.Since(started))
 	return append([]byte(nil), kv...), decode, nil
 }
 
@@ -761,6 +788,7 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		"unreadable":   p.stats.unreadable.Load(),
 		"inflight":     p.inflight.Load(),
 		"runtime":      runtimeStats(),
+		"auto":         p.auto.snapshot(),
 	}
 	admission := p.queue.state()
 	if t := p.current.Load(); t != nil {

@@ -124,6 +124,22 @@ type served struct {
 	route     string
 	outcome   string
 	lastChunk time.Time // zero until the first token went out
+	chunks    int64
+	// Routing mode Auto: what this request teaches (nil in the other modes).
+	learn        *autoRuntime
+	promptTokens int64
+	prefillDone  time.Time // when prefill answered with the KV's whereabouts
+	prefilledOn  string
+}
+
+// prefilled: prefill on `on` answered with the KV's whereabouts after `took`.
+func (s *served) prefilled(on *endpoint, took time.Duration) {
+	if s == nil || s.learn == nil {
+		return
+	}
+	s.learn.observe("prefill", took.Seconds(), s.promptTokens, "")
+	s.learn.observe("pdPrompt", 0, s.promptTokens, "")
+	s.prefillDone, s.prefilledOn = time.Now(), on.url
 }
 
 // chunk: a piece of the answer went to the client (the first one is its first token).
@@ -131,10 +147,15 @@ func (s *served) chunk() {
 	now := time.Now()
 	if s.lastChunk.IsZero() {
 		s.metrics.ttft.observe(s.route, now.Sub(s.started))
+		if s.learn != nil && !s.prefillDone.IsZero() {
+			// Prefill answered -> decode's first token: the KV pull plus one decode step.
+			s.learn.observe("handoff", now.Sub(s.prefillDone).Seconds(), s.promptTokens, s.prefilledOn)
+		}
 	} else {
 		s.metrics.itl.observe(s.route, now.Sub(s.lastChunk))
 	}
 	s.lastChunk = now
+	s.chunks++
 }
 
 // answered: a whole (not streamed) answer went to the client: its first token too.
@@ -148,5 +169,8 @@ func (s *served) end() {
 		return
 	}
 	s.metrics.count(s.route, s.outcome)
+	if s.learn != nil && s.chunks > 0 {
+		s.learn.observe("output", 0, s.chunks, "") // a streamed answer's length
+	}
 	s.metrics.e2e.observe(s.route, time.Since(s.started))
 }

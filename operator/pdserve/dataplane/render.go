@@ -86,7 +86,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		return p.failed(w, s, gatewayError(http.StatusBadGateway, "UpstreamError", "render answered without token ids"))
 	}
 	promptTokens := countElements(tokens)
-	prefill, decode := m.pick()
+	prefill, decode := p.route(m, int64(promptTokens), s)
 	release := func() {}
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
 		var granted *endpoint
@@ -99,7 +99,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	quotedID := strconv.AppendQuote(nil, id)
 	var kv []byte
 	if prefill != nil {
-		kv, decode, f = p.prefillTokens(ctx, m, prefill, decode, generate, fields, params, paramFields, quotedID, id, auth, release)
+		kv, decode, f = p.prefillTokens(ctx, m, prefill, decode, generate, fields, params, paramFields, quotedID, id, auth, release, s)
 		if f != nil {
 			return p.failed(w, s, f)
 		}
@@ -223,7 +223,7 @@ func (p *plane) renderJSON(ctx context.Context, m *model, stage, path string, bo
 // older engines read). Its kv_transfer_params come back; nil when decode prefills itself
 // (prefillCall).
 func (p *plane) prefillTokens(ctx context.Context, m *model, e, decode *endpoint, generate []byte, fields []member,
-	params []byte, paramFields []member, quotedID []byte, id, auth string, release func()) ([]byte, *endpoint, *failure) {
+	params []byte, paramFields []member, quotedID []byte, id, auth string, release func(), s *served) ([]byte, *endpoint, *failure) {
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
@@ -232,7 +232,7 @@ func (p *plane) prefillTokens(ctx context.Context, m *model, e, decode *endpoint
 	splice(request, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
 		{"stream", []byte("false")}, {"stream_options", []byte("null")},
 		{"sampling_params", cut}, {"kv_transfer_params", handoff}})
-	return p.prefillCall(ctx, m, e, decode, generatePath, request.Bytes(), id, auth, release)
+	return p.prefillCall(ctx, m, e, decode, generatePath, request.Bytes(), id, auth, release, s)
 }
 
 // withExtraArg: sampling params without `drop`, with `extra`, and extra_args carrying

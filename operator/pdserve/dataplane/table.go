@@ -22,7 +22,7 @@ import (
 const (
 	routePD     = "pd"     // prefill with a remote-decode handoff, then decode
 	routeDecode = "decode" // straight to decode (Aggregated, or no prefill may serve)
-	routePython = "python" // everything to the Python gateway (Auto mode, bidirectional KV, ...)
+	routePython = "python" // everything to the Python gateway (bidirectional KV, a request log)
 	// Served behind render servers: render -> P/D -> derender, or render -> decode -> derender.
 	routeRenderPD     = "render_pd"
 	routeRenderDecode = "render_decode"
@@ -57,6 +57,8 @@ type modelJSON struct {
 	Groups []groupJSON `json:"groups"`
 	// Render servers: the engines take token ids, the route renders and derenders around them.
 	Render []string `json:"render"`
+	// Routing mode Auto (route auto): what each request is decided by (auto.go).
+	Auto *autoJSON `json:"auto"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -84,6 +86,7 @@ type model struct {
 	route  string
 	groups []group
 	render []*endpoint
+	auto   *autoJSON // route auto only
 }
 
 type table struct {
@@ -127,7 +130,10 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	}
 	next := map[string]*endpoint{}
 	engine := func(key string) (*endpoint, error) {
-		e := known[key]
+		e := next[key] // one engine listed twice (in two groups) is one engine
+		if e == nil {
+			e = known[key]
+		}
 		if e == nil {
 			at, err := parseEndpoint(key)
 			if err != nil {
@@ -143,10 +149,14 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	for name, m := range in.Models {
 		switch m.Route {
 		case routePD, routeDecode, routePython:
+		case routeAuto:
+			if m.Auto == nil {
+				return nil, nil, fmt.Errorf("routing table: models.%s has route auto but no auto", name)
+			}
 		default:
-			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode or python", name, m.Route)
+			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode, auto or python", name, m.Route)
 		}
-		out := &model{route: m.Route}
+		out := &model{route: m.Route, auto: m.Auto}
 		if m.Route != routePython {
 			for _, url := range m.Render {
 				e, err := engine(url)

@@ -131,3 +131,14 @@ func TestATokensOnlyEnginesRefusalsAreHandedOverWithTheRenderServersKept(t *test
 		}
 	}
 }
+
+func TestAnEngineListedInTwoGroupsIsOneEngine(t *testing.T) {
+	raw := `{"models":{"qwen":{"route":"pd","groups":[
+		{"prefill":["http://p0:8000"],"decode":["http://d:8000"]},
+		{"prefill":["http://p1:8000"],"decode":["http://d:8000"]}]}}}`
+	built, _ := mustBuild(t, raw, nil)
+	groups := built.models["qwen"].groups
+	if groups[0].decode[0] != groups[1].decode[0] {
+		t.Fatal("the decode engine of both groups is two engines: their in-flight counts part")
+	}
+}

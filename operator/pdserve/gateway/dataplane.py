@@ -17,7 +17,7 @@ import math
 import os
 import secrets
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from pdserve.gateway.fastpath import (
 )
 from pdserve.gateway.metrics import LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
+from pdserve.gateway.planner import PD_FAILURES, RoutePlanner
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gobuild import built
 
@@ -87,13 +88,15 @@ class DataPlane:
         settings: GatewaySettings,
         metrics: GatewayMetrics,
         peers: PeerAdmission,
+        planner: RoutePlanner,
         *,
         push_seconds: float = 0.25,
         stats_seconds: float = 1.0,
     ) -> None:
         self.binary, self.listen, self.python_url = binary, listen, python_url
         self.config, self.endpoints, self.settings = config, endpoints, settings
-        self.metrics, self.peers = metrics, peers
+        self.metrics, self.peers, self.planner = metrics, peers, planner
+        self.auto_seq = 0  # the last of the data plane's Auto observations folded
         self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
         self.process: asyncio.subprocess.Process | None = None
         self.control: str | None = None
@@ -181,8 +184,9 @@ class DataPlane:
             others={e.url: self.peers.total(e.url) for e in prefill},
         )
         table = routing_table(
-            self.config, self.endpoints, self.settings, self.version + 1, admission
-        )
+            self.config, self.endpoints, self.settings, self.version + 1, admission,
+            policy=self.planner.policy, peers_queued=self.peers.queued(),
+        )  # fmt: skip
         if same_table(self.pushed, table):
             return
         async with session.put(
@@ -222,6 +226,10 @@ class DataPlane:
         local = stats.get("localPrefill") or {}
         totals |= {f"local_prefill:{k}": float(v) for k, v in local.items()}
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
+        auto = stats.get("auto") or {}
+        totals |= {f"auto:{k}": float(v) for k, v in (auto.get("decisions") or {}).items()}
+        totals["learning:started"] = float(auto.get("learningStarts", 0))
+        self.learn(auto.get("observations") or [])
         for key, total in totals.items():
             delta = total - self.seen.get(key, 0.0)
             if delta <= 0:
@@ -234,9 +242,37 @@ class DataPlane:
                 self.metrics.dataplane_requests.labels(name).inc(delta)
             elif kind == "local_prefill":
                 self.metrics.fallbacks.labels(name).inc(delta)
+                if name in PD_FAILURES:
+                    for _ in range(int(delta)):
+                        self.planner.policy.health.failure()
+                    self.metrics.pd_degraded.set(int(self.planner.policy.health.degraded))
+            elif kind == "auto":
+                self.metrics.auto_decisions.labels(name).inc(delta)
+            elif kind == "learning":
+                self.planner.policy.health.start_learning()  # the data plane sent one
             else:
                 self.metrics.dataplane_fallbacks.labels(name).inc(delta)
             self.seen[key] = total
+
+    def learn(self, observations: Iterable[Mapping[str, Any]]) -> None:
+        """What the data plane's Auto-mode requests taught, each folded once (by `seq`) into
+        Auto mode's model as the Python gateway's own requests fold theirs (planner.py)."""
+        policy, ttft = self.planner.policy, self.planner.ttft_budget()
+        for each in observations:
+            if each["seq"] <= self.auto_seq:
+                continue
+            self.auto_seq = each["seq"]
+            kind, seconds, tokens = each["kind"], float(each.get("seconds", 0)), each["tokens"]
+            if kind == "handoff":
+                self.metrics.stage.labels("kv_handoff").observe(seconds)
+                policy.health.observe(seconds, tokens, ttft, each.get("prefill"))
+            elif kind == "prefill":
+                policy.health.observe_prefill(seconds, tokens)
+            elif kind == "pdPrompt":
+                policy.health.note_pd_prompt(tokens)
+            elif kind == "output":
+                policy.observe_output(tokens)
+        self.metrics.pd_degraded.set(int(policy.health.degraded))
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         since_stats = 0.0

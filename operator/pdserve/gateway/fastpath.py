@@ -3,10 +3,11 @@ it may serve itself and on which engines, derived from the same state the Python
 by. A pure function of that state, so what the data plane does is decided here, in one place.
 
 The data plane serves a model's requests itself only where the Python gateway would do nothing
-per request that the table cannot say: routing mode Disaggregated (P/D on every request) or
-Aggregated (straight to decode), with engines that speak OpenAI or behind render servers (render
--> P/D -> derender, streamed through the same derender pipeline or not). Everything else goes to
-the Python gateway, request by request: routing mode Auto (a decision per request),
+per request that the table cannot say: routing mode Disaggregated (P/D on every request),
+Aggregated (straight to decode) or Auto (P/D or local prefill, decided per request in the data
+plane from the view of Auto mode's model pushed here: `auto_table`), with engines that speak
+OpenAI or behind render servers (render -> P/D -> derender, streamed through the same derender
+pipeline or not). Everything else goes to the Python gateway, request by request:
 bidirectional KV (a conversation's KV on decode is tracked per request), streams through render
 servers with log probabilities, a request log (every request must be in it),
 and every request whose fast path failed before its answer began (the Python gateway retries
@@ -21,11 +22,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdserve.contract.routing import GatewayConfig
-from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints
+from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.openai_schema import TOKENIZER_PARAMS
+from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
-PYTHON, PD, DECODE = "python", "pd", "decode"
+PYTHON, PD, DECODE, AUTO = "python", "pd", "decode", "auto"
 RENDERED_STREAM_PARAMS = ("logprobs", "top_logprobs", "prompt_logprobs")
 """Streams behind render servers that set one of these are the Python gateway's: it refuses log
 probabilities with a 400 naming the parameter (tokens_route.py). Stop strings the data plane cuts
@@ -45,9 +47,7 @@ def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str
     mode = config.routing.mode
     if mode == "Aggregated" or config.pools.prefill is None:
         return DECODE, None
-    if mode == "Disaggregated":
-        return PD, None
-    return PYTHON, f"routing mode {mode} (decided per request)"
+    return (PD if mode == "Disaggregated" else AUTO), None
 
 
 def engines(
@@ -68,13 +68,29 @@ def engines(
     decode = selection.pools["decode"]
     if route == DECODE:
         return render, [{"prefill": [], "decode": urls(decode)}], None
+    groups, why = pd_groups(config, selection)
+    if route == AUTO:
+        # Local prefill runs on any decode replica: those no prefill replica pairs with too.
+        paired = {url for g in groups for url in g["decode"]}
+        if unpaired := [url for url in urls(decode) if url not in paired]:
+            groups.append({"prefill": [], "decode": unpaired})
+        return render, groups, None
+    return render, groups, why
+
+
+def pd_groups(
+    config: GatewayConfig, selection: Selection
+) -> tuple[list[dict[str, list[str]]], str | None]:
+    """Per KV-compatibility digest and slice, the prefill replicas that may take P/D traffic and
+    the decode replicas that can pull their KV; none, and why, when no pair is routable."""
+    decode = selection.pools["decode"]
     prefill = selection.pools.get("prefill", [])
     if not prefill:
-        return render, [], "no healthy prefill endpoint (down after a failure, or held: /status)"
+        return [], "no healthy prefill endpoint (down after a failure, or held: /status)"
     if config.kv_transfer.verify == "Required":
         prefill = [e for e in prefill if e.kv_transport == "Verified"]
         if not prefill:
-            return render, [], "no prefill replica whose KV transport is Verified"
+            return [], "no prefill replica whose KV transport is Verified"
     keyed: dict[tuple[str | None, str | None], list[Endpoint]] = {}
     for each in prefill:
         keyed.setdefault((each.kv_compat, each.slice), []).append(each)
@@ -84,8 +100,8 @@ def engines(
         if pullers:
             found.append({"prefill": urls(members), "decode": urls(pullers)})
     if not found:
-        return render, [], "no decode replica with a prefill replica's KV-compatibility digest"
-    return render, found, None
+        return [], "no decode replica with a prefill replica's KV-compatibility digest"
+    return found, None
 
 
 def served_route(
@@ -129,19 +145,53 @@ def admission_table(
     }
 
 
+def auto_table(
+    config: GatewayConfig, endpoints: Endpoints, policy: AutoPolicy, peers_queued: int
+) -> dict[str, Any]:
+    """Routing mode Auto as the data plane decides it (dataplane/auto.go): the view of Auto
+    mode's model now, the settings for what it keeps between requests (the degraded path's
+    probes, the one request measuring the first handoff), and the engines' queues as last
+    scraped (it adds its own requests in flight, and its own admission queue to the peers')."""
+    slo, settings = config.routing.slo, policy.settings
+    return {
+        "view": policy.view(slo.ttft_seconds, slo.itl_seconds).to_wire(),
+        "probeEvery": settings.probe_every,
+        "learningTimeoutSeconds": settings.learning_timeout_budgets * (slo.ttft_seconds or 0.0),
+        "localOnPrefillPool": settings.local_on_prefill_pool,
+        "queues": {
+            each.key: {
+                "waiting": each.waiting,
+                "running": each.running,
+                "backlog": each.prefill_backlog,
+                "stepSeconds": each.steps.seconds,
+            }
+            for pool in ("prefill", "decode")
+            for each in endpoints.pools.get(pool, [])
+        },
+        "queued": peers_queued,
+    }
+
+
 def routing_table(
     config: GatewayConfig,
     endpoints: Endpoints,
     settings: GatewaySettings,
     version: int,
     admission: Mapping[str, Any] | None = None,
+    *,
+    policy: AutoPolicy,
+    peers_queued: int = 0,
 ) -> dict[str, Any]:
     """The table the data plane is sent (`version` orders the pushes; `admission`: from
-    admission_table, by default this replica alone)."""
+    admission_table, by default this replica alone; `policy`: Auto mode's, which the data
+    plane decides by in that mode; `peers_queued`: long prompts in the peers' queues)."""
     route, render, engine_groups, _ = served_route(config, endpoints, settings)
+    entry: dict[str, Any] = {"route": route, "groups": engine_groups, "render": render}
+    if route == AUTO:
+        entry["auto"] = auto_table(config, endpoints, policy, peers_queued)
     return {
         "version": version,
-        "models": {config.model: {"route": route, "groups": engine_groups, "render": render}},
+        "models": {config.model: entry},
         "apiKeySha256": [hashlib.sha256(k.encode()).hexdigest() for k in settings.api_keys],
         # Without gateway keys the client's own credentials go on to the engines (intake.py).
         "passAuthorization": not settings.api_keys,

@@ -13,6 +13,10 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.policy import AutoPolicy, Decision, QueueState
 
+PD_FAILURES = frozenset({"prefill_failed", "no_kv_params", "kv_load_failed", "lease_expiring"})
+"""The fallbacks to local prefill that Auto mode learns from as P/D failures (`fallback`); the
+data plane reports its own by these names."""
+
 
 @dataclass
 class Plan:
@@ -117,12 +121,10 @@ class RoutePlanner:
 
     # ---- Auto mode -----------------------------------------------------------------------------
     def ttft_budget(self) -> float | None:
-        ttft_ms = self.config.routing.slo.ttft_ms
-        return None if ttft_ms is None else ttft_ms / 1000
+        return self.config.routing.slo.ttft_seconds
 
     def itl_budget(self) -> float | None:
-        itl_ms = self.config.routing.slo.itl_ms
-        return None if itl_ms is None else itl_ms / 1000
+        return self.config.routing.slo.itl_seconds
 
     def queue_state(self, selection: Selection) -> QueueState:
         """The least busy replica of each engine pool: queued plus running requests (the
@@ -183,7 +185,8 @@ class RoutePlanner:
 
     # ---- what Auto mode learns -----------------------------------------------------------------
     def fallback(self, reason: str) -> None:
-        """P/D could not serve a request: count it, and let Auto mode learn from it."""
+        """P/D could not serve a request: count it, and let Auto mode learn from it (one of
+        PD_FAILURES)."""
         self.metrics.fallbacks.labels(reason).inc()
         self.policy.health.failure()
         self.metrics.pd_degraded.set(int(self.policy.health.degraded))

@@ -34,7 +34,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,161 @@ class HandoffHealth:
             del self.by_prefill[gone]
 
 
+@dataclass(frozen=True)
+class AutoView:
+    """What one decision reads of Auto mode's model, as of one moment: the settings it uses,
+    the SLO budgets and what was learnt. The Python gateway decides from its own (AutoPolicy);
+    the compiled data plane from the one pushed in its routing table (fastpath.routing_table).
+    One decision, `decide_with` here and `decideAuto` in dataplane/auto.go, pinned on both
+    sides by the cases in dataplane/testdata/auto_decision_cases.json."""
+
+    short_prompt_tokens: int
+    local_when_decode_idle: bool
+    pd_ttft_share: float
+    itl_share: float
+    ttft_budget: float | None
+    itl_budget: float | None
+    degraded: bool
+    learning: bool | None
+    """HandoffHealth.learning: None, no measurement needed or one made; True, a request is
+    measuring the first handoff; False, none is and the next P/D request may."""
+    seconds_per_token: float | None
+    by_prefill: Mapping[str, float]
+    """Per prefill replica, its handoff estimate when fresh enough to trust."""
+    prefill_seconds_per_token: float | None
+    output_tokens: float | None
+
+    def predicted_handoff(self, prompt_tokens: int, prefill: str | None) -> float | None:
+        """HandoffHealth.predicted_handoff, from this view."""
+        per_token = None if prefill is None else self.by_prefill.get(prefill)
+        if per_token is None:
+            per_token = self.seconds_per_token
+        return None if per_token is None else per_token * prompt_tokens
+
+    def to_wire(self) -> dict[str, Any]:
+        """The view as the data plane reads it (camelCase keys, as in the routing table)."""
+        return {WIRE_NAMES[k]: v for k, v in asdict(self).items()} | {
+            "byPrefill": dict(sorted(self.by_prefill.items()))
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> AutoView:
+        return cls(**{name: wire[key] for name, key in WIRE_NAMES.items()})
+
+
+WIRE_NAMES = {
+    "short_prompt_tokens": "shortPromptTokens",
+    "local_when_decode_idle": "localWhenDecodeIdle",
+    "pd_ttft_share": "pdTtftShare",
+    "itl_share": "itlShare",
+    "ttft_budget": "ttftBudget",
+    "itl_budget": "itlBudget",
+    "degraded": "degraded",
+    "learning": "learning",
+    "seconds_per_token": "secondsPerToken",
+    "by_prefill": "byPrefill",
+    "prefill_seconds_per_token": "prefillSecondsPerToken",
+    "output_tokens": "outputTokens",
+}
+
+
+def local_breaks_itl(view: AutoView, this_prefill: float, queues: QueueState) -> bool:
+    """Would prefilling this prompt on the least busy decode replica push its streams' time
+    between tokens over the ITL budget?"""
+    step, answer, itl_budget = queues.decode_step_seconds, view.output_tokens, view.itl_budget
+    if itl_budget is None or not queues.decode_active or step is None or answer is None:
+        return False
+    return step + this_prefill / max(1.0, answer) > view.itl_share * itl_budget
+
+
+def slow_path(view: AutoView, tokens: int, prefill: str | None) -> str | None:
+    """Why P/D through this prefill replica would miss the TTFT budget on its KV path alone
+    (None: it would not)."""
+    ttft_budget = view.ttft_budget
+    if ttft_budget is None:
+        return None
+    handoff = view.predicted_handoff(tokens, prefill)
+    if handoff is not None and handoff > ttft_budget:
+        return "handoff_over_ttft_budget"
+    speed = view.prefill_seconds_per_token
+    if speed is not None:
+        this_prefill = speed * tokens
+        target = view.pd_ttft_share * ttft_budget
+        if this_prefill <= ttft_budget and this_prefill + (handoff or 0.0) > target:
+            # Even an idle prefill pool would miss the SLO: the KV path is the problem.
+            return "kv_path_over_ttft_budget"
+    return None
+
+
+def decide_with(
+    view: AutoView,
+    *,
+    prompt_tokens: int | None,
+    prefill_available: bool,
+    queues: QueueState,
+    prefill_replicas: Sequence[str],
+    probe: Callable[[], bool],
+) -> Decision:
+    """P/D or local prefill for one request (the rules in this module's docstring). `probe`
+    is asked once per request eligible for P/D while the path is degraded: whether this one
+    probes it."""
+    if not prefill_available:
+        return Decision(False, "no_prefill")
+    if prompt_tokens is not None and prompt_tokens < view.short_prompt_tokens:
+        return Decision(False, "short_prompt")
+    if view.degraded:
+        if probe():
+            return Decision(True, "probe")
+        return Decision(False, "degraded", anywhere=True)
+    if view.local_when_decode_idle and queues.decode_active == 0:
+        return Decision(False, "decode_idle")
+    if view.learning:
+        return Decision(False, "handoff_unknown", anywhere=True)
+    tokens = prompt_tokens or 0
+    ttft_budget = view.ttft_budget
+    candidates: list[str | None] = [*prefill_replicas] or [None]
+
+    def only(usable: list[str | None]) -> tuple[str, ...]:
+        """The replicas P/D is restricted to: none (any) when all are usable."""
+        if len(usable) == len(candidates):
+            return ()
+        return tuple(r for r in usable if r is not None)
+
+    slow = {r: slow_path(view, tokens, r) for r in candidates}
+    usable = [r for r in candidates if slow[r] is None]
+    if not usable:
+        # Every replica's path is too slow: say why for the one that is least so.
+        best = min(candidates, key=lambda r: view.predicted_handoff(tokens, r) or 0.0)
+        return Decision(False, slow[best] or "", anywhere=True)
+    speed = view.prefill_seconds_per_token
+    if ttft_budget is not None and speed is not None:
+        this_prefill = speed * tokens
+        target = view.pd_ttft_share * ttft_budget
+        if this_prefill <= target:
+            # Local prefill would fit: P/D must be predicted to fit too, through a replica
+            # whose queue leaves room. The wait ahead is the larger of two guesses: the
+            # requests ahead taken as long as this one, and the prompt tokens known to be
+            # waiting there at the measured speed.
+            def predicted_ttft(replica: str | None) -> float:
+                ahead = queues.prefill_ahead or 0.0
+                backlog = 0.0
+                if replica is not None:
+                    ahead = queues.prefill_ahead_by.get(replica, ahead)
+                    backlog = queues.prefill_backlog_by.get(replica, 0.0)
+                wait = max(ahead * this_prefill, backlog * speed)
+                handoff = view.predicted_handoff(tokens, replica) or 0.0
+                return wait + this_prefill + handoff
+
+            fitting = [r for r in usable if predicted_ttft(r) <= target]
+            if not fitting and local_breaks_itl(view, this_prefill, queues):
+                return Decision(True, "local_would_break_itl", prefill=only(usable))
+            if not fitting:
+                # Congestion, not the path: spill to decode, not onto the busy prefill pool.
+                return Decision(False, "prefill_queue_over_ttft_budget")
+            usable = fitting
+    return Decision(True, "long_prompt", prefill=only(usable))
+
+
 class AutoPolicy:
     def __init__(
         self, settings: PolicySettings | None = None, clock: Callable[[], float] = time.monotonic
@@ -240,15 +396,29 @@ class AutoPolicy:
         if tokens > 0:
             self.output_tokens = ewma(self.output_tokens, float(tokens), self.settings.ewma_alpha)
 
-    def local_breaks_itl(
-        self, this_prefill: float, queues: QueueState, itl_budget: float | None
-    ) -> bool:
-        """Would prefilling this prompt on the least busy decode replica push its streams'
-        time between tokens over the ITL budget?"""
-        step, answer = queues.decode_step_seconds, self.output_tokens
-        if itl_budget is None or not queues.decode_active or step is None or answer is None:
-            return False
-        return step + this_prefill / max(1.0, answer) > self.settings.itl_share * itl_budget
+    def view(self, ttft_budget: float | None, itl_budget: float | None) -> AutoView:
+        """What a decision reads now (what the data plane is pushed)."""
+        health, settings = self.health, self.settings
+        fresh = {r: e for r in health.by_prefill if (e := health.replica_estimate(r)) is not None}
+        return AutoView(
+            short_prompt_tokens=settings.short_prompt_tokens,
+            local_when_decode_idle=settings.local_when_decode_idle,
+            pd_ttft_share=settings.pd_ttft_share,
+            itl_share=settings.itl_share,
+            ttft_budget=ttft_budget,
+            itl_budget=itl_budget,
+            degraded=health.degraded,
+            learning=health.learning(ttft_budget),
+            seconds_per_token=health.seconds_per_token,
+            by_prefill=fresh,
+            prefill_seconds_per_token=health.prefill_seconds_per_token,
+            output_tokens=self.output_tokens,
+        )
+
+    def probe(self) -> bool:
+        """While degraded, every probe_every-th request eligible for P/D tries it."""
+        self.health.eligible_while_degraded += 1
+        return self.health.eligible_while_degraded % self.settings.probe_every == 0
 
     def decide(
         self,
@@ -260,101 +430,15 @@ class AutoPolicy:
         prefill_replicas: Sequence[str] = (),
         itl_budget: float | None = None,
     ) -> Decision:
-        learning = self.health.learning(ttft_budget)
-        decision = self._decide(
+        view = self.view(ttft_budget, itl_budget)
+        decision = decide_with(
+            view,
             prompt_tokens=prompt_tokens,
             prefill_available=prefill_available,
-            ttft_budget=ttft_budget,
             queues=queues or QueueState(),
             prefill_replicas=prefill_replicas,
-            itl_budget=itl_budget,
-            learning=learning,
+            probe=self.probe,
         )
-        if learning is False and decision.disaggregated:
+        if view.learning is False and decision.disaggregated:
             self.health.start_learning()
         return decision
-
-    def _decide(
-        self,
-        *,
-        prompt_tokens: int | None,
-        prefill_available: bool,
-        ttft_budget: float | None,
-        queues: QueueState,
-        prefill_replicas: Sequence[str],
-        itl_budget: float | None,
-        learning: bool | None,
-    ) -> Decision:
-        if not prefill_available:
-            return Decision(False, "no_prefill")
-        if prompt_tokens is not None and prompt_tokens < self.settings.short_prompt_tokens:
-            return Decision(False, "short_prompt")
-        health = self.health
-        if health.degraded:
-            health.eligible_while_degraded += 1
-            if health.eligible_while_degraded % self.settings.probe_every == 0:
-                return Decision(True, "probe")
-            return Decision(False, "degraded", anywhere=True)
-        if self.settings.local_when_decode_idle and queues.decode_active == 0:
-            return Decision(False, "decode_idle")
-        if learning:
-            return Decision(False, "handoff_unknown", anywhere=True)
-        tokens = prompt_tokens or 0
-        candidates: list[str | None] = [*prefill_replicas] or [None]
-
-        def only(usable: list[str | None]) -> tuple[str, ...]:
-            """The replicas P/D is restricted to: none (any) when all are usable."""
-            if len(usable) == len(candidates):
-                return ()
-            return tuple(r for r in usable if r is not None)
-
-        slow = {r: self._slow_path(tokens, ttft_budget, r) for r in candidates}
-        usable = [r for r in candidates if slow[r] is None]
-        if not usable:
-            # Every replica's path is too slow: say why for the one that is least so.
-            best = min(candidates, key=lambda r: health.predicted_handoff(tokens, r) or 0.0)
-            return Decision(False, slow[best] or "", anywhere=True)
-        speed = health.prefill_seconds_per_token
-        if ttft_budget is not None and speed is not None:
-            this_prefill = speed * tokens
-            target = self.settings.pd_ttft_share * ttft_budget
-            if this_prefill <= target:
-                # Local prefill would fit: P/D must be predicted to fit too, through a replica
-                # whose queue leaves room. The wait ahead is the larger of two guesses: the
-                # requests ahead taken as long as this one, and the prompt tokens known to be
-                # waiting there at the measured speed.
-                def predicted_ttft(replica: str | None) -> float:
-                    ahead = queues.prefill_ahead or 0.0
-                    backlog = 0.0
-                    if replica is not None:
-                        ahead = queues.prefill_ahead_by.get(replica, ahead)
-                        backlog = queues.prefill_backlog_by.get(replica, 0.0)
-                    wait = max(ahead * this_prefill, backlog * speed)
-                    handoff = health.predicted_handoff(tokens, replica) or 0.0
-                    return wait + this_prefill + handoff
-
-                fitting = [r for r in usable if predicted_ttft(r) <= target]
-                if not fitting and self.local_breaks_itl(this_prefill, queues, itl_budget):
-                    return Decision(True, "local_would_break_itl", prefill=only(usable))
-                if not fitting:
-                    # Congestion, not the path: spill to decode, not onto the busy prefill pool.
-                    return Decision(False, "prefill_queue_over_ttft_budget")
-                usable = fitting
-        return Decision(True, "long_prompt", prefill=only(usable))
-
-    def _slow_path(self, tokens: int, ttft_budget: float | None, prefill: str | None) -> str | None:
-        """Why P/D through this prefill replica would miss the TTFT budget on its KV path
-        alone (None: it would not)."""
-        if ttft_budget is None:
-            return None
-        handoff = self.health.predicted_handoff(tokens, prefill)
-        if handoff is not None and handoff > ttft_budget:
-            return "handoff_over_ttft_budget"
-        speed = self.health.prefill_seconds_per_token
-        if speed is not None:
-            this_prefill = speed * tokens
-            target = self.settings.pd_ttft_share * ttft_budget
-            if this_prefill <= ttft_budget and this_prefill + (handoff or 0.0) > target:
-                # Even an idle prefill pool would miss the SLO: the KV path is the problem.
-                return "kv_path_over_ttft_budget"
-        return None

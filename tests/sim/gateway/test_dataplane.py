@@ -346,6 +346,47 @@ def test_a_failed_prefill_falls_back_to_local_prefill_in_the_data_plane(
         )
 
 
+def test_in_auto_mode_the_data_plane_decides_each_request_and_auto_learns_from_it(
+    tmp_path: Path, binary: Path
+) -> None:
+    """Routing mode Auto, the default: the data plane decides P/D or local prefill per request
+    (dataplane/auto.go) and hands nothing over; what its requests teach (the handoff a stream
+    measured, the decisions by reason) reaches the Python gateway's model and metrics."""
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1200}]}
+    paced = ["--sim-time-scale", "0.2", "--sim-kv-overhead-ms", "0", "--sim-kv-bandwidth-gb-s", "1000"]
+    with stack("--data-plane", str(binary), mode="Auto", engine_flags=paced) as (gateway, _):
+        url = f"{gateway.url}/v1/chat/completions"
+        assert httpx.post(url, json=CHAT, timeout=60).status_code == 200  # short: local
+        assert httpx.post(url, json=long_chat, timeout=60).status_code == 200  # decode idle
+        held = {**long_chat, "stream": True, "max_tokens": 400}
+        with httpx.stream("POST", url, json=held, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)  # decode is busy with this stream (local: decode idle)
+            with httpx.stream("POST", url, json={**long_chat, "stream": True}, timeout=60) as pd:
+                events = [line for line in pd.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        decided = r'pdserve_gateway_auto_decisions_total{{reason="{}"}} ([0-9.]+)'
+
+        def folded() -> bool:
+            text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+            counts = {r: re.search(decided.format(r), text) for r in
+                      ("short_prompt", "decode_idle", "long_prompt")}  # fmt: skip
+            got = {r: float(m.group(1)) if m else 0.0 for r, m in counts.items()}
+            return got == {"short_prompt": 1.0, "decode_idle": 2.0, "long_prompt": 1.0}
+
+        eventually("the data plane's Auto decisions in the gateway's metrics", folded)
+        assert served_by_data_plane(gateway, "pd") == 1
+        assert served_by_data_plane(gateway, "decode") == 3
+        assert "pdserve_gateway_dataplane_fallbacks_total{" not in httpx.get(
+            f"{gateway.url}/metrics", timeout=10).text  # fmt: skip
+        # The P/D stream's handoff (prefill answered -> decode's first token) taught Auto mode.
+        eventually("the handoff learnt", lambda: (httpx.get(f"{gateway.url}/status", timeout=10)
+                   .json()["handoffSecondsPerToken"] or 0) > 0)  # fmt: skip
+        status = httpx.get(f"{gateway.url}/status", timeout=10).json()
+        assert status["dataPlane"]["route"] == "auto", status["dataPlane"]
+
+
 def test_a_long_prompt_on_the_data_plane_holds_a_fair_admission_slot(
     tmp_path: Path, binary: Path
 ) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.gateway.endpoints import Endpoint, Endpoints, rank_targets
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.fastpath import admission_table, routing_table, same_table, served_route
+from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.gateway_fakes import MODEL, config
 
@@ -32,7 +33,7 @@ def table_for(
     endpoints.replace("decode", decode if decode is not None else [Endpoint("http://d", "p1")])
     if engine_api == "tokens":
         endpoints.replace("render", render if render is not None else [Endpoint("http://r", "p1")])
-    return routing_table(cfg, endpoints, settings or GatewaySettings(), 1)
+    return routing_table(cfg, endpoints, settings or GatewaySettings(), 1, policy=AutoPolicy())
 
 
 def model(table: dict[str, object]) -> dict[str, object]:
@@ -84,8 +85,40 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     assert table_for(engine_api="tokens", settings=unpipelined)["derenderPipelining"] is False
 
 
+def test_auto_mode_is_decided_in_the_data_plane_from_the_view_pushed_to_it() -> None:
+    busy = Endpoint("http://d", "p1", waiting=2, running=3, prefill_backlog=40)
+    busy.steps.seconds = 0.02
+    auto = model(table_for("Auto", decode=[busy]))
+    assert auto["route"] == "auto"
+    assert auto["groups"] == [{"prefill": ["http://p"], "decode": ["http://d"]}]
+    block = auto["auto"]
+    assert isinstance(block, dict)
+    assert block["view"] == AutoPolicy().view(None, None).to_wire()
+    assert block["queues"]["http://d"] == {
+        "waiting": 2, "running": 3, "backlog": 40, "stepSeconds": 0.02,
+    }  # fmt: skip
+    assert (block["probeEvery"], block["localOnPrefillPool"]) == (20, True)
+    # Local prefill runs on any decode replica, those no prefill replica can pair with too.
+    decode = [
+        Endpoint("http://d-a", "p1", kv_compat="a"),
+        Endpoint("http://d-b", "p1", kv_compat="b"),
+    ]
+    mixed = model(
+        table_for("Auto", prefill=[Endpoint("http://p", "p1", kv_compat="a")], decode=decode)
+    )
+    assert mixed["groups"] == [
+        {"prefill": ["http://p"], "decode": ["http://d-a"]}, {"prefill": [], "decode": ["http://d-b"]},
+    ]  # fmt: skip
+    # No prefill replica to pair: every request is decided local (no_prefill), in the data plane.
+    held = Endpoint("http://p", "p1")
+    held.routable = False
+    assert model(table_for("Auto", prefill=[held]))["groups"] == [
+        {"prefill": [], "decode": ["http://d"]}
+    ]
+    assert "auto" not in model(table_for("Disaggregated"))
+
+
 def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over() -> None:
-    assert model(table_for("Auto"))["route"] == "python"  # Auto decides per request
     # A conversation's KV left on decode is tracked per request (bidirectional KV).
     bidirectional = {"bidirectional": True}
     assert model(table_for(engine_api="tokens", kv_transfer=bidirectional))["route"] == "python"
@@ -115,7 +148,7 @@ def why_handed_over(
 
 def test_status_says_why_the_data_plane_hands_every_request_over() -> None:
     assert why_handed_over() is None
-    assert why_handed_over("Auto") == "routing mode Auto (decided per request)"
+    assert why_handed_over("Auto") is None
     logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
     assert "--request-log" in str(why_handed_over(settings=logged))
     assert why_handed_over(decode=[]) == "no healthy decode endpoint"
