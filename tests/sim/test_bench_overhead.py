@@ -13,7 +13,7 @@ from pdserve.bench.native import native_tools
 
 def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path: Path) -> None:
     """Both routes (OpenAI engines, and engines behind render servers), each with and without
-    the data plane."""
+    the data plane, in routing mode Auto (the default a user gets)."""
     done = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "bench", "overhead", "--targets", "pdserve",
          "pdserve-dataplane", "pdserve-render", "pdserve-dataplane-render",
@@ -37,11 +37,13 @@ def test_overhead_measures_the_gateway_with_and_without_its_data_plane(tmp_path:
     assert all(p["per_core"] == {"4": None} for p in direct)  # no proxy to count
     assert all(p["half_rate"] is None for p in direct)
     report = (tmp_path / "overhead.md").read_text()
-    assert "| pdserve, OpenAI P/D route | 200KB |" in report
-    assert "| pdserve --data-plane, OpenAI P/D route | 2KB |" in report
+    assert "pdserve in routing mode Auto" in report
+    assert "| pdserve, OpenAI route, Auto | 200KB |" in report
+    assert "| pdserve --data-plane, OpenAI route, Auto | 2KB |" in report
     assert "- pdserve CPU per request, 200 KB / 2 KB prompt = " in report
     assert "- pdserve --data-plane CPU per request, 200 KB / 2 KB prompt = " in report
-    assert "| pdserve --data-plane, render route (render, P/D, derender) | 200KB |" in report
+    assert "| pdserve --data-plane, render route (render, Auto, derender) | 200KB |" in report
+    assert "- 2KB, c=4: pdserve --data-plane / vllm-router" not in report  # no router here
 
 
 def test_the_stub_engine_answers_the_pd_handoff_as_vllm_does() -> None:

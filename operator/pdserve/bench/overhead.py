@@ -37,6 +37,7 @@ from typing import Any
 
 from pdserve.bench.native import NativeTools, native_tools
 from pdserve.bench.overhead_report import (
+    MODES,
     PDSERVE_TARGETS,
     RENDER_ROUTES,
     ROUTER,
@@ -44,6 +45,7 @@ from pdserve.bench.overhead_report import (
     Settings,
     chart,
     combine,
+    labelled,
     ratios,
     table,
 )
@@ -307,20 +309,20 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
         wanted = set(args.targets)
         if "pdserve" in wanted:
             gateway = procs.gateway(
-                routing("openai", {"prefill": [prefill], "decode": [decode]}),
+                routing("openai", {"prefill": [prefill], "decode": [decode]}, args.mode),
                 *GATEWAY_FLAGS,
                 preexec_fn=proxy,
             )
             found.append(
                 Target(
-                    PDSERVE_TARGETS["pdserve"],
+                    labelled(PDSERVE_TARGETS["pdserve"], args.mode),
                     f"{gateway.url}/v1/chat/completions",
                     gateway.process.pid,
                 )
             )
         if "pdserve-dataplane" in wanted:
             gateway = procs.gateway(
-                routing("openai", {"prefill": [prefill], "decode": [decode]}),
+                routing("openai", {"prefill": [prefill], "decode": [decode]}, args.mode),
                 *GATEWAY_FLAGS,
                 "--data-plane",
                 str(args.data_plane or build_binary(args.go)),
@@ -328,7 +330,7 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             )
             found.append(
                 Target(
-                    PDSERVE_TARGETS["pdserve --data-plane"],
+                    labelled(PDSERVE_TARGETS["pdserve --data-plane"], args.mode),
                     f"{gateway.url}/v1/chat/completions",
                     gateway.process.pid,
                 )
@@ -401,20 +403,24 @@ def targets(args: argparse.Namespace, tools: NativeTools, layout: Layout) -> Ite
             flags = [*GATEWAY_FLAGS]
             if name == "pdserve-dataplane-render":
                 flags += ["--data-plane", str(args.data_plane or build_binary(args.go))]
-            gateway = procs.gateway(routing("tokens", engines), *flags, preexec_fn=proxy)
-            found.append(Target(label, f"{gateway.url}/v1/chat/completions", gateway.process.pid))
+            config = routing("tokens", engines, args.mode)
+            gateway = procs.gateway(config, *flags, preexec_fn=proxy)
+            url = f"{gateway.url}/v1/chat/completions"
+            found.append(Target(labelled(label, args.mode), url, gateway.process.pid))
         yield found
 
 
 GATEWAY_FLAGS = ("--max-inflight", "4096")
 
 
-def routing(engine_api: str, endpoints: dict[str, list[str]]) -> dict[str, object]:
+def routing(
+    engine_api: str, endpoints: dict[str, list[str]], mode: str = "Disaggregated"
+) -> dict[str, object]:
     pool = {"service": "x", "port": 8000}
     return {
         "model": MODEL,
         "engineApi": engine_api,
-        "routing": {"mode": "Disaggregated"},
+        "routing": {"mode": mode},
         "pools": {
             "render": pool if "render" in endpoints else None,
             "prefill": pool if "prefill" in endpoints else None,
@@ -445,6 +451,13 @@ def parser() -> argparse.ArgumentParser:
         help="the data plane binary for pdserve-dataplane (default: built here with Go)",
     )
     p.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    p.add_argument(
+        "--mode",
+        default="Auto",
+        choices=MODES,
+        help="pdserve's routing mode (default Auto, a user's default: P/D or local prefill per "
+        "request; Disaggregated: P/D on every request, as vllm-router)",
+    )
     p.add_argument("--vllm-router", help="the vllm-router command (default: on PATH)")
     p.add_argument("--toy-proxy", type=Path, help="path to vLLM's toy_proxy_server.py")
     p.add_argument(
@@ -505,13 +518,14 @@ def main(argv: Sequence[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=1) + "\n")
     report = [
-        f"Layout: {layout.describe()}; {args.repeats} repeats, medians; "
+        f"Layout: {layout.describe()}; pdserve in routing mode {args.mode}; "
+        f"{args.repeats} repeats, medians; "
         f"{args.seconds:g} s per load point; non-streamed answers {args.max_tokens} tokens, "
         f"streams {args.stream_tokens}.",
         "",
         table(points, settings),
         "",
-        *ratios(points, settings),
+        *ratios(points, settings, args.mode),
     ]
     text = "\n".join(report) + "\n"
     (args.out / "overhead.md").write_text(text)

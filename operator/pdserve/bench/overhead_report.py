@@ -112,11 +112,24 @@ RENDER_ROUTES = {
     "pdserve-render": "pdserve, render route (render, P/D, derender)",
     "pdserve-dataplane-render": "pdserve --data-plane, render route (render, P/D, derender)",
 }
+MODES = ("Auto", "Disaggregated")
+"""The routing modes the pdserve targets run in: Auto, the default a user gets (P/D or local
+prefill per request), or Disaggregated (P/D on every request, what vllm-router does)."""
 
 
-def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
-    """The issue's goals as measured: pdserve (without and with its data plane) against
-    vllm-router, large against small prompts, the render route against vllm-router's two hops."""
+def labelled(label: str, mode: str) -> str:
+    """A pdserve target's label in routing mode `mode` (the labels above are Disaggregated's)."""
+    if mode == "Disaggregated":
+        return label
+    return label.replace("P/D route", f"route, {mode}").replace(
+        "(render, P/D,", f"(render, {mode},"
+    )
+
+
+def ratios(points: Sequence[Point], settings: Settings, mode: str = "Disaggregated") -> list[str]:
+    """The issue's goals as measured: pdserve (without and with its data plane, in routing mode
+    `mode`) against vllm-router, large against small prompts, the render route against
+    vllm-router's two hops."""
     by = {(p.target, p.prompt): p for p in points}
     out: list[str] = []
 
@@ -126,7 +139,7 @@ def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
     prompts = list(dict.fromkeys(p.prompt for p in points))
     for name, ours in PDSERVE_TARGETS.items():
         for prompt in prompts:
-            mine, theirs = by.get((ours, prompt)), by.get((ROUTER, prompt))
+            mine, theirs = by.get((labelled(ours, mode), prompt)), by.get((ROUTER, prompt))
             if mine is None or theirs is None:
                 continue
             for c in settings.concurrency:
@@ -142,7 +155,10 @@ def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
                 f"- {prompt}, p99 at half load: {name} {number(mine.half_p99_ms, 2)} ms, "
                 f"vllm-router {number(theirs.half_p99_ms, 2)} ms"
             )
-        small, large = by.get((ours, "2KB")), by.get((ours, "200KB"))
+        small, large = (
+            by.get((labelled(ours, mode), "2KB")),
+            by.get((labelled(ours, mode), "200KB")),
+        )
         if small and large:
             out.append(
                 f"- {name} CPU per request, 200 KB / 2 KB prompt = "
@@ -150,7 +166,7 @@ def ratios(points: Sequence[Point], settings: Settings) -> list[str]:
             )
     for label in RENDER_ROUTES.values():
         for prompt in prompts:
-            mine, theirs = by.get((label, prompt)), by.get((ROUTER, prompt))
+            mine, theirs = by.get((labelled(label, mode), prompt)), by.get((ROUTER, prompt))
             if mine and theirs:
                 name = label.split(",")[0]
                 out.append(
