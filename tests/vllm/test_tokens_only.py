@@ -12,6 +12,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
+from pdserve.gateway.dataplane import build_binary
 from pdserve.vllm.protocol import GENERATE_PATH, render_path
 from tests.support.chat_cases import CHAT_CASES, long_answer, request
 from tests.support.real_stack import (
@@ -56,6 +57,20 @@ async def route(render: VllmServer, tokens_only: VllmServer) -> AsyncIterator[Ga
         yield gateway
 
 
+@pytest.fixture(params=["python", "data-plane"])
+async def refusing_route(
+    request: pytest.FixtureRequest, render: VllmServer, tokens_only: VllmServer
+) -> AsyncIterator[GatewayUnderTest]:
+    """The route on either request path: the data plane refuses these itself, or hands over
+    what it cannot prove valid cheaply (response_format, a named tool choice)."""
+    binary = build_binary() if request.param == "data-plane" else None
+    async with gateway_over(
+        render=render.url, decode=[tokens_only.url], tokens_engines="tokens_only",
+        data_plane=binary,
+    ) as gateway:  # fmt: skip
+        yield gateway
+
+
 @pytest.mark.parametrize("case", SERVED)
 async def test_what_tokens_only_engines_serve_is_what_vllm_answers(
     case: str, route: GatewayUnderTest, reference: AsyncOpenAI
@@ -68,7 +83,7 @@ async def test_what_tokens_only_engines_serve_is_what_vllm_answers(
 
 @pytest.mark.parametrize("case", REFUSED)
 async def test_what_they_cannot_serve_is_refused_naming_the_parameter(
-    case: str, route: GatewayUnderTest, render: VllmServer, tokens_only: VllmServer
+    case: str, refusing_route: GatewayUnderTest, render: VllmServer, tokens_only: VllmServer
 ) -> None:
     body = request(CHAT_CASES[case])
     # The engine itself refuses the rendered request: the gateway's refusal is not a guess.
@@ -80,7 +95,7 @@ async def test_what_they_cannot_serve_is_refused_naming_the_parameter(
     assert direct.status_code == 400, direct.text
     before = engine_counts(tokens_only)
     with pytest.raises(BadRequestError) as caught:
-        await route.client.chat.completions.create(**body)
+        await refusing_route.client.chat.completions.create(**body)
     error = caught.value.body
     assert isinstance(error, dict)
     assert error.get("param") == REFUSED[case], error

@@ -211,15 +211,12 @@ func (p *plane) receive(w http.ResponseWriter, r *http.Request, into *bytes.Buff
 // fast serves the request on the table's route, or says why it could not before answering.
 func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
 	body []byte, s *served) fallback {
-	class := classAuto
+	class := classAuto // any other value too: classed by the prompt's length (fairqueue.py)
 	switch r.Header.Get("X-PDServe-Class") {
-	case "":
 	case "document", "long":
 		class = classLong
 	case "chat", "short":
 		class = classShort
-	default:
-		return "request_class" // the Python gateway says what it takes
 	}
 	members, err := topLevel(body)
 	if err != nil || duplicated(members) {
@@ -247,17 +244,43 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if m.route == routePython {
 		return "python_route"
 	}
-	if t.maxTokensCap > 0 && !withinCap(members, t.maxTokensCap, r.URL.Path == "/v1/chat/completions") {
-		return "max_tokens_cap"
+	chat := r.URL.Path == "/v1/chat/completions"
+	if t.tokensOnly {
+		if param := tokenizerNeeded(members, chat); param != "" {
+			s.route = "unknown" // refused where the Python gateway refuses it (intake.py)
+			answerFailure(w, s, tokenizerRefused(param))
+			return ""
+		}
 	}
-	if t.handsOver(members) {
-		return "needs_tokenizer" // the engines have none: the Python gateway says what to send
+	if t.maxTokensCap > 0 {
+		over, fill, readable := capLimits(members, t.maxTokensCap, chat)
+		switch {
+		case !readable:
+			return "max_tokens_cap"
+		case over != "":
+			s.route = "unknown" // refused where the Python gateway refuses it (intake.py)
+			answerFailure(w, s, overCap(over, t.maxTokensCap))
+			return ""
+		case fill:
+			capped := p.buffers.Get().(*bytes.Buffer)
+			defer p.buffers.Put(capped)
+			capped.Reset()
+			limit := strconv.AppendInt(nil, t.maxTokensCap, 10)
+			splice(capped, body, members, capDrops, []field{{"max_tokens", limit}})
+			body = capped.Bytes()
+			if members, err = topLevel(body); err != nil {
+				return "max_tokens_cap"
+			}
+		}
 	}
 	stream := string(lookup(members, "stream")) == "true"
-	if stream && len(m.render) > 0 && t.streamHandsOver(members) {
-		return "render_stream" // stop strings or log probabilities: the Python gateway's
-	}
 	s.route = planned(m)
+	if stream && len(m.render) > 0 {
+		if param := logprobsAsked(members, chat); param != "" {
+			answerFailure(w, s, streamLogprobsRefused(param)) // tokens_route.py
+			return ""
+		}
+	}
 	id := "pdserve-" + requestID()
 	auth := ""
 	if t.passAuth {
@@ -384,29 +407,6 @@ func planned(m *model) string {
 		return routePD
 	}
 	return routeDecode
-}
-
-// withinCap: the limits the route's schema reads are set and within the cap (intake.py
-// check_body). max_completion_tokens is a chat field: on /v1/completions vLLM ignores it, so
-// it neither counts nor stands in for max_tokens there.
-func withinCap(members []member, limit int64, chat bool) bool {
-	keys := []string{"max_tokens"}
-	if chat {
-		keys = append(keys, "max_completion_tokens")
-	}
-	capped := false
-	for _, key := range keys {
-		raw := lookup(members, key)
-		if raw == nil || string(raw) == "null" {
-			continue
-		}
-		value, err := strconv.ParseInt(string(raw), 10, 64)
-		if err != nil || value > limit {
-			return false
-		}
-		capped = true
-	}
-	return capped // without either the Python gateway fills in the cap
 }
 
 // prefill runs the P/D prefill (hops.py prefill): its kv_transfer_params and the decode

@@ -276,12 +276,13 @@ func TestTheRenderRouteSendsEachHopThePythonGatewaysBody(t *testing.T) {
 	if n := len(p.metrics.stage.snapshot()); n != 3 {
 		t.Fatalf("%d stages measured, want render, prefill and derender", n)
 	}
-	// A stream with stop strings goes to the Python gateway (it cuts them across chunks).
-	tbl.streamHandOver = map[string]bool{"stop": true}
-	streamed := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"stop":["x"]}`
-	if reason := p.fast(context.Background(), httptest.NewRecorder(), httptest.NewRequest("POST", "/v1/chat/completions", nil),
-		tbl, []byte(streamed), &served{metrics: p.metrics}); reason != "render_stream" {
-		t.Fatalf("stream with stop strings: %q", reason)
+	// A stream asking for log probabilities is refused here, as the Python gateway refuses it.
+	streamed := `{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"logprobs":true}`
+	refused := httptest.NewRecorder()
+	if reason := p.fast(context.Background(), refused, httptest.NewRequest("POST", "/v1/chat/completions", nil),
+		tbl, []byte(streamed), &served{metrics: p.metrics}); reason != "" || refused.Code != 400 ||
+		!strings.Contains(refused.Body.String(), `"param":"logprobs"`) {
+		t.Fatalf("stream with logprobs: %q %d %s", reason, refused.Code, refused.Body.String())
 	}
 }
 

@@ -29,18 +29,17 @@ const (
 )
 
 type tableJSON struct {
-	Version        int64                `json:"version"`
-	Models         map[string]modelJSON `json:"models"`
-	APIKeyDigests  []string             `json:"apiKeySha256"`
-	PassAuth       bool                 `json:"passAuthorization"`
-	MaxTokensCap   int64                `json:"maxTokensCap"`
-	LongBodyBytes  int64                `json:"longBodyBytes"`
-	LongTokens     int64                `json:"longPromptTokens"`
-	HandOver       []string             `json:"handOverParams"`
-	StreamHandOver []string             `json:"streamHandOverParams"`
-	Pipelining     bool                 `json:"derenderPipelining"`
-	Load           map[string]float64   `json:"load"`
-	Admission      admissionJSON        `json:"admission"`
+	Version       int64                `json:"version"`
+	Models        map[string]modelJSON `json:"models"`
+	APIKeyDigests []string             `json:"apiKeySha256"`
+	PassAuth      bool                 `json:"passAuthorization"`
+	MaxTokensCap  int64                `json:"maxTokensCap"`
+	LongBodyBytes int64                `json:"longBodyBytes"`
+	LongTokens    int64                `json:"longPromptTokens"`
+	TokensOnly    bool                 `json:"tokensOnlyEngines"`
+	Pipelining    bool                 `json:"derenderPipelining"`
+	Load          map[string]float64   `json:"load"`
+	Admission     admissionJSON        `json:"admission"`
 }
 
 // admissionJSON: how this replica's fair admission queue runs (fairqueue.go). Absent (a zero
@@ -90,16 +89,14 @@ type model struct {
 }
 
 type table struct {
-	version      int64
-	models       map[string]*model
-	keys         [][]byte // sha256 digests of the API keys
-	passAuth     bool
-	maxTokensCap int64
-	longBody     int64           // larger bodies are long prompts: fair admission
-	longTokens   int64           // behind render servers: prompts of this many tokens or more are long
-	handOver     map[string]bool // a request setting one of these goes to the Python gateway
-	// behind render servers, a stream setting one of these goes to the Python gateway
-	streamHandOver     map[string]bool
+	version            int64
+	models             map[string]*model
+	keys               [][]byte // sha256 digests of the API keys
+	passAuth           bool
+	maxTokensCap       int64
+	longBody           int64 // larger bodies are long prompts: fair admission
+	longTokens         int64 // behind render servers: prompts of this many tokens or more are long
+	tokensOnly         bool  // the engines run --tokens-only: some parameters are refused (refusals.go)
 	derenderPipelining bool
 	admission          admissionSettings
 	admitHere          bool // this replica's queue runs here; else ask the Python gateway
@@ -113,7 +110,7 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	}
 	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
 		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
-		handOver: set(in.HandOver), streamHandOver: set(in.StreamHandOver),
+		tokensOnly:         in.TokensOnly,
 		derenderPipelining: in.Pipelining}
 	if a := in.Admission; a.MaxLongPerReplica < 0 || a.MaxWaitSeconds < 0 || math.IsNaN(a.MaxWaitSeconds) {
 		return nil, nil, fmt.Errorf("routing table: admission: maxLongPerReplica and maxWaitSeconds must not be negative")
@@ -193,37 +190,6 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		t.models[name] = out
 	}
 	return t, next, nil
-}
-
-func set(keys []string) map[string]bool {
-	out := map[string]bool{}
-	for _, key := range keys {
-		out[key] = true
-	}
-	return out
-}
-
-// handsOver: the request sets a parameter the Python gateway must see.
-func (t *table) handsOver(members []member) bool {
-	return setsAny(members, t.handOver)
-}
-
-// streamHandsOver: a stream behind render servers sets a parameter the Python gateway must see.
-func (t *table) streamHandsOver(members []member) bool {
-	return setsAny(members, t.streamHandOver)
-}
-
-// setsAny: one of `keys` is set to something (null and false count as unset).
-func setsAny(members []member, keys map[string]bool) bool {
-	if len(keys) == 0 {
-		return false
-	}
-	for i := range members {
-		if keys[members[i].key] && string(members[i].value) != "null" && string(members[i].value) != "false" {
-			return true
-		}
-	}
-	return false
 }
 
 // authorized: no keys configured, or the Bearer token is one of them (compared as digests,

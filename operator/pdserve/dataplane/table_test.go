@@ -80,37 +80,42 @@ func TestAuthorizedComparesBearerTokensWithTheKeysDigests(t *testing.T) {
 	}
 }
 
-func TestWithinCapRefusesWhatThePythonGatewayWouldRefuseOrFillIn(t *testing.T) {
-	for body, want := range map[string]bool{
-		`{"max_tokens":8}`: true, `{"max_completion_tokens":8}`: true,
-		`{"max_tokens":9}`: false, `{"max_completion_tokens":9}`: false,
-		`{}`: false, `{"max_tokens":null}`: false, `{"max_tokens":"8"}`: false,
+func TestTheCapRefusesWhatThePythonGatewayWouldRefuseOrFillsItIn(t *testing.T) {
+	type verdict struct {
+		over       string
+		fill, read bool
+	}
+	for body, want := range map[string]verdict{
+		`{"max_tokens":8}`: {"", false, true}, `{"max_completion_tokens":8}`: {"", false, true},
+		`{"max_tokens":9}`: {"max_tokens", false, true}, `{"max_completion_tokens":9}`: {"max_completion_tokens", false, true},
+		`{"max_tokens":9,"max_completion_tokens":10}`: {"max_tokens", false, true},
+		`{}`: {"", true, true}, `{"max_tokens":null}`: {"", true, true}, `{"max_tokens":"8"}`: {"", false, false},
 	} {
 		members, err := topLevel([]byte(body))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := withinCap(members, 8, true); got != want {
-			t.Errorf("chat %s: %v, want %v", body, got, want)
+		if over, fill, read := capLimits(members, 8, true); (verdict{over, fill, read}) != want {
+			t.Errorf("chat %s: %v, want %v", body, verdict{over, fill, read}, want)
 		}
 	}
 	// Completions: max_completion_tokens is not theirs (vLLM ignores it): the cap is filled in.
-	for body, want := range map[string]bool{
-		`{"max_tokens":8}`: true, `{"max_completion_tokens":8}`: false,
-		`{"max_tokens":8,"max_completion_tokens":[null]}`: true,
+	for body, want := range map[string]verdict{
+		`{"max_tokens":8}`: {"", false, true}, `{"max_completion_tokens":9}`: {"", true, true},
+		`{"max_tokens":8,"max_completion_tokens":[null]}`: {"", false, true},
 	} {
 		members, err := topLevel([]byte(body))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := withinCap(members, 8, false); got != want {
-			t.Errorf("completion %s: %v, want %v", body, got, want)
+		if over, fill, read := capLimits(members, 8, false); (verdict{over, fill, read}) != want {
+			t.Errorf("completion %s: %v, want %v", body, verdict{over, fill, read}, want)
 		}
 	}
 }
 
-func TestATokensOnlyEnginesRefusalsAreHandedOverWithTheRenderServersKept(t *testing.T) {
-	built, _ := mustBuild(t, `{"version":1,"handOverParams":["stop","tool_choice"],
+func TestATokensOnlyEnginesTableKeepsItsRenderServers(t *testing.T) {
+	built, _ := mustBuild(t, `{"version":1,"tokensOnlyEngines":true,
 		"models":{"qwen":{"route":"decode","render":["http://r0:8000"],"groups":[{"prefill":[],"decode":["http://d0:8000"]}]},
 		"off":{"route":"python","render":["http://r1:8000"],"groups":[]}}}`, nil)
 	if got := built.models["qwen"].render; len(got) != 1 || got[0].url != "http://r0:8000" {
@@ -119,16 +124,8 @@ func TestATokensOnlyEnginesRefusalsAreHandedOverWithTheRenderServersKept(t *test
 	if built.models["off"].render != nil {
 		t.Fatal("a python route keeps no render servers")
 	}
-	for body, want := range map[string]bool{
-		`{"model":"qwen","stop":["x"]}`:         true,
-		`{"model":"qwen","tool_choice":"auto"}`: true,
-		`{"model":"qwen","stop":null}`:          false,
-		`{"model":"qwen","max_tokens":3}`:       false,
-	} {
-		members, _ := topLevel([]byte(body))
-		if built.handsOver(members) != want {
-			t.Fatalf("handsOver(%s) = %v", body, !want)
-		}
+	if !built.tokensOnly {
+		t.Fatal("tokensOnlyEngines not read")
 	}
 }
 

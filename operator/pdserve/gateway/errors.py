@@ -37,6 +37,39 @@ class GatewayError(Exception):
         }.get(status, "APIError")
 
 
+def over_cap(field: str, cap: int) -> GatewayError:
+    """A completion limit over `--max-tokens-cap`. Refusals both request paths answer before any
+    engine call are worded here and in dataplane/refusals.go, held together by
+    dataplane/testdata/refusals.json."""
+    return GatewayError(400, f"{field} may be at most {cap}", param=field)
+
+
+def tokenizer_needed(param: str, task: str, instead: str) -> GatewayError:
+    """A parameter the model's `--tokens-only` engines would refuse after a render (and maybe a
+    prefill) was spent on it, in words about their own flags: said before, with what the client
+    can do (openai_schema.needs_tokenizer gives the parameter, the task and the alternative)."""
+    return GatewayError(
+        400,
+        f"{param} is not available on this model: its engines run --tokens-only "
+        f"(spec.render.engineApi: TokensOnly), which cannot {task}; {instead}, or set "
+        "spec.render.engineApi: ScaleOut",
+        param=param,
+    )
+
+
+def stream_logprobs_refused(param: str) -> GatewayError:
+    """A stream behind render servers that asks for log probabilities: a streamed choice is
+    derendered from its token ids alone, so the engine's log probabilities would be dropped;
+    refused rather than omitted."""
+    return GatewayError(
+        400,
+        f"{param} is not available with stream: true on this model (its render servers "
+        "derender streamed tokens without their log probabilities); send stream: false to get "
+        "them",
+        param=param,
+    )
+
+
 class UpstreamFailed(Exception):
     """A hop failed in a way another replica (or local prefill) may fix."""
 

@@ -23,16 +23,10 @@ from typing import Any
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
-from pdserve.gateway.openai_schema import TOKENIZER_PARAMS
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
 PYTHON, PD, DECODE, AUTO = "python", "pd", "decode", "auto"
-RENDERED_STREAM_PARAMS = ("logprobs", "top_logprobs", "prompt_logprobs")
-"""Streams behind render servers that set one of these are the Python gateway's: it refuses log
-probabilities with a 400 naming the parameter (tokens_route.py). Stop strings the data plane cuts
-across chunks itself (dataplane/stream_stop.go, vllm/derender_gaps.StreamStop: one set of cases,
-dataplane/testdata/stream_stop_cases.json)."""
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""
@@ -198,9 +192,9 @@ def routing_table(
         "maxTokensCap": settings.max_tokens_cap or 0,
         "longBodyBytes": settings.fair_queue.long_prompt_tokens * BYTES_PER_PROMPT_TOKEN,
         "longPromptTokens": settings.fair_queue.long_prompt_tokens,
-        # Engines without a tokenizer refuse some parameters: intake says which and why.
-        "handOverParams": list(TOKENIZER_PARAMS) if config.tokens_only_engines else [],
-        "streamHandOverParams": list(RENDERED_STREAM_PARAMS),
+        # Engines without a tokenizer refuse some parameters: the data plane says which and why
+        # before any engine call, as intake does.
+        "tokensOnlyEngines": config.tokens_only_engines,
         "derenderPipelining": settings.derender_pipelining,
         "load": target_loads(endpoints),
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.content_encoding import decoded
-from pdserve.gateway.errors import GatewayError, error_response
+from pdserve.gateway.errors import GatewayError, error_response, over_cap, tokenizer_needed
 from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
 from pdserve.gateway.server import body_will_not_come
@@ -220,15 +220,7 @@ class Intake:
         except InvalidRequest as error:
             raise GatewayError(400, error.message, param=error.param) from None
         if self.tokens_only_engines and (needed := needs_tokenizer(request)) is not None:
-            # The engines would refuse it after a render (and maybe a prefill) was spent on it,
-            # in words about their own flags: say it here, with what the client can do.
-            raise GatewayError(
-                400,
-                f"{needed.param} is not available on this model: its engines run --tokens-only "
-                f"(spec.render.engineApi: TokensOnly), which cannot {needed.task}; "
-                f"{needed.instead}, or set spec.render.engineApi: ScaleOut",
-                param=needed.param,
-            )
+            raise tokenizer_needed(needed.param, needed.task, needed.instead)
         cap = self.settings.max_tokens_cap
         if cap is not None:
             # Only the fields this route's schema reads (validated: positive integers); another
@@ -241,7 +233,7 @@ class Intake:
             }
             for field, value in limits.items():
                 if (value or 0) > cap:
-                    raise GatewayError(400, f"{field} may be at most {cap}", param=field)
+                    raise over_cap(field, cap)
             if all(value is None for value in limits.values()):
                 body["max_tokens"] = cap
         return body

@@ -258,13 +258,6 @@ GUIDED_PARAMS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 so their values are not checked here), only for whether they are set."""
 
 
-TOKENIZER_PARAMS = (
-    "stop", "response_format", "structured_outputs", *GUIDED_PARAMS, "tool_choice",
-)  # fmt: skip
-"""Every parameter needs_tokenizer looks at: a request that sets none of them is served whole
-by a tokens-only engine (the data plane hands any request setting one to this gateway)."""
-
-
 @dataclass(frozen=True)
 class NeedsTokenizer:
     """A parameter only an engine with a tokenizer serves (a `--tokens-only` engine refuses

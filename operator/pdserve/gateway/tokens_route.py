@@ -21,6 +21,7 @@ from pdserve.gateway.errors import (
     GatewayError,
     UpstreamFailed,
     json_response,
+    stream_logprobs_refused,
     upstream_failure,
     upstream_message,
 )
@@ -89,15 +90,7 @@ class TokensRoute:
 
     async def serve(self, ex: Exchange) -> web.StreamResponse:
         if ex.stream and (param := logprobs_asked(ex.body, chat=ex.chat)) is not None:
-            # A streamed choice is derendered from its token ids alone (streaming.py): the
-            # engine's log probabilities would be dropped, so refuse rather than omit them.
-            raise GatewayError(
-                400,
-                f"{param} is not available with stream: true on this model (its render "
-                "servers derender streamed tokens without their log probabilities); send "
-                "stream: false to get them",
-                param=param,
-            )
+            raise stream_logprobs_refused(param)  # derendered from token ids (streaming.py)
         render_endpoint, rendered = await self.upstream.post_json(
             "render",
             ex.selection.pools["render"],

@@ -276,13 +276,15 @@ def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
         eventually("the same requests, latencies, first tokens and render calls in /metrics",
                    lambda: measured(gateway.url) == counted)  # fmt: skip
         assert counted["renderCalls"] == {"render": served}
-        # A stream asking for log probabilities is the Python gateway's, which refuses it in
-        # its words (streamed chunks are derendered without them).
+        # A stream asking for log probabilities is refused in the Python gateway's words
+        # (streamed chunks are derendered without them), by the data plane: nothing handed over.
         with_logprobs = {**CHAT, "stream": True, "logprobs": True}
         answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=with_logprobs, timeout=30)
         assert (answer.status_code, answer.json()["error"]["param"]) == (400, "logprobs")
-        eventually("the stream handed over", lambda: 'reason="render_stream"} 1.0'
-                   in httpx.get(f"{gateway.url}/metrics").text)  # fmt: skip
+        eventually("the refusal counted", lambda: 'outcome="error_400"' in httpx.get(
+            f"{gateway.url}/metrics").text)  # fmt: skip
+        assert "pdserve_gateway_dataplane_fallbacks_total{" not in httpx.get(
+            f"{gateway.url}/metrics").text  # fmt: skip
         went_to_prefill = metric(engines["prefill"].url, "vllm:prompt_tokens_total") > prefilled
         assert went_to_prefill == (mode == "Disaggregated")
 
@@ -353,7 +355,7 @@ def test_in_auto_mode_the_data_plane_decides_each_request_and_auto_learns_from_i
     (dataplane/auto.go) and hands nothing over; what its requests teach (the handoff a stream
     measured, the decisions by reason) reaches the Python gateway's model and metrics."""
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1200}]}
-    paced = ["--sim-time-scale", "0.2", "--sim-kv-overhead-ms", "0", "--sim-kv-bandwidth-gb-s", "1000"]
+    paced = ["--sim-time-scale", "0.2", *FAST[2:]]  # streams long enough to overlap
     with stack("--data-plane", str(binary), mode="Auto", engine_flags=paced) as (gateway, _):
         url = f"{gateway.url}/v1/chat/completions"
         assert httpx.post(url, json=CHAT, timeout=60).status_code == 200  # short: local

@@ -69,17 +69,12 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     assert model(table_for(engine_api="tokens", render=[])) == {
         "route": "python", "groups": [], "render": [],
     }  # fmt: skip
-    # Long prompts are counted in rendered tokens; a tokens-only engine's refusals stay the
-    # Python gateway's (intake names the parameter and what to send instead).
+    # Long prompts are counted in rendered tokens; what tokens-only engines would refuse, the
+    # data plane refuses as intake does (naming the parameter and what to send instead).
     table = table_for(engine_api="tokens", tokens_engines="tokens_only")
     assert table["longPromptTokens"] == GatewaySettings().fair_queue.long_prompt_tokens
-    handed_over = table["handOverParams"]
-    assert isinstance(handed_over, list)
-    assert {"stop", "response_format", "tool_choice"} <= set(handed_over)
-    assert table_for(engine_api="tokens")["handOverParams"] == []
-    # Streams are derendered as the Python gateway does, but for what only it handles there.
-    streamed = table_for(engine_api="tokens")["streamHandOverParams"]
-    assert streamed == ["logprobs", "top_logprobs", "prompt_logprobs"]  # stop strings: its own
+    assert table["tokensOnlyEngines"] is True
+    assert table_for(engine_api="tokens")["tokensOnlyEngines"] is False
     assert table_for(engine_api="tokens")["derenderPipelining"] is True
     unpipelined = GatewaySettings(derender_pipelining=False)
     assert table_for(engine_api="tokens", settings=unpipelined)["derenderPipelining"] is False

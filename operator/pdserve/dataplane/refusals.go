@@ -1,0 +1,131 @@
+package main
+
+// Refusals both request paths answer before any engine call, worded as the Python gateway
+// words them (errors.over_cap, errors.tokenizer_needed, errors.stream_logprobs_refused), and
+// what triggers them read as it reads it (openai_schema.needs_tokenizer), held together by
+// testdata/refusals.json (refusals_test.go, tests/unit/gateway/test_refusal_cases.py).
+
+import (
+	"net/http"
+	"strconv"
+)
+
+// overCap: a completion limit over --max-tokens-cap.
+func overCap(field string, limit int64) *failure {
+	f := gatewayError(http.StatusBadRequest, "BadRequestError",
+		field+" may be at most "+strconv.FormatInt(limit, 10))
+	f.param = field
+	return f
+}
+
+// tokenizerNeeded is openai_schema.needs_tokenizer over a validated body: the first parameter
+// a --tokens-only engine would refuse (it needs a tokenizer), "" when none. response_format
+// reaches here only as null (validation proves no other value cheaply).
+func tokenizerNeeded(members []member, chat bool) string {
+	if stop := lookup(members, "stop"); stop != nil && !isNull(stop) && !emptyArray(stop) {
+		return "stop"
+	}
+	if present(members, "structured_outputs") {
+		return "structured_outputs"
+	}
+	for _, guided := range guidedParams {
+		if present(members, guided) {
+			return guided
+		}
+	}
+	if chat && string(lookup(members, "tool_choice")) == `"required"` {
+		return "tool_choice"
+	}
+	return ""
+}
+
+// guidedParams: vLLM's older structured-output parameters (openai_schema.GUIDED_PARAMS).
+var guidedParams = []string{"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+
+// tokenizerTasks: per parameter, what the engine would have to do for it and what a client can
+// send instead (openai_schema.needs_tokenizer's NeedsTokenizer).
+var tokenizerTasks = map[string][2]string{
+	"stop":               {"apply stop strings", "use stop_token_ids"},
+	"structured_outputs": {structuredTask, "drop structured_outputs"},
+	"tool_choice": {"force a tool call (vLLM forces one with structured outputs, which need a tokenizer)",
+		`use tool_choice "auto"`},
+}
+
+const structuredTask = "apply structured outputs (they need a tokenizer)"
+
+// tokenizerRefused: a parameter the model's --tokens-only engines would refuse.
+func tokenizerRefused(param string) *failure {
+	task, ok := tokenizerTasks[param]
+	if !ok { // a guided_* parameter
+		task = [2]string{structuredTask, "drop " + param}
+	}
+	f := gatewayError(http.StatusBadRequest, "BadRequestError", param+
+		" is not available on this model: its engines run --tokens-only (spec.render.engineApi: "+
+		"TokensOnly), which cannot "+task[0]+"; "+task[1]+", or set spec.render.engineApi: ScaleOut")
+	f.param = param
+	return f
+}
+
+// streamLogprobsRefused: a stream behind render servers asking for log probabilities (a
+// streamed choice is derendered from its token ids alone: they would be dropped).
+func streamLogprobsRefused(param string) *failure {
+	f := gatewayError(http.StatusBadRequest, "BadRequestError", param+
+		" is not available with stream: true on this model (its render servers derender "+
+		"streamed tokens without their log probabilities); send stream: false to get them")
+	f.param = param
+	return f
+}
+
+// capDrops: a body's max_tokens, replaced by the cap when the request set no limit.
+var capDrops = map[string]bool{"max_tokens": true}
+
+// capLimits is intake.py's --max-tokens-cap: the field of the route's limits over the cap
+// (max_tokens first), or, when it set none, fill (max_tokens = the cap is sent on). Only the
+// route's own fields count: max_completion_tokens is a chat field, which vLLM ignores on
+// /v1/completions. readable false: a limit that is no integer (validation proved it one; kept
+// for safety: the Python gateway answers it).
+func capLimits(members []member, limit int64, chat bool) (over string, fill, readable bool) {
+	keys := []string{"max_tokens"}
+	if chat {
+		keys = append(keys, "max_completion_tokens")
+	}
+	fill = true
+	for _, key := range keys {
+		raw := lookup(members, key)
+		if raw == nil || string(raw) == "null" {
+			continue
+		}
+		fill = false
+		value, err := strconv.ParseInt(string(raw), 10, 64)
+		if err != nil {
+			return "", false, false
+		}
+		if value > limit && over == "" {
+			over = key
+		}
+	}
+	return over, fill && over == "", true
+}
+
+// logprobsAsked is openai_schema.logprobs_asked: the parameter of a (validated) body that asks
+// for log probabilities, if any.
+func logprobsAsked(members []member, chat bool) string {
+	if chat {
+		top, _ := jsonInt(lookup(members, "top_logprobs"))
+		if string(lookup(members, "logprobs")) == "true" || top > 0 {
+			return "logprobs"
+		}
+	} else if present(members, "logprobs") {
+		return "logprobs"
+	}
+	if present(members, "prompt_logprobs") {
+		return "prompt_logprobs"
+	}
+	return ""
+}
+
+// present: the body sets `key` to something other than null (Python's `is not None`).
+func present(members []member, key string) bool {
+	raw := lookup(members, key)
+	return raw != nil && !isNull(raw)
+}
