@@ -245,6 +245,14 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		return "python_route"
 	}
 	chat := r.URL.Path == "/v1/chat/completions"
+	switch owned, unsure := gatewayOwned(members); {
+	case unsure:
+		return "validation"
+	case owned != "":
+		s.route = "unknown" // refused where the Python gateway refuses it (intake.py)
+		answerFailure(w, s, gatewayOwnedRefused(owned))
+		return ""
+	}
 	if t.tokensOnly {
 		if param := tokenizerNeeded(members, chat); param != "" {
 			s.route = "unknown" // refused where the Python gateway refuses it (intake.py)

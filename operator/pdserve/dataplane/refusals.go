@@ -1,8 +1,9 @@
 package main
 
 // Refusals both request paths answer before any engine call, worded as the Python gateway
-// words them (errors.over_cap, errors.tokenizer_needed, errors.stream_logprobs_refused), and
-// what triggers them read as it reads it (openai_schema.needs_tokenizer), held together by
+// words them (errors.gateway_owned_refused, over_cap, tokenizer_needed,
+// stream_logprobs_refused), and what triggers them read as it reads it
+// (openai_schema.gateway_owned, needs_tokenizer, logprobs_asked), held together by
 // testdata/refusals.json (refusals_test.go, tests/unit/gateway/test_refusal_cases.py).
 
 import (
@@ -15,6 +16,43 @@ func overCap(field string, limit int64) *failure {
 	f := gatewayError(http.StatusBadRequest, "BadRequestError",
 		field+" may be at most "+strconv.FormatInt(limit, 10))
 	f.param = field
+	return f
+}
+
+// gatewayOwned: what only the gateway may send an engine (kv_transfer_params, ec_transfer_params:
+// where to pull or hand off a request's KV or encoder cache), as openai_schema.gateway_owned
+// reads it. vLLM reads them from the request or from vllm_xargs, and a render server passes both
+// on: from a client they would point an engine at any host, or hold its KV blocks. unsure: a
+// vllm_xargs this reader cannot read as Python does (a key given twice): the Python gateway's.
+func gatewayOwned(members []member) (param string, unsure bool) {
+	for _, key := range gatewayOwnedParams {
+		if present(members, key) {
+			return key, false
+		}
+	}
+	xargs := lookup(members, "vllm_xargs")
+	if !isObject(xargs) {
+		return "", false // null, or something vLLM itself refuses
+	}
+	fields, err := topLevel(xargs)
+	if err != nil || duplicated(fields) {
+		return "", true
+	}
+	for _, key := range gatewayOwnedParams {
+		if present(fields, key) {
+			return "vllm_xargs." + key, false
+		}
+	}
+	return "", false
+}
+
+var gatewayOwnedParams = []string{"kv_transfer_params", "ec_transfer_params"}
+
+// gatewayOwnedRefused: a client setting what only the gateway may.
+func gatewayOwnedRefused(param string) *failure {
+	f := gatewayError(http.StatusBadRequest, "BadRequestError", param+
+		" is the gateway's to set (it hands KV between the engines itself): remove it from the request")
+	f.param = param
 	return f
 }
 

@@ -29,19 +29,26 @@ func TestARefusalIsWordedAsTheSharedCaseSays(t *testing.T) {
 			f = overCap(c.Field, c.Cap)
 		case "stream_logprobs":
 			f = streamLogprobsRefused(c.Field)
-		case "needs_tokenizer": // what a model whose engines run --tokens-only refuses
+		case "needs_tokenizer", "gateway_owned":
 			members, err := topLevel(c.Body)
 			if err != nil || !provablyValid(httptest.NewRequest("POST", "/", nil), c.Body, members, c.Chat) {
 				t.Fatalf("%s: the case's body is not one the data plane serves (%v)", c.Name, err)
 			}
-			param := tokenizerNeeded(members, c.Chat)
+			var param string
+			refuse := tokenizerRefused // what a model whose engines run --tokens-only refuses
+			if c.Refusal == "needs_tokenizer" {
+				param = tokenizerNeeded(members, c.Chat)
+			} else {
+				param, _ = gatewayOwned(members)
+				refuse = gatewayOwnedRefused
+			}
 			if c.Status == 0 {
 				if param != "" {
 					t.Errorf("%s: refused for %s, want served", c.Name, param)
 				}
 				continue
 			}
-			f = tokenizerRefused(param)
+			f = refuse(param)
 		default:
 			t.Fatalf("%s: refusal %q", c.Name, c.Refusal)
 		}
@@ -68,5 +75,14 @@ func TestLogprobsAreAskedAsThePythonGatewayReadsThem(t *testing.T) {
 		if got := logprobsAsked(members, false); got != want {
 			t.Errorf("completion %s: %q, want %q", body, got, want)
 		}
+	}
+}
+
+func TestAVllmXargsReadTwoWaysIsLeftToThePythonGateway(t *testing.T) {
+	// Python's reader keeps the last of a key given twice: a null first must not hide it.
+	body := []byte(`{"vllm_xargs":{"kv_transfer_params":null,"kv_transfer_params":{"remote_host":"h"}}}`)
+	members, _ := topLevel(body)
+	if param, unsure := gatewayOwned(members); param != "" || !unsure {
+		t.Fatalf("gatewayOwned = %q, %v: want it handed to the Python gateway", param, unsure)
 	}
 }

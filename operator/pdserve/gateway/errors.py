@@ -44,6 +44,16 @@ def over_cap(field: str, cap: int) -> GatewayError:
     return GatewayError(400, f"{field} may be at most {cap}", param=field)
 
 
+def gateway_owned_refused(param: str) -> GatewayError:
+    """A client setting what only the gateway may send an engine (openai_schema.gateway_owned)."""
+    return GatewayError(
+        400,
+        f"{param} is the gateway's to set (it hands KV between the engines itself): remove it "
+        "from the request",
+        param=param,
+    )
+
+
 def tokenizer_needed(param: str, task: str, instead: str) -> GatewayError:
     """A parameter the model's `--tokens-only` engines would refuse after a render (and maybe a
     prefill) was spent on it, in words about their own flags: said before, with what the client

@@ -24,9 +24,20 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.gateway.content_encoding import decoded
-from pdserve.gateway.errors import GatewayError, error_response, over_cap, tokenizer_needed
+from pdserve.gateway.errors import (
+    GatewayError,
+    error_response,
+    gateway_owned_refused,
+    over_cap,
+    tokenizer_needed,
+)
 from pdserve.gateway.exchange import gateway_request_id
-from pdserve.gateway.openai_schema import InvalidRequest, needs_tokenizer, validate_request
+from pdserve.gateway.openai_schema import (
+    InvalidRequest,
+    gateway_owned,
+    needs_tokenizer,
+    validate_request,
+)
 from pdserve.gateway.server import body_will_not_come
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.wirejson import JSONDecodeError, loads
@@ -219,6 +230,8 @@ class Intake:
             request = validate_request(body, chat=chat)
         except InvalidRequest as error:
             raise GatewayError(400, error.message, param=error.param) from None
+        if (owned := gateway_owned(body)) is not None:
+            raise gateway_owned_refused(owned)
         if self.tokens_only_engines and (needed := needs_tokenizer(request)) is not None:
             raise tokenizer_needed(needed.param, needed.task, needed.instead)
         cap = self.settings.max_tokens_cap

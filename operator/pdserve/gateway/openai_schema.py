@@ -240,6 +240,27 @@ class CompletionRequest(Sampling):
         return self
 
 
+GATEWAY_OWNED = ("kv_transfer_params", "ec_transfer_params")
+"""What only the gateway may send an engine: where to pull (or hand off) a request's KV or
+encoder cache. vLLM reads them from the request or from `vllm_xargs` (sampling params'
+extra_args, where its engine looks), and a render server passes both on into the generate
+request: from a client they would point an engine at any host, or hold its KV blocks."""
+
+
+def gateway_owned(body: dict[str, Any]) -> str | None:
+    """The first parameter of a body that sets what only the gateway may (GATEWAY_OWNED, at
+    the top level or inside vllm_xargs), named as the client sent it; None when none."""
+    for field in GATEWAY_OWNED:
+        if body.get(field) is not None:
+            return field
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for field in GATEWAY_OWNED:
+            if xargs.get(field) is not None:
+                return f"vllm_xargs.{field}"
+    return None
+
+
 def logprobs_asked(body: dict[str, Any], *, chat: bool) -> str | None:
     """The parameter of a (valid) body that asks for log probabilities, if any."""
     if chat and (body.get("logprobs") or (body.get("top_logprobs") or 0) > 0):

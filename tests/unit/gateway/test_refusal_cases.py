@@ -12,11 +12,12 @@ import pytest
 
 from pdserve.gateway.errors import (
     GatewayError,
+    gateway_owned_refused,
     over_cap,
     stream_logprobs_refused,
     tokenizer_needed,
 )
-from pdserve.gateway.openai_schema import needs_tokenizer, validate_request
+from pdserve.gateway.openai_schema import gateway_owned, needs_tokenizer, validate_request
 
 CASES_FILE = (
     Path(__file__).resolve().parents[3] / "operator/pdserve/dataplane/testdata/refusals.json"
@@ -27,6 +28,10 @@ CASES: list[dict[str, Any]] = json.loads(CASES_FILE.read_text())
 def refusal(case: dict[str, Any]) -> GatewayError | None:
     if case["refusal"] == "over_cap":
         return over_cap(case["field"], case["cap"])
+    if case["refusal"] == "gateway_owned":
+        validate_request(dict(case["body"]), chat=case["chat"])  # a body the schema accepts
+        owned = gateway_owned(case["body"])
+        return None if owned is None else gateway_owned_refused(owned)
     if case["refusal"] == "needs_tokenizer":
         # What a model whose engines run --tokens-only refuses (intake.check_body).
         needed = needs_tokenizer(validate_request(dict(case["body"]), chat=case["chat"]))

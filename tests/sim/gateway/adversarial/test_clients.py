@@ -274,3 +274,27 @@ async def test_framing_aiohttp_refuses_is_answered_in_the_openai_shape(
     assert verdict.status == status, verdict
     assert verdict.error is not None
     assert message in verdict.error["message"], verdict
+
+
+HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+           "remote_block_ids": [1], "remote_host": "10.0.0.9", "remote_port": 5600}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"kv_transfer_params": HANDOFF}, "kv_transfer_params"),
+     ({"vllm_xargs": {"kv_transfer_params": HANDOFF}}, "vllm_xargs.kv_transfer_params")],
+)  # fmt: skip
+async def test_a_client_cannot_hand_an_engine_kv_parameters(
+    stack: Stack, extra: dict[str, Any], param: str, request_path: str
+) -> None:
+    """What only the gateway may send an engine (where to pull KV from: any host a client
+    names) is refused before any engine sees the request, on the aggregated route too."""
+    client = await pd_stack(stack, mode="Aggregated", data_plane=behind_data_plane(request_path))
+    answer = await client.post("/v1/chat/completions", json={**PLAIN, **extra})
+    verdict = judge_json(answer.status_code, answer.headers.get("content-type", "").split(";")[0],
+                         answer.content, chat=True)  # fmt: skip
+    TALLY.add(f"a client's KV handoff parameters refused ({request_path})", verdict)
+    assert (answer.status_code, answer.json()["error"]["param"]) == (400, param)
+    assert all(e.core.prefix_queries == 0 for e in stack.engines.values())
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
