@@ -7,6 +7,7 @@ package main
 // testdata/refusals.json (refusals_test.go, tests/unit/gateway/test_refusal_cases.py).
 
 import (
+	"encoding/json"
 	"net/http"
 	"strconv"
 )
@@ -57,11 +58,13 @@ func gatewayOwnedRefused(param string) *failure {
 }
 
 // tokenizerNeeded is openai_schema.needs_tokenizer over a validated body: the first parameter
-// a --tokens-only engine would refuse (it needs a tokenizer), "" when none. response_format
-// reaches here only as null (validation proves no other value cheaply).
+// a --tokens-only engine would refuse (it needs a tokenizer), "" when none.
 func tokenizerNeeded(members []member, chat bool) string {
 	if stop := lookup(members, "stop"); stop != nil && !isNull(stop) && !emptyArray(stop) {
 		return "stop"
+	}
+	if structuredFormat(lookup(members, "response_format")) {
+		return "response_format"
 	}
 	if present(members, "structured_outputs") {
 		return "structured_outputs"
@@ -77,6 +80,20 @@ func tokenizerNeeded(members []member, chat bool) string {
 	return ""
 }
 
+// structuredFormat: a (validated) response_format whose type vLLM serves with structured
+// outputs (openai_schema.STRUCTURED_FORMATS; "text" is none).
+func structuredFormat(raw []byte) bool {
+	if !isObject(raw) {
+		return false
+	}
+	fields, err := topLevel(raw)
+	var kind string
+	if err != nil || json.Unmarshal(lookup(fields, "type"), &kind) != nil {
+		return false
+	}
+	return kind == "json_schema" || kind == "json_object" || kind == "structural_tag"
+}
+
 // guidedParams: vLLM's older structured-output parameters (openai_schema.GUIDED_PARAMS).
 var guidedParams = []string{"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 
@@ -84,6 +101,7 @@ var guidedParams = []string{"guided_json", "guided_regex", "guided_choice", "gui
 // send instead (openai_schema.needs_tokenizer's NeedsTokenizer).
 var tokenizerTasks = map[string][2]string{
 	"stop":               {"apply stop strings", "use stop_token_ids"},
+	"response_format":    {structuredTask, `use response_format type "text"`},
 	"structured_outputs": {structuredTask, "drop structured_outputs"},
 	"tool_choice": {"force a tool call (vLLM forces one with structured outputs, which need a tokenizer)",
 		`use tool_choice "auto"`},

@@ -79,7 +79,9 @@ func provablyValid(r *http.Request, body []byte, members []member, chat bool) bo
 			ok = isNull(v) || streamOptions(v)
 		case "structured_outputs":
 			ok = isNull(v) || isObject(v)
-		case "logit_bias", "response_format", "prompt_embeds":
+		case "response_format":
+			ok = isNull(v) || responseFormat(v)
+		case "logit_bias", "prompt_embeds":
 			ok = isNull(v) // more than a cheap check: the Python gateway's
 		default:
 			if chat {
@@ -202,6 +204,27 @@ func streamOptions(v []byte) bool {
 		}
 		return true
 	})
+}
+
+// responseFormat: openai_schema.ResponseFormat, an object whose type is a string and whose
+// json_schema, if any, an object (what it holds is the engine's to read).
+func responseFormat(v []byte) bool {
+	typed := false
+	read := forPlainMembers(v, func(key, value []byte) bool {
+		switch string(key) {
+		case "type":
+			typed = isString(value)
+			return typed
+		case "json_schema":
+			return isNull(value) || isObject(value)
+		}
+		return true
+	})
+	if !read || !typed {
+		return false
+	}
+	fields, err := topLevel(v) // a key given twice: Python keeps the last, this reader the first
+	return err == nil && !duplicated(fields)
 }
 
 // utf8Charset: no charset, or UTF-8's (the Python gateway decodes any other, or refuses it).
