@@ -1,8 +1,9 @@
 """`spec.gateway.dataPlane: true` as a user turns it on, on the real node: the gateway pod runs
 the compiled data plane from the pdserve image in front of the Python gateway, the OpenAI SDK
 gets its answers (streamed and not) through the Service, and the gateway's own metrics show
-that the data plane, not the Python gateway, served them: with OpenAI engines, and with
-engines behind the render pool."""
+that the data plane, not the Python gateway, served them: with OpenAI engines in routing mode
+Auto (the default: the data plane decides each request), and with engines behind the render
+pool in mode Disaggregated."""
 
 from __future__ import annotations
 
@@ -22,28 +23,36 @@ from tests.support.realcluster import EXAMPLE, Cluster, describe, pods
 
 NAMESPACE = "llm-dataplane"
 NAME = "sim-fast"
-ROUTE = {"openai": "pd", "render": "render_pd"}
-"""The data plane's route label, by whether the engines sit behind the render pool."""
+ROUTE = {"openai": "decode", "render": "render_pd"}
+"""The data plane's route label for this test's requests, by whether the engines sit behind the
+render pool: in mode Auto its short prompts on an idle decode replica are prefilled there."""
+TABLE_ROUTE = {"openai": "auto", "render": "pd"}
+"""The route the data plane's routing table gives the model (`/status`)."""
 
 
 def fast_model(engines: str) -> dict[str, Any]:
-    """The simulator example, the way the data plane's route applies: prefill then decode for
-    every request (no Auto decisions), one gateway replica; with `engines` "openai" no render
-    pool (the engines speak OpenAI), with "render" the example's render pool."""
+    """The simulator example with the data plane on and one gateway replica: with `engines`
+    "openai" no render pool (the engines speak OpenAI) and the default routing mode, Auto; with
+    "render" the example's render pool and mode Disaggregated (prefill then decode for every
+    request)."""
     model: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     model["metadata"] = {"name": NAME, "namespace": NAMESPACE}
     spec = model["spec"]
+    spec["gateway"].update(replicas=1, dataPlane=True)
     if engines == "openai":
         spec["render"] = {"enabled": False}
-    spec["gateway"].update(replicas=1, dataPlane=True, routing={"mode": "Disaggregated"})
+        spec["gateway"].pop("routing", None)
+    else:
+        spec["gateway"]["routing"] = {"mode": "Disaggregated"}
     return model
 
 
 @pytest.fixture(params=list(ROUTE))
 def fast(
     request: pytest.FixtureRequest, cluster: Cluster, operator: None
-) -> Iterator[tuple[str, str]]:
-    """The gateway Service's URL and the route the data plane serves it by."""
+) -> Iterator[tuple[str, str, str]]:
+    """The gateway Service's URL, the route the data plane serves this test's requests by, and
+    its routing table's route."""
     cluster.kubectl("create", "namespace", NAMESPACE)
     manifest = json.dumps(fast_model(request.param))
     cluster.kubectl("apply", "-f", "-", stdin=manifest)
@@ -57,7 +66,7 @@ def fast(
             "get", "svc", f"{NAME}-gateway", "-n", NAMESPACE, "-o", "json"
         ).stdout)  # fmt: skip
         base = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
-        yield base, ROUTE[request.param]
+        yield base, ROUTE[request.param], TABLE_ROUTE[request.param]
     finally:
         cluster.kubectl("delete", "namespace", NAMESPACE, "--wait", check=False, timeout=300)
 
@@ -74,7 +83,7 @@ def served_by_data_plane(base: str, route: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-GATEWAY_ROUTE = {"pd": "openai_pd", "render_pd": "render_pd"}
+GATEWAY_ROUTE = {"pd": "openai_pd", "decode": "aggregated", "render_pd": "render_pd"}
 """The gateway's own `route` label for what the data plane serves on each route."""
 
 
@@ -100,9 +109,9 @@ def why_not_served(cluster: Cluster, base: str) -> str:
 
 
 def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
-    cluster: Cluster, fast: tuple[str, str]
+    cluster: Cluster, fast: tuple[str, str, str]
 ) -> None:
-    base, route = fast
+    base, route, table_route = fast
     [gateway] = pods(cluster, NAMESPACE, "app.kubernetes.io/component=gateway")
     args = gateway["spec"]["containers"][0]["args"]
     assert args[args.index("--data-plane") + 1] == DATA_PLANE_BINARY
@@ -143,12 +152,12 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
         return served_by_data_plane(base, route) > before
 
     try:
-        wait_until("the data plane to serve P/D requests itself", fast_path_serves, timeout=90,
+        wait_until("the data plane to serve requests itself", fast_path_serves, timeout=90,
                    interval=1)  # fmt: skip
     except ControlPlaneError as error:
         raise AssertionError(f"{error}; {why_not_served(cluster, base)}") from None
     shown = httpx.get(f"{base}/status", timeout=10).json()["dataPlane"]
-    assert (shown["route"], shown.get("handsOverBecause")) == ("pd", None), shown
+    assert (shown["route"], shown.get("handsOverBecause")) == (table_route, None), shown
     # Then streamed and not, each served by it, and counted in the gateway's own request
     # metrics too, as the Python gateway counts what it serves.
     before = served_by_data_plane(base, route)
