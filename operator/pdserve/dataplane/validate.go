@@ -177,23 +177,28 @@ func tool(v []byte) bool {
 		case "type":
 			return isString(value)
 		case "function":
-			named := false
-			function = forPlainMembers(value, func(key, value []byte) bool {
-				switch string(key) {
-				case "name":
-					named = isString(value)
-					return named
-				case "description":
-					return isNull(value) || isString(value)
-				case "parameters":
-					return isNull(value) || isObject(value)
-				}
-				return true
-			}) && named
+			function = namedObject(value, "name", map[string]func([]byte) bool{
+				"description": isString, "parameters": isObject})
 			return function
 		}
 		return true
 	}) && function
+}
+
+// namedObject: an object whose `name` member is a string and whose `optional` members are
+// null or pass their check (others are the engine's to read).
+func namedObject(v []byte, name string, optional map[string]func([]byte) bool) bool {
+	named := false
+	return forPlainMembers(v, func(key, value []byte) bool {
+		if string(key) == name {
+			named = isString(value)
+			return named
+		}
+		if check, ok := optional[string(key)]; ok {
+			return isNull(value) || check(value)
+		}
+		return true
+	}) && named
 }
 
 func streamOptions(v []byte) bool {
@@ -209,18 +214,7 @@ func streamOptions(v []byte) bool {
 // responseFormat: openai_schema.ResponseFormat, an object whose type is a string and whose
 // json_schema, if any, an object (what it holds is the engine's to read).
 func responseFormat(v []byte) bool {
-	typed := false
-	read := forPlainMembers(v, func(key, value []byte) bool {
-		switch string(key) {
-		case "type":
-			typed = isString(value)
-			return typed
-		case "json_schema":
-			return isNull(value) || isObject(value)
-		}
-		return true
-	})
-	if !read || !typed {
+	if !namedObject(v, "type", map[string]func([]byte) bool{"json_schema": isObject}) {
 		return false
 	}
 	fields, err := topLevel(v) // a key given twice: Python keeps the last, this reader the first
