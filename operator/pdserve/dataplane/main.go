@@ -838,7 +838,8 @@ func main() {
 	keepAlive := flag.Float64("keepalive-timeout-seconds", 75, "an idle kept-alive client connection is closed after this (and a request's head must arrive within it)")
 	requireKeys := flag.Bool("require-api-keys", false, "refuse a routing table without API key digests (the gateway checks API keys)")
 	gcPercent := flag.Int("gc-percent", 400, "the garbage collector's GOGC: the live heap is small, so collecting less often saves CPU per request (-1: only at -memory-limit-mib)")
-	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: none)")
+	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: -memory-limit-share of the container's memory limit)")
+	memoryShare := flag.Int64("memory-limit-share", 40, "without -memory-limit-mib, the heap's soft limit in percent of the container's memory limit (cgroup), which the Python gateway in the same container shares (0: none)")
 	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
 	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
@@ -878,8 +879,12 @@ func main() {
 	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole), body: seconds(*bodyTimeout),
 		render: seconds(*renderTimeout)}
 	debug.SetGCPercent(*gcPercent)
+	if *memoryLimit == 0 && *memoryShare > 0 {
+		*memoryLimit = heapLimit(cgroupMemoryFiles, *memoryShare) >> 20
+	}
 	if *memoryLimit > 0 {
 		debug.SetMemoryLimit(*memoryLimit << 20)
+		log.Printf("pdserve-dataplane: the heap is collected at %d MiB at the latest", *memoryLimit)
 	}
 
 	var server *http.Server
