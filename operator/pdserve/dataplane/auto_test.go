@@ -154,3 +154,19 @@ func TestAPromptIsEstimatedAtFourBytesOfItsJSONAToken(t *testing.T) {
 		}
 	}
 }
+
+func TestAutosRestrictionHoldsForAdmissionAndRetries(t *testing.T) {
+	built, _ := mustBuild(t, twoGroups, nil)
+	m := built.models["qwen"]
+	p0 := m.groups[0].prefill[0]
+	only := []string{"http://p0:8000"}
+	if ranked := m.rankedPrefill(p0, only); len(ranked) != 1 {
+		t.Fatalf("ranked %d prefill replicas, want p0 alone", len(ranked))
+	}
+	if others := m.otherPrefills(p0, only); len(others) != 0 {
+		t.Fatalf("a retry would go to %s, outside Auto's restriction", others[0].url)
+	}
+	if others := m.otherPrefills(p0, nil); len(others) != 1 || others[0].url != "http://p1:8000" {
+		t.Fatalf("unrestricted retries %v, want p1", others)
+	}
+}

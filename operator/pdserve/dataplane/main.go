@@ -304,7 +304,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		// prompt holds a slot on one prefill replica while it prefills there.
 		var granted *endpoint
 		var reason fallback
-		if granted, release, reason = p.admit(ctx, t, m, prefill); reason != "" {
+		if granted, release, reason = p.admit(ctx, t, m, prefill, s.prefillOnly); reason != "" {
 			return reason
 		}
 		prefill, decode = granted, m.decodeFor(granted)
@@ -375,7 +375,7 @@ func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode 
 		return m.pick()
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
-	s.learn, s.promptTokens = &p.auto, promptTokens
+	s.learn, s.promptTokens, s.prefillOnly = &p.auto, promptTokens, d.Prefill
 	return m.pickAuto(d, m.auto.LocalOnPrefillPool)
 }
 
@@ -446,7 +446,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	served, f := p.callJSON(ctx, "prefill", []*endpoint{first}, path, request, id, auth,
 		p.upstream.firstByte, true, answer)
 	if f != nil && !f.final && !f.kv {
-		if others := m.otherPrefills(first); len(others) > 0 {
+		if others := m.otherPrefills(first, s.prefillOnly); len(others) > 0 {
 			served, f = p.callJSON(ctx, "prefill", others, path, request, id, auth,
 				p.upstream.firstByte, true, answer)
 		}
@@ -696,10 +696,10 @@ func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body [
 }
 
 // admit waits for a long-prefill slot on one of the model's prefill replicas (the least loaded
-// first) in this replica's queue, or while another gateway replica leads admission through the
-// Python gateway, and holds it until release.
-func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint) (*endpoint, func(), fallback) {
-	ranked := m.rankedPrefill(best)
+// first; with `only`, of those servers alone) in this replica's queue, or while another gateway
+// replica leads admission through the Python gateway, and holds it until release.
+func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint, only []string) (*endpoint, func(), fallback) {
+	ranked := m.rankedPrefill(best, only)
 	// Slots are per server, however many of its data-parallel ranks the table names.
 	urls := make([]string, 0, len(ranked))
 	for _, e := range ranked {

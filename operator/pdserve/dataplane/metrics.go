@@ -130,6 +130,7 @@ type served struct {
 	promptTokens int64
 	prefillDone  time.Time // when prefill answered with the KV's whereabouts
 	prefilledOn  string
+	prefillOnly  []string // Auto's P/D only through these prefill servers (admission, retries)
 }
 
 // prefilled: prefill on `on` answered with the KV's whereabouts after `took`.

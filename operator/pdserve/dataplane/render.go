@@ -91,7 +91,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
 		var granted *endpoint
 		var reason fallback
-		if granted, release, reason = p.admit(ctx, t, m, prefill); reason != "" {
+		if granted, release, reason = p.admit(ctx, t, m, prefill, s.prefillOnly); reason != "" {
 			return reason
 		}
 		prefill, decode = granted, m.decodeFor(granted)

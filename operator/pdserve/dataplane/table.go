@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -250,12 +251,14 @@ func (m *model) pick() (prefill, decode *endpoint) {
 	return nil, decode
 }
 
-// rankedPrefill: every prefill replica (or rank) of the model, `best` first, then by load.
-func (m *model) rankedPrefill(best *endpoint) []*endpoint {
+// rankedPrefill: every prefill replica (or rank) of the model, `best` first, then by load;
+// with `only`, those of these servers alone (Auto mode's P/D through the replicas whose KV path
+// fits).
+func (m *model) rankedPrefill(best *endpoint, only []string) []*endpoint {
 	ranked := []*endpoint{best}
 	for i := range m.groups {
 		for _, e := range m.groups[i].prefill {
-			if e != best {
+			if e != best && (len(only) == 0 || slices.Contains(only, e.url)) {
 				ranked = append(ranked, e)
 			}
 		}
@@ -268,9 +271,9 @@ func (m *model) rankedPrefill(best *endpoint) []*endpoint {
 // otherPrefills: a failed prefill's retries, the least loaded first: the model's prefill
 // replicas on other servers (a server that failed a request fails it on every rank, as the
 // Python gateway holds).
-func (m *model) otherPrefills(failed *endpoint) []*endpoint {
+func (m *model) otherPrefills(failed *endpoint, only []string) []*endpoint {
 	var others []*endpoint
-	for _, e := range m.rankedPrefill(failed)[1:] {
+	for _, e := range m.rankedPrefill(failed, only)[1:] {
 		if e.url != failed.url {
 			others = append(others, e)
 		}
