@@ -504,7 +504,8 @@ func (f *requestFraming) head() *fault {
 		return faultNoHost
 	case f.expect && !f.http10 && f.hasLength && f.length > f.maxBody:
 		// Refused before the client sends the body it asked about.
-		return &fault{413, "RequestTooLarge", fmt.Sprintf("request body exceeds %d bytes", f.maxBody)}
+		refused := tooLarge(f.maxBody)
+		return &fault{refused.status, refused.kind, refused.message}
 	}
 	return nil
 }

@@ -125,7 +125,7 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.ContentLength > p.maxBody {
-		p.toPython(w, r, nil, "body_shape", s) // its 413, before it would take a slot
+		p.refuseTooLarge(w, r) // before it would take a slot, its body unread
 		return
 	}
 	buffer := p.buffers.Get().(*bytes.Buffer)
@@ -140,14 +140,13 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 		// Nothing whole to hand over: the client's connection broke mid-body, or its chunked
 		// framing did. Answered here, in the Python gateway's words.
 		p.stats.unreadable.Add(1)
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusBadRequest)
-		fmt.Fprint(w, `{"error":{"message":"request body could not be read as sent: the connection or its chunked framing (Transfer-Encoding: chunked) broke","type":"BadRequestError","param":null,"code":400}}`)
+		answerError(w, http.StatusBadRequest, "BadRequestError", "request body could not be read "+
+			"as sent: the connection or its chunked framing (Transfer-Encoding: chunked) broke", false)
 		return
 	}
 	body := buffer.Bytes()
 	if int64(len(body)) > p.maxBody {
-		p.toPython(w, r, body, "body_shape", s)
+		p.refuseTooLarge(w, r) // what is left of it dropped as it comes
 		return
 	}
 	// One limit per gateway: a request holds its slot whether the data plane serves it or
@@ -366,6 +365,15 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		s.outcome = "client_gone"
 	}
 	return ""
+}
+
+// refuseTooLarge answers a body over -max-body-bytes as the Python gateway does (a 413, the
+// connection closed after it, what the client still sends dropped as it comes), counted as it
+// counts it.
+func (p *plane) refuseTooLarge(w http.ResponseWriter, r *http.Request) {
+	p.metrics.count("unknown", "error_413")
+	f := tooLarge(p.maxBody)
+	refuseBeforeBody(w, r, f.status, f.kind, f.message)
 }
 
 // route: the engines for one request, P/D or not as the model's route says, or as Auto mode

@@ -12,6 +12,12 @@ import (
 	"strconv"
 )
 
+// tooLarge: a body over -max-body-bytes (declared, or as it arrived).
+func tooLarge(limit int64) *failure {
+	return gatewayError(http.StatusRequestEntityTooLarge, "RequestTooLarge",
+		"request body exceeds "+strconv.FormatInt(limit, 10)+" bytes")
+}
+
 // overCap: a completion limit over --max-tokens-cap.
 func overCap(field string, limit int64) *failure {
 	f := gatewayError(http.StatusBadRequest, "BadRequestError",

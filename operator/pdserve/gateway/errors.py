@@ -37,6 +37,11 @@ class GatewayError(Exception):
         }.get(status, "APIError")
 
 
+def too_large(limit: int) -> GatewayError:
+    """A body over `--max-body-bytes` (declared, or as it arrived)."""
+    return GatewayError(413, f"request body exceeds {limit} bytes", kind="RequestTooLarge")
+
+
 def over_cap(field: str, cap: int) -> GatewayError:
     """A completion limit over `--max-tokens-cap`. Refusals both request paths answer before any
     engine call are worded here and in dataplane/refusals.go, held together by

@@ -30,6 +30,7 @@ from pdserve.gateway.errors import (
     gateway_owned_refused,
     over_cap,
     tokenizer_needed,
+    too_large,
 )
 from pdserve.gateway.exchange import gateway_request_id
 from pdserve.gateway.openai_schema import (
@@ -195,8 +196,7 @@ class Intake:
         return decoded(data, encoding, self.settings.max_body_bytes)
 
     def _too_large(self) -> GatewayError:
-        limit = self.settings.max_body_bytes
-        return GatewayError(413, f"request body exceeds {limit} bytes", kind="RequestTooLarge")
+        return too_large(self.settings.max_body_bytes)
 
     def read_body(self, request: web.Request, data: bytes) -> dict[str, Any]:
         """`data`, the body receive() returned, as the JSON object a completion request is."""

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from pdserve.gateway.dataplane import SOURCE, build_binary
+from pdserve.gateway.settings import GatewaySettings
 from pdserve.sim.procs import Proc, Processes, free_port
 
 MODEL = "qwen"
@@ -316,10 +317,15 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
         assert (capped.status_code, capped.json()["error"]["param"]) == (400, "max_tokens")
         twice = b'{"model": "qwen", "messages": [], "model": "other"}'
         assert httpx.post(url, content=twice, headers=key, timeout=30).status_code == 404
+        # Over the body cap, declared or as it arrives (chunked): the 413, from the data plane.
+        half = b"x" * (GatewaySettings().max_body_bytes // 2 + 1)
+        for oversized in (half * 2, iter([half, half])):
+            large = httpx.post(url, content=oversized, headers=key, timeout=30)
+            assert (large.status_code, large.json()["error"]["type"]) == (413, "RequestTooLarge")
         # Only the one well-formed, authorized request within the cap was served in Go; the
-        # 401 was answered there too, before its body was read, the 404 and the cap's 400 once
-        # it was read; the broken body and the duplicated key were handed over. The 404s and
-        # the 400s, whichever process answered, are counted alike.
+        # 401 was answered there too, before its body was read, the 413s, the 404 and the cap's
+        # 400 once it was read; the broken body and the duplicated key were handed over. The
+        # 404s and the 400s, whichever process answered, are counted alike.
         eventually("one request served by the data plane, two handed over", lambda: (
             metric(gateway.url, "pdserve_gateway_dataplane_requests_total", key) == 1
             and metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 2
@@ -327,6 +333,7 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
         counted = httpx.get(f"{gateway.url}/metrics", headers=key, timeout=10).text
         assert 'outcome="error_404",route="unknown"} 2.0' in counted
         assert 'outcome="error_400",route="unknown"} 2.0' in counted
+        assert 'outcome="error_413",route="unknown"} 2.0' in counted
 
 
 def test_a_failed_prefill_falls_back_to_local_prefill_in_the_data_plane(

@@ -16,6 +16,7 @@ from pdserve.gateway.errors import (
     over_cap,
     stream_logprobs_refused,
     tokenizer_needed,
+    too_large,
 )
 from pdserve.gateway.openai_schema import gateway_owned, needs_tokenizer, validate_request
 
@@ -26,6 +27,8 @@ CASES: list[dict[str, Any]] = json.loads(CASES_FILE.read_text())
 
 
 def refusal(case: dict[str, Any]) -> GatewayError | None:
+    if case["refusal"] == "too_large":
+        return too_large(case["cap"])
     if case["refusal"] == "over_cap":
         return over_cap(case["field"], case["cap"])
     if case["refusal"] == "gateway_owned":
