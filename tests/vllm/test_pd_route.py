@@ -9,6 +9,8 @@ The render server and the pair run the command lines the operator builds for a C
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from pdserve.api import DisaggregatedModel
+from pdserve.gateway.dataplane import build_binary
 from tests.support.chat_cases import CHAT_CASES, STREAM_CASES, long_answer, request
 from tests.support.operator_commands import pod_commands, routing_config
 from tests.support.real_stack import (
@@ -23,6 +26,7 @@ from tests.support.real_stack import (
     assert_left_work_is_aborted,
     chat_answer,
     chat_stream_answer,
+    data_plane_stats,
     gateway_over,
     pretty,
 )
@@ -190,3 +194,56 @@ async def test_a_client_that_leaves_stops_both_engines(
         pd_render_route, long_answer(), stream=stream, engine=pair.decode
     )
     assert engine_counts(pair.prefill).get("running") == 0
+
+
+async def test_auto_mode_on_the_data_plane_disaggregates_over_real_nixl(
+    pair: Pair, reference: AsyncOpenAI
+) -> None:
+    """Routing mode Auto decided in the compiled data plane, over the real pair: a long prompt
+    while decode is busy goes P/D (decode pulls its KV over NIXL) and answers what aggregated
+    vLLM answers; nothing is handed to the Python gateway."""
+    auto = {**pair.config, "routing": {**pair.config["routing"], "mode": "Auto"}}
+    document = request(
+        {
+            "max_tokens": 16,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": (
+                        "Summarize in one line: "
+                        + "The weather is mild today and the wind is calm. " * 50
+                    ),
+                }
+            ],
+        }
+    )
+    expected = chat_answer(await reference.chat.completions.create(**document))
+    async with gateway_over(
+        prefill=[pair.prefill.url], decode=[pair.decode.url], engine_api="openai",
+        operator_config=auto, data_plane=build_binary(),
+    ) as gateway:  # fmt: skip
+        await table_routes(gateway, "auto")
+        # Decode idle: the first request prefills there (decode_idle), and keeps it busy.
+        held = await gateway.client.chat.completions.create(**{**long_answer(), "stream": True})
+        await anext(aiter(held))
+        transfers = engine_counts(pair.decode).get("kv_transfers", 0.0)
+        got = chat_answer(await gateway.client.chat.completions.create(**document))
+        await held.close()  # the client leaves: its work is aborted
+        assert got == expected, f"Auto P/D:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
+        assert engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers, (
+            "decode pulled no KV from prefill: Auto did not disaggregate the long prompt"
+        )
+        stats = await data_plane_stats(gateway)
+        assert stats["fallbacks"] == {}, stats
+        assert (stats["routes"]["pd"], stats["routes"]["decode"]) == (1, 1), stats["routes"]
+        assert stats["auto"]["decisions"] == {"decode_idle": 1, "long_prompt": 1}, stats["auto"]
+
+
+async def table_routes(gateway: GatewayUnderTest, route: str) -> None:
+    """Until the data plane's routing table routes the model so (the engines checked)."""
+    front = gateway.gateway.data_plane
+    assert front is not None
+    deadline = time.monotonic() + 60
+    while front.status().get("route") != route:
+        assert time.monotonic() < deadline, front.status()
+        await asyncio.sleep(0.05)  # another process's state, polled with a deadline

@@ -203,6 +203,44 @@ type autoJSON struct {
 	Queues map[string]engineQueue `json:"queues"`
 	// Long prompts waiting in the peers' admission queues (this replica's own are counted here).
 	Queued float64 `json:"queued"`
+	// The step meter's window (settings.step_window_seconds).
+	StepWindowSeconds float64 `json:"stepWindowSeconds"`
+}
+
+// stepMeter is endpoints.StepMeter: the mean gap between an engine's streamed events over
+// windows, smoothed across windows, measured on the streams this data plane relays.
+type stepMeter struct {
+	mu      sync.Mutex
+	seconds float64 // 0 until a window closed
+	sum     time.Duration
+	count   int
+	started time.Time
+}
+
+func (m *stepMeter) observe(gap time.Duration, now time.Time, window time.Duration) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.started.IsZero() || now.Sub(m.started) > 2*window {
+		m.started, m.sum, m.count = now, 0, 0 // after a quiet spell: anew
+	}
+	m.sum += gap
+	m.count++
+	if now.Sub(m.started) >= window {
+		mean := m.sum.Seconds() / float64(m.count)
+		if m.seconds == 0 {
+			m.seconds = mean
+		} else {
+			m.seconds = 0.5*mean + 0.5*m.seconds
+		}
+		m.started, m.sum, m.count = now, 0, 0
+	}
+}
+
+// read: the smoothed step time; false before a window closed.
+func (m *stepMeter) read() (float64, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.seconds, m.seconds > 0
 }
 
 // engineQueue: one engine's (or rank's) queue as the Python gateway last scraped it.
@@ -253,7 +291,11 @@ func (a *autoJSON) queues(m *model, queuedHere int) (*queueState, []string) {
 		}
 	}
 	if calmest != nil {
+		// Its streams as this data plane relays them; else as the Python gateway relayed them.
 		out.DecodeActive, out.DecodeStepSeconds = &calm, a.Queues[calmest.key].StepSeconds
+		if seconds, known := calmest.steps.read(); known {
+			out.DecodeStepSeconds = &seconds
+		}
 	}
 	return out, replicas
 }

@@ -170,3 +170,37 @@ func TestAutosRestrictionHoldsForAdmissionAndRetries(t *testing.T) {
 		t.Fatalf("unrestricted retries %v, want p1", others)
 	}
 }
+
+func TestTheStepMeterSmoothsWindowMeansAndStartsAnewAfterAQuietSpell(t *testing.T) {
+	var m stepMeter
+	start, window := time.Unix(1000, 0), time.Second
+	m.observe(20*time.Millisecond, start, window)
+	if _, known := m.read(); known {
+		t.Fatal("a step time before any window closed")
+	}
+	m.observe(40*time.Millisecond, start.Add(window), window) // the window closes: mean 30 ms
+	if got, _ := m.read(); got < 0.0299 || got > 0.0301 {
+		t.Fatalf("first window %g s, want 0.030", got)
+	}
+	m.observe(10*time.Millisecond, start.Add(5*window), window) // after a quiet spell: anew
+	m.observe(10*time.Millisecond, start.Add(6*window), window) // mean 10 ms, smoothed by half
+	if got, _ := m.read(); got < 0.0199 || got > 0.0201 {
+		t.Fatalf("smoothed %g s, want 0.020", got)
+	}
+}
+
+func TestAutoReadsTheStepTimeOfTheStreamsItRelaysOverTheScrapedOne(t *testing.T) {
+	raw := strings.Replace(autoTable, `"backlog":0}`, `"backlog":0,"stepSeconds":0.5}`, 1)
+	built, engines := mustBuild(t, raw, nil)
+	m := built.models["qwen"]
+	q, _ := m.auto.queues(m, 0)
+	if q.DecodeStepSeconds == nil || *q.DecodeStepSeconds != 0.5 {
+		t.Fatalf("step time %v, want the pushed 0.5", q.DecodeStepSeconds)
+	}
+	decode, now := engines["http://d0:8000"], time.Now()
+	decode.steps.observe(20*time.Millisecond, now, time.Millisecond)
+	decode.steps.observe(20*time.Millisecond, now.Add(time.Millisecond), time.Millisecond)
+	if q, _ = m.auto.queues(m, 0); *q.DecodeStepSeconds > 0.021 {
+		t.Fatalf("step time %g, want its own 0.020", *q.DecodeStepSeconds)
+	}
+}

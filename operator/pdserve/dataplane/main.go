@@ -384,6 +384,7 @@ func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode 
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
 	s.learn, s.promptTokens, s.prefillOnly = &p.auto, promptTokens, d.Prefill
+	s.stepWindow = time.Duration(m.auto.StepWindowSeconds * float64(time.Second))
 	return m.pickAuto(d, m.auto.LocalOnPrefillPool)
 }
 
@@ -572,6 +573,9 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 			if isData {
 				first = false
 				timer.Reset(p.timeouts.idle)
+				if string(data) != "[DONE]" {
+					s.event(e)
+				}
 				switch verdict := events.check(data); verdict {
 				case eventDone:
 					done = true

@@ -124,13 +124,29 @@ type served struct {
 	route     string
 	outcome   string
 	lastChunk time.Time // zero until the first token went out
-	chunks    int64
 	// Routing mode Auto: what this request teaches (nil in the other modes).
 	learn        *autoRuntime
 	promptTokens int64
 	prefillDone  time.Time // when prefill answered with the KV's whereabouts
 	prefilledOn  string
 	prefillOnly  []string // Auto's P/D only through these prefill servers (admission, retries)
+	stepWindow   time.Duration
+	events       int64     // decode's events of a stream (one per engine step and choice)
+	lastEvent    time.Time // zero until decode's first event
+}
+
+// event: decode sent a stream event; in routing mode Auto the gap since its last one feeds the
+// engine's step meter (what a stream's time between tokens would be there now).
+func (s *served) event(decode *endpoint) {
+	if s.learn == nil {
+		return
+	}
+	now := time.Now()
+	if !s.lastEvent.IsZero() {
+		decode.steps.observe(now.Sub(s.lastEvent), now, s.stepWindow)
+	}
+	s.lastEvent = now
+	s.events++
 }
 
 // prefilled: prefill on `on` answered with the KV's whereabouts after `took`.
@@ -156,7 +172,6 @@ func (s *served) chunk() {
 		s.metrics.itl.observe(s.route, now.Sub(s.lastChunk))
 	}
 	s.lastChunk = now
-	s.chunks++
 }
 
 // answered: a whole (not streamed) answer went to the client: its first token too.
@@ -170,8 +185,8 @@ func (s *served) end() {
 		return
 	}
 	s.metrics.count(s.route, s.outcome)
-	if s.learn != nil && s.chunks > 0 {
-		s.learn.observe("output", 0, s.chunks, "") // a streamed answer's length
+	if s.learn != nil && s.events > 0 && s.outcome == "ok" {
+		s.learn.observe("output", 0, s.events, "") // a whole streamed answer's length
 	}
 	s.metrics.e2e.observe(s.route, time.Since(s.started))
 }

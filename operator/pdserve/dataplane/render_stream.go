@@ -350,6 +350,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 			done = true
 			break
 		}
+		rs.served.event(decode)
 		members, err := topLevel(data)
 		if err != nil {
 			broke = "decode sent a malformed event (not a JSON object)"

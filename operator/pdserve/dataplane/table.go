@@ -76,6 +76,7 @@ type endpoint struct {
 	base     atomic.Uint64 // float64 bits: the Python gateway's view of its load (scraped)
 	inflight atomic.Int64
 	served   atomic.Int64
+	steps    stepMeter // routing mode Auto: its streams' time between tokens
 }
 
 type group struct {

@@ -140,12 +140,17 @@ def admission_table(
 
 
 def auto_table(
-    config: GatewayConfig, endpoints: Endpoints, policy: AutoPolicy, peers_queued: int
+    config: GatewayConfig,
+    endpoints: Endpoints,
+    policy: AutoPolicy,
+    peers_queued: int,
+    step_window_seconds: float,
 ) -> dict[str, Any]:
     """Routing mode Auto as the data plane decides it (dataplane/auto.go): the view of Auto
     mode's model now, the settings for what it keeps between requests (the degraded path's
-    probes, the one request measuring the first handoff), and the engines' queues as last
-    scraped (it adds its own requests in flight, and its own admission queue to the peers')."""
+    probes, the one request measuring the first handoff, its own step meters' window), and the
+    engines' queues as last scraped (it adds its own requests in flight, its own admission
+    queue to the peers', and the step times of the streams it relays)."""
     slo, settings = config.routing.slo, policy.settings
     return {
         "view": policy.view(slo.ttft_seconds, slo.itl_seconds).to_wire(),
@@ -163,6 +168,7 @@ def auto_table(
             for each in endpoints.pools.get(pool, [])
         },
         "queued": peers_queued,
+        "stepWindowSeconds": step_window_seconds,
     }
 
 
@@ -182,7 +188,9 @@ def routing_table(
     route, render, engine_groups, _ = served_route(config, endpoints, settings)
     entry: dict[str, Any] = {"route": route, "groups": engine_groups, "render": render}
     if route == AUTO:
-        entry["auto"] = auto_table(config, endpoints, policy, peers_queued)
+        entry["auto"] = auto_table(
+            config, endpoints, policy, peers_queued, settings.step_window_seconds
+        )
     return {
         "version": version,
         "models": {config.model: entry},
