@@ -20,6 +20,7 @@ from pdserve.contract.routing import ConfigError, load_config
 from pdserve.gateway import server
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.main import behind_data_plane
 from pdserve.gateway.policy import PolicySettings
 from pdserve.gateway.settings import GatewaySettings
 
@@ -60,6 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--request-log", type=Path, help="one JSON line per request: engines, Auto's reason"
     )
+    parser.add_argument(
+        "--data-plane",
+        type=Path,
+        help="serve clients through this compiled data plane binary (pdserve gateway --data-plane)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
@@ -71,7 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.time_scale, fair_queue=args.fair_queue, request_log=args.request_log
     )
     gateway = Gateway(config, settings)
-    server.run(gateway.app(), args.host, args.port)
+    if args.data_plane is None:
+        server.run(gateway.app(), args.host, args.port)
+        return 0
+    listener = behind_data_plane(gateway, args.data_plane, args.host, args.port)
+    host, port = listener.getsockname()[:2]
+    server.run(gateway.app(), host, port, front=gateway.data_plane, sock=listener)
     return 0
 
 

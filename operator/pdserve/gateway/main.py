@@ -220,12 +220,8 @@ def run(args: argparse.Namespace) -> int:
         if not binary.is_file():
             print(f"error: --data-plane {binary}: no such file (or pass `build`)", file=sys.stderr)
             return 2
-        # The data plane takes the clients' address; this gateway listens on loopback behind it,
-        # on a socket listening before the data plane is told its address (nothing can take
-        # the port in between).
-        listener = listening_socket()
+        listener = behind_data_plane(gateway, binary, args.host, args.port)
         host, port = listener.getsockname()[:2]
-        gateway.use_data_plane(binary, f"{args.host}:{args.port}", f"http://{host}:{port}")
     server.run(
         gateway.app(),
         host,
@@ -236,3 +232,13 @@ def run(args: argparse.Namespace) -> int:
         sock=listener,
     )
     return 0
+
+
+def behind_data_plane(gateway: Gateway, binary: Path, host: str, port: int) -> socket.socket:
+    """Put the compiled data plane (`binary`) at host:port in front of `gateway`, which serves
+    behind it on loopback, on the socket returned: listening before the data plane is told its
+    address, so nothing can take the port in between."""
+    listener = listening_socket()
+    loopback, behind = listener.getsockname()[:2]
+    gateway.use_data_plane(binary, f"{host}:{port}", f"http://{loopback}:{behind}")
+    return listener

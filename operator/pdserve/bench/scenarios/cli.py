@@ -77,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
         "the other scenarios use seed 0)",
     )
     parser.add_argument("--fresh", action="store_true", help="measure again, reuse nothing")
+    parser.add_argument(
+        "--data-plane",
+        action="store_true",
+        help="routing mode Auto's deployments behind the gateway's compiled data plane, which "
+        "decides Auto itself (their points keep no request log)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false")  # fmt: skip
     return parser
 
@@ -119,6 +125,7 @@ def main(argv: Sequence[str]) -> int:
         seeds=args.seeds,
         fresh=args.fresh,
         progress=args.progress,
+        data_plane=args.data_plane,
     )
     options.results.mkdir(parents=True, exist_ok=True)
     # The report's command: what changes the numbers (not --fresh or --no-progress).

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pdserve.bench.summary import Slo
 from pdserve.bench.workload import Workload, collision_mix, fixed
+from pdserve.gateway.dataplane import build_binary
 from pdserve.sim.experiment import ENGINE_MODEL
 from pdserve.sim.procs import Processes, free_port, sim_engine_argv, sim_render_argv
 
@@ -51,6 +52,10 @@ class Deployment:
     reversed_engines: bool = False
     """List the engines to the gateway in the other order: ties between equally loaded
     engines break the other way (an equally good deployment, for the noise of comparisons)."""
+    data_plane: bool = False
+    """The gateway behind its compiled data plane (which decides Auto itself). It keeps no
+    request log (the data plane would hand every request to the Python gateway to log it), so
+    such points have no per-request engines or Auto reasons."""
 
     def engine_flags(self, time_scale: float) -> list[str]:
         flags = [
@@ -115,7 +120,9 @@ class Deployment:
         extra = ["--time-scale", str(time_scale)]
         if not self.fair_queue:
             extra.append("--no-fair-queue")
-        if request_log is not None:
+        if self.data_plane:
+            extra += ["--data-plane", str(build_binary())]
+        elif request_log is not None:
             extra += ["--request-log", str(request_log)]
         return procs.gateway(config, *extra, module=SIMGATEWAY).url
 

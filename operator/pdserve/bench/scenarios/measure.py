@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -117,6 +118,8 @@ def sweep(
 ) -> dict[tuple[str, float], dict[str, Any]]:
     out = {}
     for deployment in deployments:
+        if options.data_plane and deployment.mode == "Auto":
+            deployment = replace(deployment, data_plane=True)
         for rate in rates:
             point = Point(
                 deployment, workload, rate, num_prompts, warmup, options.time_scale, slo, seed

@@ -33,7 +33,7 @@ class Point:
 
     def _parameters(self) -> dict[str, Any]:
         deployment = asdict(self.deployment)
-        for later in ("render", "reversed_engines"):
+        for later in ("render", "reversed_engines", "data_plane"):
             if not deployment[later]:
                 del deployment[later]  # as before the field existed: those points stay reusable
         return {
@@ -62,6 +62,8 @@ class Options:
     rates: tuple[float, ...] | None = None
     seeds: int = 1
     """Each point is measured with seeds 0..seeds-1 (other arrival times and prompts)."""
+    data_plane: bool = False
+    """Routing mode Auto's deployments behind the gateway's compiled data plane."""
     fresh: bool = False
     progress: bool = True
     reused: int = 0
