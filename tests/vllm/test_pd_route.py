@@ -223,7 +223,7 @@ async def test_auto_mode_on_the_data_plane_disaggregates_over_real_nixl(
         operator_config=auto, data_plane=build_binary(),
     ) as gateway:  # fmt: skip
         await table_routes(gateway, "auto")
-        # Decode idle: the first request prefills there (decode_idle), and keeps it busy.
+        # A short prompt prefills on decode (short_prompt), and keeps it busy with its answer.
         held = await gateway.client.chat.completions.create(**{**long_answer(), "stream": True})
         await anext(aiter(held))
         transfers = engine_counts(pair.decode).get("kv_transfers", 0.0)
@@ -236,7 +236,7 @@ async def test_auto_mode_on_the_data_plane_disaggregates_over_real_nixl(
         stats = await data_plane_stats(gateway)
         assert stats["fallbacks"] == {}, stats
         assert (stats["routes"]["pd"], stats["routes"]["decode"]) == (1, 1), stats["routes"]
-        assert stats["auto"]["decisions"] == {"decode_idle": 1, "long_prompt": 1}, stats["auto"]
+        assert stats["auto"]["decisions"] == {"short_prompt": 1, "long_prompt": 1}, stats["auto"]
 
 
 async def table_routes(gateway: GatewayUnderTest, route: str) -> None:
