@@ -10,27 +10,20 @@ import (
 // errorBodyCase: one of testdata/error_bodies.json, which the Python gateway's test
 // (tests/unit/gateway/test_error_bodies.py) reads too: an error answer's body, byte for byte.
 type errorBodyCase struct {
-	Name    string  `json:"name"`
-	Status  int     `json:"status"`
-	Type    string  `json:"type"`
-	Message string  `json:"message"`
-	Param   *string `json:"param"`
-	Body    string  `json:"body"`
+	sharedError
+	Name string `json:"name"`
+	Body string `json:"body"`
 }
 
 func TestAnErrorAnswerIsTheBodyThePythonGatewayWrites(t *testing.T) {
 	for _, c := range sharedCases[[]errorBodyCase](t, "error_bodies.json") {
-		param := ""
-		if c.Param != nil {
-			param = *c.Param
-		}
-		if got := string(errorBody(c.Status, c.Type, c.Message, param)); got != c.Body {
+		want := c.failure()
+		if got := string(errorBody(c.Status, c.Type, c.Message, want.param)); got != c.Body {
 			t.Errorf("%s:\n got %s\nwant %s", c.Name, got, c.Body)
 		}
 		// The answer as a whole, for the errors the data plane answers before any engine call.
 		recorder := httptest.NewRecorder()
-		answerFailure(recorder, &served{},
-			&failure{status: c.Status, kind: c.Type, message: c.Message, param: param, final: true})
+		answerFailure(recorder, &served{}, want)
 		if recorder.Code != c.Status || recorder.Body.String() != c.Body {
 			t.Errorf("%s: answered %d %s", c.Name, recorder.Code, recorder.Body.String())
 		}

@@ -15,10 +15,7 @@ type refusalCase struct {
 	Body    json.RawMessage `json:"body"`
 	Field   string          `json:"field"`
 	Cap     int64           `json:"cap"`
-	Status  int             `json:"status"`
-	Type    string          `json:"type"`
-	Param   *string         `json:"param"`
-	Message string          `json:"message"`
+	sharedError
 }
 
 func TestARefusalIsWordedAsTheSharedCaseSays(t *testing.T) {
@@ -54,11 +51,8 @@ func TestARefusalIsWordedAsTheSharedCaseSays(t *testing.T) {
 		default:
 			t.Fatalf("%s: refusal %q", c.Name, c.Refusal)
 		}
-		param := "" // "param": null
-		if c.Param != nil {
-			param = *c.Param
-		}
-		if f.status != c.Status || f.kind != c.Type || f.param != param || f.message != c.Message {
+		want := c.failure()
+		if f.status != want.status || f.kind != want.kind || f.param != want.param || f.message != want.message {
 			t.Errorf("%s: got %d %s %s %q", c.Name, f.status, f.kind, f.param, f.message)
 		}
 	}

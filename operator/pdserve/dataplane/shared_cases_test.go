@@ -21,3 +21,20 @@ func sharedCases[T any](t testing.TB, name string) T {
 	}
 	return cases
 }
+
+// sharedError: an error as shared cases state it (the Python gateway's GatewayError).
+type sharedError struct {
+	Status  int     `json:"status"`
+	Type    string  `json:"type"`
+	Message string  `json:"message"`
+	Param   *string `json:"param"`
+}
+
+// failure: the error as the data plane holds it ("param": null is "").
+func (e sharedError) failure() *failure {
+	f := &failure{status: e.Status, kind: e.Type, message: e.Message, final: true}
+	if e.Param != nil {
+		f.param = *e.Param
+	}
+	return f
+}
