@@ -99,12 +99,11 @@ class GatewaySpec(ApiModel):
     render, prefill and decode pods that served it, their parity hash, timings and token
     counts. Off by default: a line per request costs CPU at high rates."""
     data_plane: bool = False
-    """Serve clients through the gateway's compiled data plane (Go, in the pdserve image):
-    the routes it can serve as the Python gateway's routing table says (routing mode
-    Disaggregated or Aggregated, OpenAI engines or engines behind a render pool, no request
-    log, no bidirectional KV) at a fraction of the CPU per request; everything else, and every
-    request whose engine failed, goes on to the Python gateway in the same pod. Off by
-    default."""
+    """Serve clients through the gateway's compiled data plane (Go, in the pdserve image) at a
+    fraction of the CPU per request: every routing mode (Auto decided per request in the data
+    plane), OpenAI engines or engines behind a render pool. A model with a request log or
+    bidirectional KV, and a request it cannot prove valid cheaply, go on to the Python gateway
+    in the same pod, as they would without it. Off by default."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)
