@@ -1,9 +1,10 @@
 """`spec.gateway.dataPlane: true` as a user turns it on, on the real node: the gateway pod runs
 the compiled data plane from the pdserve image in front of the Python gateway, the OpenAI SDK
 gets its answers (streamed and not) through the Service, and the gateway's own metrics show
-that the data plane, not the Python gateway, served them: with OpenAI engines in routing mode
-Auto (the default: the data plane decides each request), and with engines behind the render
-pool in mode Disaggregated."""
+that the data plane, not the Python gateway, served them, its request log entries in the
+gateway's log beside the Python gateway's: with OpenAI engines in routing mode Auto (the
+default: the data plane decides each request), and with engines behind the render pool in mode
+Disaggregated."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def fast_model(engines: str) -> dict[str, Any]:
     model: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     model["metadata"] = {"name": NAME, "namespace": NAMESPACE}
     spec = model["spec"]
-    spec["gateway"].update(replicas=1, dataPlane=True)
+    spec["gateway"].update(replicas=1, dataPlane=True, requestLog=True)
     if engines == "openai":
         spec["render"] = {"enabled": False}
         spec["gateway"].pop("routing", None)
@@ -181,3 +182,27 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
     wait_until("the document served by the data plane",
                lambda: served_by_data_plane(base, route) >= before + 1, timeout=20)  # fmt: skip
     assert httpx.get(f"{base}/admission", timeout=10).json()["longInFlight"] == 0
+    # spec.gateway.requestLog: the data plane's entry of it in the pod's log (its standard
+    # output, shared with the Python gateway's entries and logs), whole.
+    pod = gateway["metadata"]["name"]
+    wait_until("the document's request log entry in the gateway's log",
+               lambda: bool(documents_logged(cluster, pod)), timeout=20)  # fmt: skip
+    [entry] = documents_logged(cluster, pod)
+    assert entry["route"] == GATEWAY_ROUTE[route], entry
+    assert entry["decode_engine"], entry
+    assert entry["parity_hash"], entry
+    assert entry["output_tokens"] == answer.usage.completion_tokens, entry
+
+
+def documents_logged(cluster: Cluster, pod: str) -> list[dict[str, Any]]:
+    """The request log's entries of documents in the gateway pod's log."""
+    logged = cluster.kubectl("logs", "-n", NAMESPACE, pod, "-c", "gateway").stdout
+    found = []
+    for line in logged.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("class") == "document":
+            found.append(entry)
+    return found

@@ -89,6 +89,9 @@ func errorBody(status int, kind, message, param string) []byte {
 // answerFailure ends a request whose answer has not begun with its failure, counted by s.
 func answerFailure(w http.ResponseWriter, s *served, f *failure) {
 	s.outcome = "error_" + strconv.Itoa(f.status)
+	if s.log != nil {
+		s.log.failed = true
+	}
 	body := f.body()
 	header := w.Header()
 	header.Set("Content-Type", "application/json")

@@ -57,6 +57,7 @@ type plane struct {
 	queue       *fairQueue // this gateway replica's fair admission queue
 	metrics     *servedMetrics
 	auto        autoRuntime // routing mode Auto's state between requests
+	requestLog  *requestLog // nil: the gateway keeps none
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -165,6 +166,10 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	if r.Header.Get("Content-Encoding") != "" {
 		p.toPython(w, r, body, "body_shape", s) // the Python gateway decodes it
 		return
+	}
+	if t.requestLog != nil && p.requestLog != nil {
+		class := className(r.Header.Get("X-PDServe-Class"), r.URL.Path == "/v1/chat/completions")
+		s.log = newLogged(p.requestLog, t.requestLog, class, r.Header.Get("X-Request-Id"))
 	}
 	// The request timeout runs from the request's start, as in the Python gateway.
 	ctx, cancel := context.WithDeadline(r.Context(), s.started.Add(p.timeouts.request))
@@ -289,6 +294,14 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		}
 	}
 	id := "pdserve-" + requestID()
+	if s.log != nil {
+		s.log.id, s.log.parity = id, m.parity
+		requested := lookup(members, "max_completion_tokens")
+		if requested == nil {
+			requested = lookup(members, "max_tokens")
+		}
+		s.log.requested = append([]byte(nil), requested...) // the body's buffer goes back first
+	}
 	auth := ""
 	if t.passAuth {
 		auth = r.Header.Get("Authorization")
@@ -343,9 +356,11 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if kv == nil {
 		local = nil
 	}
-	if f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer); f != nil {
+	decoded, f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer)
+	if f != nil {
 		return p.failed(w, s, f)
 	}
+	s.ran("decode", decoded)
 	written := answer.Bytes()
 	fields, err := topLevel(written)
 	if err != nil || !allObjects(lookup(fields, "choices")) {
@@ -357,6 +372,9 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		defer p.buffers.Put(trimmed)
 		splice(trimmed, written, fields, decodeDrops, nil)
 		written = trimmed.Bytes()
+	}
+	if s.log != nil {
+		s.log.usage(written)
 	}
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "application/json")
@@ -384,6 +402,9 @@ func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode 
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
 	s.learn, s.promptTokens, s.prefillOnly = &p.auto, promptTokens, d.Prefill
+	if s.log != nil {
+		s.log.autoReason = d.Reason
+	}
 	s.stepWindow = time.Duration(m.auto.StepWindowSeconds * float64(time.Second))
 	return m.pickAuto(d, m.auto.LocalOnPrefillPool)
 }
@@ -479,17 +500,18 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 		return nil, decode, nil
 	}
 	s.prefilled(served, time.Since(started))
+	s.ran("prefill", served)
 	return append([]byte(nil), kv...), decode, nil
 }
 
 // decodeOnce is hops.py decode_once: the decode call whose answer comes whole, on `first`, then
 // the model's other decode replicas; `local` (nil without prefill's KV) writes the request
 // without it, for the retry when the replicas given the KV failed (or could not load it). The
-// answer is read into `into`; else what the client gets.
+// answer is read into `into`, and the replica that gave it comes back; else what the client gets.
 func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path string, body []byte,
-	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer) *failure {
+	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer) (*endpoint, *failure) {
 	limit := p.timeouts.request
-	_, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, into)
+	served, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, into)
 	if f != nil && !f.final {
 		others := m.otherDecodes(first)
 		if f.kv && len(others) == 0 {
@@ -505,13 +527,13 @@ func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path 
 				defer p.buffers.Put(request)
 				retry = local(request)
 			}
-			_, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, into)
+			served, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, into)
 		}
 	}
 	if f != nil && !f.final { // decode_once answers what no replica could serve as a 502
 		f.status, f.kind = http.StatusBadGateway, "UpstreamError"
 	}
-	return f
+	return served, f
 }
 
 // noChoices: a decode answer with nothing to derender or pass on (a broken engine, or what
@@ -542,6 +564,7 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 		return p.failed(w, s, f)
 	}
 	defer response.Close()
+	s.ran("decode", e)
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "text/event-stream")
@@ -810,6 +833,9 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		"runtime":      runtimeStats(),
 		"auto":         p.auto.snapshot(),
 	}
+	if p.requestLog != nil {
+		out["requestLog"] = p.requestLog.snapshot() // entries written, and dropped
+	}
 	admission := p.queue.state()
 	if t := p.current.Load(); t != nil {
 		out["version"] = t.version
@@ -855,6 +881,7 @@ func main() {
 	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
 	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
+	logFD := flag.Int("request-log-fd", -1, "an open file descriptor the request log's entries of the requests served here are written to, a line per write (the Python gateway passes its own --request-log)")
 	flag.Parse()
 	target, err := url.Parse(*pythonURL)
 	if err != nil || target.Host == "" {
@@ -886,6 +913,10 @@ func main() {
 		os.Exit(2)
 	}
 	p.metrics = newServedMetrics(bounds)
+	if p.requestLog, err = openRequestLog(*logFD); err != nil {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane:", err)
+		os.Exit(2)
+	}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	p.timeouts = timeouts{idle: seconds(*idle), request: seconds(*whole), body: seconds(*bodyTimeout),
@@ -952,4 +983,5 @@ func main() {
 		log.Fatal(err)
 	}
 	<-stopped
+	p.requestLog.close() // what waits is written before the process ends
 }

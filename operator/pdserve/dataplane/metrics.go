@@ -133,6 +133,7 @@ type served struct {
 	stepWindow   time.Duration
 	events       int64     // decode's events of a stream (one per engine step and choice)
 	lastEvent    time.Time // zero until decode's first event
+	log          *logged   // nil unless the request log is kept
 }
 
 // event: decode sent a stream event; in routing mode Auto the gap since its last one feeds the
@@ -170,6 +171,12 @@ func (s *served) chunk() {
 		}
 	} else {
 		s.metrics.itl.observe(s.route, now.Sub(s.lastChunk))
+		if s.log != nil {
+			s.log.gaps = append(s.log.gaps, now.Sub(s.lastChunk))
+		}
+	}
+	if s.log != nil && s.lastChunk.IsZero() {
+		s.log.firstChunk = now
 	}
 	s.lastChunk = now
 }
@@ -189,4 +196,26 @@ func (s *served) end() {
 		s.learn.observe("output", 0, s.events, "") // a whole streamed answer's length
 	}
 	s.metrics.e2e.observe(s.route, time.Since(s.started))
+	// Logged as the Python gateway logs its own: an answer, a stream (whole or ended by an
+	// error event), or a client that left once the engines had the request.
+	if l := s.log; l != nil && l.id != "" && !l.failed {
+		if line := l.line(s); line != nil {
+			l.sink.record(line)
+		}
+	}
+}
+
+// ran: `stage` (render, prefill, decode) of the request ran on e (for the request log).
+func (s *served) ran(stage string, e *endpoint) {
+	if s.log == nil || e == nil {
+		return
+	}
+	switch stage {
+	case "render":
+		s.log.render = e.key
+	case "prefill":
+		s.log.prefill = e.key
+	default:
+		s.log.decode = e.key
+	}
 }

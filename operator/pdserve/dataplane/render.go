@@ -72,6 +72,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if f != nil {
 		return p.failed(w, s, f)
 	}
+	s.ran("render", renderer)
 	generate, ok := onePrompt(renderAnswer.Bytes())
 	if !ok {
 		f := gatewayError(http.StatusBadRequest, "BadRequestError", "send one prompt per request")
@@ -86,6 +87,9 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		return p.failed(w, s, gatewayError(http.StatusBadGateway, "UpstreamError", "render answered without token ids"))
 	}
 	promptTokens := countElements(tokens)
+	if s.log != nil {
+		s.log.promptTokens = int64(promptTokens) // what a stream's entry says (tokens_route.py)
+	}
 	prefill, decode := p.route(m, int64(promptTokens), s)
 	release := func() {}
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
@@ -141,12 +145,14 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	decoded := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(decoded)
-	if f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded); f != nil {
+	decodedOn, f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded)
+	if f != nil {
 		if f == errClientLeft {
 			p.abort(decode, id, auth) // a tokens engine behind a proxy may keep working else
 		}
 		return p.failed(w, s, f)
 	}
+	s.ran("decode", decodedOn)
 	answer := decoded.Bytes()
 	answerFields, err := topLevel(answer)
 	if err != nil || !allObjects(lookup(answerFields, "choices")) {
@@ -173,6 +179,10 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	matchVllmServe(final, derendered.Bytes(), result, lookup(answerFields, "usage"), stops,
 		chat, namedTool, lookup(members, "model"), quotedID)
 	p.countRendered(prefill != nil)
+	if s.log != nil {
+		s.log.promptTokens = -1 // the answer's usage says, as the Python gateway's entry does
+		s.log.usage(final.Bytes())
+	}
 	nameResponse(w.Header(), r, id)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(final.Len()))

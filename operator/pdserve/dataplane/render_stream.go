@@ -306,6 +306,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		return p.failed(w, rs.served, f)
 	}
 	defer response.Close()
+	rs.served.ran("decode", decode)
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, rs.id)
 	w.Header().Set("Content-Type", "text/event-stream")
@@ -383,6 +384,9 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 			if !ok {
 				broke = "decode sent a malformed event (token_ids)"
 				break
+			}
+			if l := rs.served.log; l != nil { // every token decode sent, the stop token too
+				l.outputTokens = max(l.outputTokens, 0) + tokensSent(choice)
 			}
 			pipeline := byIndex[string(index)]
 			if pipeline == nil {

@@ -41,6 +41,7 @@ type tableJSON struct {
 	Pipelining    bool                 `json:"derenderPipelining"`
 	Load          map[string]float64   `json:"load"`
 	Admission     admissionJSON        `json:"admission"`
+	RequestLog    *requestLogJSON      `json:"requestLog"` // absent: no request log is kept
 }
 
 // admissionJSON: how this replica's fair admission queue runs (fairqueue.go). Absent (a zero
@@ -59,6 +60,8 @@ type modelJSON struct {
 	Render []string `json:"render"`
 	// Routing mode Auto (route auto): what each request is decided by (auto.go).
 	Auto *autoJSON `json:"auto"`
+	// The parity hash of the engines it routes to (the request log's parity_hash).
+	ParityHash string `json:"parityHash"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -88,6 +91,7 @@ type model struct {
 	groups []group
 	render []*endpoint
 	auto   *autoJSON // route auto only
+	parity string
 }
 
 type table struct {
@@ -102,6 +106,7 @@ type table struct {
 	derenderPipelining bool
 	admission          admissionSettings
 	admitHere          bool // this replica's queue runs here; else ask the Python gateway
+	requestLog         *requestLogJSON
 }
 
 // build validates a pushed table; engines are shared with the previous table by URL.
@@ -113,7 +118,12 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
 		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
 		tokensOnly:         in.TokensOnly,
-		derenderPipelining: in.Pipelining}
+		derenderPipelining: in.Pipelining, requestLog: in.RequestLog}
+	if in.RequestLog != nil {
+		if err := validRequestLog(in.RequestLog); err != nil {
+			return nil, nil, err
+		}
+	}
 	if a := in.Admission; a.MaxLongPerReplica < 0 || a.MaxWaitSeconds < 0 || math.IsNaN(a.MaxWaitSeconds) {
 		return nil, nil, fmt.Errorf("routing table: admission: maxLongPerReplica and maxWaitSeconds must not be negative")
 	}
@@ -155,7 +165,7 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		default:
 			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode, auto or python", name, m.Route)
 		}
-		out := &model{route: m.Route, auto: m.Auto}
+		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash}
 		if m.Route != routePython {
 			for _, url := range m.Render {
 				e, err := engine(url)

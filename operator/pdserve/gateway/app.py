@@ -202,7 +202,7 @@ class Gateway:
         `python_url`, loopback) deciding behind it (dataplane.py)."""
         self.data_plane = DataPlane(
             binary, listen, python_url, self.config, self.endpoints, self.settings, self.metrics,
-            self.peers, self.planner,
+            self.peers, self.planner, request_log=self.request_log,
         )  # fmt: skip
         self.admission_handlers.behind_data_plane = True
         # This replica's fair queue runs in the data plane: its long prompts wait with no call.

@@ -37,6 +37,7 @@ from pdserve.gateway.fastpath import (
 from pdserve.gateway.metrics import LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.planner import PD_FAILURES, RoutePlanner
+from pdserve.gateway.request_log import RequestLog
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.gobuild import built
 
@@ -90,12 +91,14 @@ class DataPlane:
         peers: PeerAdmission,
         planner: RoutePlanner,
         *,
+        request_log: RequestLog | None = None,
         push_seconds: float = 0.25,
         stats_seconds: float = 1.0,
     ) -> None:
         self.binary, self.listen, self.python_url = binary, listen, python_url
         self.config, self.endpoints, self.settings = config, endpoints, settings
         self.metrics, self.peers, self.planner = metrics, peers, planner
+        self.request_log = request_log  # the data plane writes its entries to its file too
         self.auto_seq = 0  # the last of the data plane's Auto observations folded
         self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
         self.process: asyncio.subprocess.Process | None = None
@@ -133,11 +136,16 @@ class DataPlane:
         ]  # fmt: skip
         if self.settings.api_keys:
             argv.append("-require-api-keys")  # a table without the keys' digests is refused
+        inherited: tuple[int, ...] = ()
+        if self.request_log is not None and self.request_log.fd is not None:
+            inherited = (self.request_log.fd,)
+            argv += ["-request-log-fd", str(self.request_log.fd)]
         try:
             self.process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
+                pass_fds=inherited,
                 env={**os.environ, "PDSERVE_DATAPLANE_TOKEN": self.token},
             )
         except OSError as error:

@@ -7,13 +7,13 @@ per request that the table cannot say: routing mode Disaggregated (P/D on every 
 Aggregated (straight to decode) or Auto (P/D or local prefill, decided per request in the data
 plane from the view of Auto mode's model pushed here: `auto_table`), with engines that speak
 OpenAI or behind render servers (render -> P/D -> derender, streamed through the same derender
-pipeline or not). Everything else goes to the Python gateway, request by request:
-bidirectional KV (a conversation's KV on decode is tracked per request), streams through render
-servers with log probabilities, a request log (every request must be in it),
-and every request whose fast path failed before its answer began (the Python gateway retries
-and falls back as always). Long prompts (by body size, or by rendered token count behind render
-servers) wait for a fair prefill admission slot in this replica's queue, which the data plane
-runs (`admission`), or, while another gateway replica leads admission, ask this gateway."""
+pipeline or not), keeping the request log's entries of what it serves when the gateway keeps
+one (`request_log_table`). Everything else goes to the Python gateway: every request under
+bidirectional KV (a conversation's KV on decode is tracked per request), and the requests the
+data plane cannot prove valid or read as the engines would. Long prompts (by body size, or by
+rendered token count behind render servers) wait for a fair prefill admission slot in this
+replica's queue, which the data plane runs (`admission`), or, while another gateway replica
+leads admission, ask this gateway."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.dataplane_metrics import ROUTES
 from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
@@ -34,8 +35,6 @@ the body-size threshold for fair admission is the long-prompt threshold in these
 
 def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
     """The route the data plane may take for this model, and why not when it may take none."""
-    if settings.request_log is not None:
-        return PYTHON, "--request-log (every request is logged by the Python gateway)"
     if config.engine_api == "tokens" and config.kv_transfer.bidirectional:
         return PYTHON, "bidirectional KV (each conversation's KV on decode is tracked per request)"
     mode = config.routing.mode
@@ -191,6 +190,9 @@ def routing_table(
         entry["auto"] = auto_table(
             config, endpoints, policy, peers_queued, settings.step_window_seconds
         )
+    logged = settings.request_log is not None
+    if logged:
+        entry["parityHash"] = parity_hash(config, endpoints)
     return {
         "version": version,
         "models": {config.model: entry},
@@ -206,7 +208,33 @@ def routing_table(
         "derenderPipelining": settings.derender_pipelining,
         "load": target_loads(endpoints),
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
+        **({"requestLog": request_log_table(endpoints)} if logged else {}),
     }
+
+
+def request_log_table(endpoints: Endpoints) -> dict[str, Any]:
+    """What the data plane's request log entries name as this gateway's do (exchange.py
+    log_entry): its routes by their names here, and each engine as the table names it (render
+    servers by URL, engines by Endpoint.key) by what the log calls it (a render server's pod,
+    an engine's pod with its rank: Endpoint.label and Endpoint.target)."""
+    names = {
+        (each.url if pool == "render" else each.key): (
+            each.label if pool == "render" else each.target
+        )
+        for pool, members in endpoints.pools.items()
+        for each in members
+    }
+    return {"routes": dict(ROUTES), "names": dict(sorted(names.items()))}
+
+
+def parity_hash(config: GatewayConfig, endpoints: Endpoints) -> str | None:
+    """The parity hash of the set of pools a request is routed to now (the log's
+    parity_hash: Selection.parity_hash), none while no complete set is routable."""
+    needed = ["render", "decode"] if config.engine_api == "tokens" else ["decode"]
+    try:
+        return endpoints.select(needed, ["prefill"]).parity_hash
+    except NoEndpoints:
+        return None
 
 
 def target_loads(endpoints: Endpoints) -> dict[str, float]:

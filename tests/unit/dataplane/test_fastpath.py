@@ -117,12 +117,28 @@ def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over(
     # A conversation's KV left on decode is tracked per request (bidirectional KV).
     bidirectional = {"bidirectional": True}
     assert model(table_for(engine_api="tokens", kv_transfer=bidirectional))["route"] == "python"
-    logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
-    assert model(table_for(settings=logged))["route"] == "python"  # every request logged
     # No routable decode: the Python gateway waits for one or answers 503.
     assert model(table_for(decode=[]))["route"] == "python"
     # Engines behind TLS: the data plane's client speaks plain HTTP only.
     assert model(table_for(decode=[Endpoint("https://d", "p1")]))["route"] == "python"
+
+
+def test_with_a_request_log_the_table_names_what_the_log_names() -> None:
+    """The data plane's entries name routes and engines as this gateway's do (log_entry)."""
+    logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
+    ranked = Endpoint("http://d", "p1", name="decode-0", rank=1)
+    table = table_for(settings=logged, decode=[ranked])
+    log = table["requestLog"]
+    assert isinstance(log, dict)
+    assert log["routes"] == {
+        "pd": "openai_pd", "decode": "aggregated",
+        "render_pd": "render_pd", "render_decode": "render",
+    }  # fmt: skip
+    assert log["names"]["http://d#dp1"] == "decode-0#dp1"
+    assert log["names"]["http://p"] == "http://p"  # no pod: its URL
+    assert model(table)["parityHash"] == "p1"
+    assert "requestLog" not in table_for()
+    assert "parityHash" not in model(table_for())
 
 
 def why_handed_over(
@@ -145,7 +161,7 @@ def test_status_says_why_the_data_plane_hands_every_request_over() -> None:
     assert why_handed_over() is None
     assert why_handed_over("Auto") is None
     logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
-    assert "--request-log" in str(why_handed_over(settings=logged))
+    assert why_handed_over(settings=logged) is None  # the data plane logs what it serves
     assert why_handed_over(decode=[]) == "no healthy decode endpoint"
     held = Endpoint("http://p", "p1")
     held.routable = False
