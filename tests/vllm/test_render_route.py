@@ -39,18 +39,17 @@ async def tokens_route(
     request: pytest.FixtureRequest, render: VllmServer, engine: VllmServer, data_plane: Path
 ) -> AsyncIterator[GatewayUnderTest]:
     """The render route served by the Python gateway, or by its data plane, which must have
-    served or refused each request itself (a model it does not serve: its own 404) or handed it
-    over only where the Python gateway must serve it (a body its cheap validation cannot prove
-    valid, such as a named tool_choice: decided before any engine call; every stream here,
-    stop strings included, is its own): a fallback after an engine refused its body would hide
-    a wrong body behind the Python gateway's right answer."""
+    served or refused each request itself (a model it does not serve: its own 404; a body its
+    cheap validation cannot prove valid, such as a named tool_choice, judged by the Python
+    gateway's intake and then served by it; every stream here, stop strings included), never
+    handed one over: a fallback after an engine refused its body would hide a wrong body
+    behind the Python gateway's right answer."""
     binary = data_plane if request.param == "data-plane" else None
     async with gateway_over(render=render.url, decode=[engine.url], data_plane=binary) as gateway:
         yield gateway
         if binary is not None:
             stats = await data_plane_stats(gateway)
-            allowed = {"validation"}
-            assert set(stats["fallbacks"]) <= allowed, stats
+            assert stats["fallbacks"] == {}, stats
             served = stats["routes"]["render_decode"]
             refused = sum(c["count"] for c in stats["metrics"]["requests"]
                           if c["route"] == "unknown")  # fmt: skip

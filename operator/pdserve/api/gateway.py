@@ -101,9 +101,10 @@ class GatewaySpec(ApiModel):
     data_plane: bool = False
     """Serve clients through the gateway's compiled data plane (Go, in the pdserve image) at a
     fraction of the CPU per request: every routing mode (Auto decided per request in the data
-    plane), OpenAI engines or engines behind a render pool, the request log included. A model
-    with bidirectional KV, and a request it cannot prove valid cheaply, go on to the Python
-    gateway in the same pod, as they would without it. Off by default."""
+    plane), OpenAI engines or engines behind a render pool, the request log included; a body it
+    cannot prove valid cheaply is judged by the Python gateway in the same pod and then served
+    by it. A model with bidirectional KV goes on to the Python gateway, as it would without
+    it. Off by default."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)

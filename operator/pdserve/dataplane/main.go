@@ -58,6 +58,7 @@ type plane struct {
 	metrics     *servedMetrics
 	auto        autoRuntime // routing mode Auto's state between requests
 	requestLog  *requestLog // nil: the gateway keeps none
+	intake      *intakeClient
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -77,6 +78,7 @@ type counters struct {
 	// gateway's pdserve_gateway_fallbacks_total, its reasons)
 	localPrefills sync.Map
 	unreadable    atomic.Int64
+	intake        atomic.Int64 // requests the Python gateway's intake checked (intake.go)
 }
 
 func (c *counters) fallback(reason string) {
@@ -163,10 +165,6 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 		p.toPython(w, r, body, "no_table", s)
 		return
 	}
-	if r.Header.Get("Content-Encoding") != "" {
-		p.toPython(w, r, body, "body_shape", s) // the Python gateway decodes it
-		return
-	}
 	if t.requestLog != nil && p.requestLog != nil {
 		class := className(r.Header.Get("X-PDServe-Class"), r.URL.Path == "/v1/chat/completions")
 		s.log = newLogged(p.requestLog, t.requestLog, class, r.Header.Get("X-Request-Id"))
@@ -214,7 +212,7 @@ func (p *plane) receive(w http.ResponseWriter, r *http.Request, into *bytes.Buff
 
 // fast serves the request on the table's route, or says why it could not before answering.
 func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request, t *table,
-	body []byte, s *served) fallback {
+	body []byte, s *served) (reason fallback) {
 	class := classAuto // any other value too: classed by the prompt's length (fairqueue.py)
 	switch r.Header.Get("X-PDServe-Class") {
 	case "document", "long":
@@ -223,15 +221,28 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		class = classShort
 	}
 	members, err := topLevel(body)
-	if err != nil || duplicated(members) {
-		return "body_shape" // the Python gateway reads it as the engines would, or says why not
-	}
-	if !provablyValid(r, body, members, r.URL.Path == "/v1/chat/completions") {
-		return "validation" // not proven valid cheaply: the Python gateway validates it
+	switch {
+	case r.Header.Get("Content-Encoding") != "" || err != nil || duplicated(members):
+		// The Python gateway's intake decodes it and reads it as the engines would, or says
+		// why not.
+		if body, members, reason = p.checked(ctx, w, r, body, s, "body_shape"); body == nil {
+			return reason
+		}
+	case !provablyValid(r, body, members, r.URL.Path == "/v1/chat/completions"):
+		// Not proven valid cheaply: the Python gateway's intake validates it.
+		if body, members, reason = p.checked(ctx, w, r, body, s, "validation"); body == nil {
+			return reason
+		}
 	}
 	name := lookup(members, "model")
-	if len(name) < 2 || name[0] != '"' || bytes.IndexByte(name, '\\') >= 0 {
-		return "body_shape"
+	if !plainString(name) {
+		// No model (the served one is meant), or one spelt with escapes: the intake reads it.
+		if body, members, reason = p.checked(ctx, w, r, body, s, "body_shape"); body == nil {
+			return reason
+		}
+		if name = lookup(members, "model"); !plainString(name) {
+			return "body_shape" // never: the intake writes the served model's name
+		}
 	}
 	asked := string(name[1 : len(name)-1])
 	m := t.models[asked]
@@ -383,6 +394,38 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		s.outcome = "client_gone"
 	}
 	return ""
+}
+
+// plainString: a JSON string without escapes (read as its bytes).
+func plainString(raw []byte) bool {
+	return len(raw) >= 2 && raw[0] == '"' && bytes.IndexByte(raw, '\\') < 0
+}
+
+// checked puts a request to the Python gateway's intake (intake.go): the body to serve and its
+// members, or nil when the intake answered the client (then reason is "") or could not be asked
+// (then the request is handed over for `why`).
+func (p *plane) checked(ctx context.Context, w http.ResponseWriter, r *http.Request, body []byte,
+	s *served, why fallback) ([]byte, []member, fallback) {
+	if p.intake == nil {
+		return nil, nil, why
+	}
+	v, err := p.intake.check(ctx, r, body)
+	if err != nil {
+		if r.Context().Err() == nil {
+			log.Printf("pdserve-dataplane: the Python gateway's intake: %v", err)
+		}
+		return nil, nil, why
+	}
+	p.stats.intake.Add(1)
+	if v.status != http.StatusOK {
+		answerVerdict(w, s, v)
+		return nil, nil, ""
+	}
+	members, err := topLevel(v.body)
+	if err != nil || duplicated(members) {
+		return nil, nil, why // never: the intake writes each member once
+	}
+	return v.body, members, ""
 }
 
 // refuseTooLarge answers a body over -max-body-bytes as the Python gateway does (a 413, the
@@ -829,6 +872,7 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		// Requests served by local prefill, by the Python gateway's reason: its own fallbacks.
 		"localPrefill": snapshot(&p.stats.localPrefills),
 		"unreadable":   p.stats.unreadable.Load(),
+		"intake":       p.stats.intake.Load(),
 		"inflight":     p.inflight.Load(),
 		"runtime":      runtimeStats(),
 		"auto":         p.auto.snapshot(),
@@ -897,10 +941,12 @@ func main() {
 	transport := &http.Transport{MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024,
 		IdleConnTimeout: 30 * time.Second, DisableCompression: true}
 	python := pythonProxy(target, token, transport)
+	intake := &intakeClient{base: strings.TrimSuffix(target.String(), "/"), token: token,
+		client: &http.Client{Transport: transport}, limit: 2 * *maxBody}
 	p := &plane{python: python, maxBody: *maxBody,
 		upstream:    newUpstreamPool(seconds(*connect), seconds(*firstByte), 90*time.Second),
 		maxInflight: *maxInflight, requireKeys: *requireKeys, engines: map[string]*endpoint{},
-		queue: newFairQueue()}
+		queue: newFairQueue(), intake: intake}
 	// The token tells the Python gateway its own data plane from anyone else on loopback; a
 	// slot it asked for is held at most as long as its prefill call may wait for an answer.
 	p.admission = newAdmissionChannel(*admission, token, p.queue, seconds(*firstByte))

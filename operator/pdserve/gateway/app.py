@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,13 @@ from pdserve.contract.names import GATEWAY_EVENT_REPORTER
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.admission import AdmissionHandlers
 from pdserve.gateway.affinity import Conversations, DecodeKv, PrefixIndex
-from pdserve.gateway.dataplane import DataPlane, spent_in_data_plane
+from pdserve.gateway.dataplane import (
+    INTAKE_HEADER,
+    INTAKE_PATH,
+    DataPlane,
+    from_data_plane,
+    spent_in_data_plane,
+)
 from pdserve.gateway.discovery import PodDiscovery
 from pdserve.gateway.endpoints import Endpoints, NoEndpoints
 from pdserve.gateway.errors import (
@@ -72,6 +79,7 @@ from pdserve.gateway.tokens_route import TokensRoute
 from pdserve.gateway.upstream import UpstreamClient
 from pdserve.kube.client import Kube
 from pdserve.kube.events import post_event
+from pdserve.wirejson import dumps
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -188,6 +196,8 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_endpoint, expect_handler=expect)
         app.router.add_get("/status", self.status, expect_handler=expect)
         self.admission_handlers.add_routes(app, expect)
+        for path, chat in (("/v1/chat/completions", True), ("/v1/completions", False)):
+            app.router.add_post(INTAKE_PATH + path, partial(self.intake_for_data_plane, chat=chat))
         app.on_startup.append(self._start_background)
         app.on_cleanup.append(self._close)
         return app
@@ -441,6 +451,25 @@ class Gateway:
                 return await self.fail(request, exchange, route, error)
             finally:
                 self.metrics.inflight.dec()
+
+    async def intake_for_data_plane(self, request: web.Request, *, chat: bool) -> web.Response:
+        """This gateway's intake on a completion its data plane could not prove valid cheaply
+        (or read as the engines would: a Content-Encoding, a member given twice): the body as
+        this gateway would send it on (decoded, each member once, the model and the max-tokens
+        cap filled in), or the client's answer (a 400 naming the parameter, ...). The data plane
+        serves the one or answers the other itself; nothing is counted here. To anyone but the
+        data plane (its token), the path does not exist."""
+        if not from_data_plane(request.headers, self.data_plane):
+            raise web.HTTPNotFound()
+        try:
+            data = await self.intake.receive(request)
+            body = self.intake.check_body(self.intake.read_body(request, data), chat=chat)
+        except GatewayError as error:
+            answer = error_response(error)
+        else:
+            answer = web.Response(body=dumps(body), content_type="application/json")
+        answer.headers[INTAKE_HEADER] = "1"
+        return answer
 
     def _client_gone(self, exchange: Exchange | None, route: str) -> None:
         route = exchange.route if exchange else route

@@ -56,15 +56,28 @@ class DataPlaneError(RuntimeError):
     """The data plane could not start: the message says why and what to pass instead."""
 
 
+INTAKE_PATH = "/_pdserve/dataplane/intake"
+"""Where the data plane asks this gateway's intake about a completion it could not prove valid
+cheaply (the completion's own path follows: dataplane/intake.go); for its token alone."""
+INTAKE_HEADER = "X-PDServe-Intake"
+"""On each of the intake's answers: told apart from a path this gateway does not serve."""
+
+
+def from_data_plane(headers: Mapping[str, str], data_plane: DataPlane | None) -> bool:
+    """The request carries this gateway's data plane's token (which no client can send: the
+    data plane deletes clients' copies of the header)."""
+    if data_plane is None:
+        return False
+    token = headers.get(TOKEN_HEADER, "")
+    return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), data_plane.token.encode())
+
+
 def spent_in_data_plane(headers: Mapping[str, str], data_plane: DataPlane | None) -> float:
     """The seconds this gateway's data plane already spent on a request it handed over (its
     fast path began it, then gave up), so that the request timeout runs from the client's first
     byte instead of starting again; 0 for any other request. Honoured only with the data
     plane's token: a client cannot move its own deadline."""
-    if data_plane is None or ELAPSED_HEADER not in headers:
-        return 0.0
-    token = headers.get(TOKEN_HEADER, "")
-    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), data_plane.token.encode()):
+    if ELAPSED_HEADER not in headers or not from_data_plane(headers, data_plane):
         return 0.0
     try:
         spent = float(headers[ELAPSED_HEADER]) / 1000

@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -60,15 +61,25 @@ async def raw_answer(client: httpx.AsyncClient, data: bytes) -> tuple[int, dict[
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
-async def hanging_engine(stack: Stack) -> tuple[str, asyncio.Event]:
+@dataclass
+class Hold:
+    """The hanging engine's "hold" chats: `arrived` is set once one came, `release` answers
+    them."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def hanging_engine(stack: Stack) -> tuple[str, Hold]:
     """An OpenAI engine that answers a chat at once unless its message is "hold": that one
-    waits until the returned event is set (a decode that hangs)."""
-    release = asyncio.Event()
+    waits until released (a decode that hangs)."""
+    hold = Hold()
 
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         if body["messages"][-1]["content"] == "hold":
-            await release.wait()
+            hold.arrived.set()
+            await hold.release.wait()
         return web.json_response(
             {
                 "id": "chatcmpl-x",
@@ -89,19 +100,19 @@ async def hanging_engine(stack: Stack) -> tuple[str, asyncio.Event]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     url = await stack.exits.enter_async_context(serving(app))
-    stack.exits.callback(release.set)  # before the engine stops: its held answers end
-    return url, release
+    stack.exits.callback(hold.release.set)  # before the engine stops: its held answers end
+    return url, hold
 
 
 async def on_hanging_engine(
     stack: Stack, request_path: str, **settings: Any
-) -> tuple[httpx.AsyncClient, asyncio.Event]:
-    url, release = await hanging_engine(stack)
+) -> tuple[httpx.AsyncClient, Hold]:
+    url, hold = await hanging_engine(stack)
     config = routing("openai", prefill=False, render=False, endpoints={"decode": [ep(url)]})
     client = await stack.gateway(
         config, data_plane=behind_data_plane(request_path), load_scrape_seconds=None, **settings
     )
-    return client, release
+    return client, hold
 
 
 def chat(content: str) -> dict[str, Any]:
@@ -166,7 +177,8 @@ async def test_a_request_that_waited_out_its_timeout_is_504_and_not_served_again
     """A request whose timeout passed while it waited for decode is 504 as soon as it passed
     (handed over, it would wait a whole timeout more). The headers the data plane tells the
     gateway the time it spent with mean nothing from a client: a huge elapsed time does not cut
-    a request short (sent gzipped, it is the Python gateway's on both paths), a negative one
+    a request short (sent gzipped, it goes through the Python gateway's intake on the data
+    plane's path), a negative one
     does not give it more time."""
     client, _ = await on_hanging_engine(stack, request_path, request_timeout=1.0)
     shortened = {"X-PDServe-Elapsed-Ms": "999999", "X-PDServe-Dataplane-Token": "guessed"}
@@ -195,9 +207,10 @@ async def test_a_request_that_waited_out_its_timeout_is_504_and_not_served_again
 async def test_one_in_flight_limit_per_gateway_whichever_path_serves_a_request(
     stack: Stack, request_path: str
 ) -> None:
-    """--max-inflight 1 and one request in flight (one the data plane hands to the Python
-    gateway: a gzip body): the next is 429, however it would have been served."""
-    client, release = await on_hanging_engine(stack, request_path, max_inflight=1)
+    """--max-inflight 1 and one request in flight (a gzip body: the data plane asks the Python
+    gateway's intake about it, then serves it): the next is 429, however it would have been
+    served."""
+    client, hold = await on_hanging_engine(stack, request_path, max_inflight=1)
     held = asyncio.create_task(
         client.post(
             "/v1/chat/completions",
@@ -205,19 +218,16 @@ async def test_one_in_flight_limit_per_gateway_whichever_path_serves_a_request(
             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
         )
     )
-    gateway = stack.gateway_server
-    for _ in range(int(HANG / 0.01)):  # polling the gateway's count, with a deadline
-        if gateway.metrics.registry.get_sample_value("pdserve_gateway_inflight_requests") == 1:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the held request never reached the engine")
+    try:
+        await asyncio.wait_for(hold.arrived.wait(), HANG)
+    except TimeoutError:
+        raise AssertionError("the held request never reached the engine") from None
     response = await client.post("/v1/chat/completions", json=chat("quick"))
     message = "the gateway is at its limit of 1 requests in flight; retry shortly"
     tally("over the in-flight limit", request_path, response.status_code, response.json())
     assert (response.status_code, response.json()) == (429, error(429, "RateLimitError", message))
     assert response.headers["Retry-After"] == "1"
-    release.set()
+    hold.release.set()
     assert (await held).status_code == 200
     response = await client.post("/v1/chat/completions", json=chat("quick"))
     assert response.status_code == 200, response.text
