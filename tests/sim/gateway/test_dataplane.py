@@ -293,7 +293,7 @@ def test_behind_render_servers_the_data_plane_answers_as_the_python_gateway(
 ROUTE = {"Disaggregated": "render_pd", "Aggregated": "render_decode"}
 
 
-def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
+def test_what_the_fast_path_cannot_prove_valid_is_judged_by_the_python_gateways_intake(
     tmp_path: Path, binary: Path
 ) -> None:
     key = {"Authorization": "Bearer k1"}
@@ -324,12 +324,14 @@ def test_what_the_fast_path_cannot_serve_is_answered_by_the_python_gateway(
             assert (large.status_code, large.json()["error"]["type"]) == (413, "RequestTooLarge")
         # Only the one well-formed, authorized request within the cap was served in Go; the
         # 401 was answered there too, before its body was read, the 413s, the 404 and the cap's
-        # 400 once it was read; the broken body and the duplicated key were handed over. The
-        # 404s and the 400s, whichever process answered, are counted alike.
-        eventually("one request served by the data plane, two handed over", lambda: (
+        # 400 once it was read; the broken body and the duplicated key were judged by the
+        # Python gateway's intake (the client's key passed on to it) and its answers given by
+        # the data plane: nothing was handed over. The 404s and the 400s are counted alike.
+        eventually("one request served by the data plane, two judged by the intake", lambda: (
             metric(gateway.url, "pdserve_gateway_dataplane_requests_total", key) == 1
-            and metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 2
+            and metric(gateway.url, "pdserve_gateway_requests_total", key) == 7
         ))  # fmt: skip
+        assert metric(gateway.url, "pdserve_gateway_dataplane_fallbacks_total", key) == 0
         counted = httpx.get(f"{gateway.url}/metrics", headers=key, timeout=10).text
         assert 'outcome="error_404",route="unknown"} 2.0' in counted
         assert 'outcome="error_400",route="unknown"} 2.0' in counted
