@@ -148,6 +148,7 @@ async def test_pd_through_ranks_of_both_nodes_answers_what_node_0_answers(
 ) -> None:
     bodies = [request(CHAT_CASES[case]) for case in ("reasoning", "length")]
     expected = [chat_answer(await node0.chat.completions.create(**b)) for b in bodies]
+    await handshake_every_rank(group, route)
     for node in group.nodes:
         transfers = engine_counts(group.servers["decode"]).get("kv_transfers", 0.0)
         before = [per_engine(n, PROMPT_TOKENS) for n in group.nodes]
@@ -163,6 +164,27 @@ async def test_pd_through_ranks_of_both_nodes_answers_what_node_0_answers(
         # Decode pulled every prompt's KV over NIXL from the rank that prefilled it.
         kv = engine_counts(group.servers["decode"]).get("kv_transfers", 0.0)
         assert kv >= transfers + len(bodies)
+
+
+async def handshake_every_rank(group: Group, route: GatewayUnderTest, tries: int = 3) -> None:
+    """Decode's first KV pull from each prefill rank: its NIXL handshake, which vLLM 0.32 waits
+    5 s for (a fixed ZMQ receive timeout in nixl/base_worker.py) and, when it runs out, serves
+    the request by prefilling locally. On two cores shared by five engine processes the first
+    one may take longer; the next pull handshakes again. So each rank is handshaken before the
+    test measures (a rank that never completes one within `tries` fails here, saying so)."""
+    decode = group.servers["decode"]
+    body = request(CHAT_CASES["length"])
+    targets = route.gateway.endpoints.pools["prefill"]
+    for chosen in targets:
+        for _ in range(tries):
+            for target in targets:  # every prefill goes to the chosen rank
+                target.running = 0 if target is chosen else 50
+            pulled = engine_counts(decode).get("kv_transfers", 0.0)
+            await route.client.chat.completions.create(**body)
+            if engine_counts(decode).get("kv_transfers", 0.0) > pulled:
+                break
+        else:
+            raise AssertionError(f"decode never pulled KV from {chosen.key} ({tries} tries)")
 
 
 def grew(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
