@@ -8,12 +8,12 @@ Aggregated (straight to decode) or Auto (P/D or local prefill, decided per reque
 plane from the view of Auto mode's model pushed here: `auto_table`), with engines that speak
 OpenAI or behind render servers (render -> P/D -> derender, streamed through the same derender
 pipeline or not), keeping the request log's entries of what it serves when the gateway keeps
-one (`request_log_table`). Everything else goes to the Python gateway: every request under
-bidirectional KV (a conversation's KV on decode is tracked per request), and the requests the
-data plane cannot prove valid or read as the engines would. Long prompts (by body size, or by
-rendered token count behind render servers) wait for a fair prefill admission slot in this
-replica's queue, which the data plane runs (`admission`), or, while another gateway replica
-leads admission, ask this gateway."""
+one (`request_log_table`), and serving the bodies it cannot prove valid cheaply once this
+gateway's intake judged them (app.py intake_for_data_plane). Every request under bidirectional
+KV goes to the Python gateway (a conversation's KV on decode is tracked per request). Long
+prompts (by body size, or by rendered token count behind render servers) wait for a fair
+prefill admission slot in this replica's queue, which the data plane runs (`admission`), or,
+while another gateway replica leads admission, ask this gateway."""
 
 from __future__ import annotations
 
