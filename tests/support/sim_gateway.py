@@ -129,6 +129,21 @@ class Stack:
             url = await self.start(gateway)
         return await self.exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
 
+    async def data_plane_stats(self) -> dict[str, Any]:
+        """The data plane's `GET /stats` (its counters: what it served, handed over, ...)."""
+        front = self.gateway_server.data_plane
+        assert front is not None
+        assert front.control is not None
+        async with httpx.AsyncClient() as client:
+            answer = await client.get(f"{front.control}/stats", headers=front.control_headers)
+        return dict(answer.json())
+
+    async def push_table(self) -> None:
+        """Behind the data plane, the routing table as the gateway's state is now (as its
+        scrapes and discovery push it); without one, nothing to do."""
+        if (front := self.gateway_server.data_plane) is not None:
+            await front.push(self.gateway_server.upstream.session)
+
 
 def routing(
     engine_api: str = "tokens",

@@ -371,39 +371,27 @@ func (a *autoRuntime) snapshot() map[string]any {
 		"learningStarts": a.learningStarts.Load(), "observations": held}
 }
 
-// pickAuto: the engines for a decided request: P/D through the least loaded allowed prefill
-// replica and a decode replica that can pull its KV; local on the least loaded decode replica,
-// or of both pools when the P/D path itself is unusable (policy.Decision.anywhere).
-func (m *model) pickAuto(d autoDecision, anywhere bool) (prefill, decode *endpoint) {
+// pickAuto: the engines for a decided request: P/D through the best allowed prefill replica
+// and a decode replica that can pull its KV; local on the best decode replica, or of both
+// pools when the P/D path itself is unusable (policy.Decision.anywhere); best as pick says.
+func (m *model) pickAuto(d autoDecision, anywhere bool, w *placing) (prefill, decode *endpoint) {
 	if d.Disaggregated {
-		allowed := map[string]bool{}
-		for _, url := range d.Prefill {
-			allowed[url] = true
-		}
-		for i := range m.groups {
-			for _, e := range m.groups[i].prefill {
-				if (len(allowed) == 0 || allowed[e.url]) && (prefill == nil || e.load() < prefill.load()) {
-					prefill = e
+		allowed := m.prefills
+		if len(d.Prefill) > 0 {
+			allowed = nil
+			for _, e := range m.prefills {
+				if slices.Contains(d.Prefill, e.url) {
+					allowed = append(allowed, e)
 				}
 			}
 		}
-		if prefill != nil {
-			return prefill, m.decodeFor(prefill)
+		if prefill = w.pick("prefill", allowed, true); prefill != nil {
+			return prefill, m.decodeFor(prefill, w)
 		}
 	}
-	for i := range m.groups {
-		for _, e := range m.groups[i].decode {
-			if decode == nil || e.load() < decode.load() {
-				decode = e
-			}
-		}
-		if d.Anywhere && anywhere {
-			for _, e := range m.groups[i].prefill {
-				if e.load() < decode.load() {
-					decode = e
-				}
-			}
-		}
+	pool := m.decodes
+	if d.Anywhere && anywhere { // Placement.decode_candidates: the decode pool, then prefill's
+		pool = append(append(make([]*endpoint, 0, len(m.decodes)+len(m.prefills)), m.decodes...), m.prefills...)
 	}
-	return nil, decode
+	return nil, w.pick("decode", pool, true)
 }

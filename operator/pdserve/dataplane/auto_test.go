@@ -107,16 +107,16 @@ func TestLocalAnywhereMayRunWholeOnAnIdlerPrefillReplica(t *testing.T) {
 	built, engines := mustBuild(t, autoTable, nil)
 	m := built.models["qwen"]
 	engines["http://d0:8000"].inflight.Add(3)
-	if _, decode := m.pickAuto(autoDecision{Reason: "degraded", Anywhere: true}, true); decode.url != "http://p0:8000" {
+	if _, decode := m.pickAuto(autoDecision{Reason: "degraded", Anywhere: true}, true, nil); decode.url != "http://p0:8000" {
 		t.Fatalf("local anywhere went to %s, want the idler prefill replica", decode.url)
 	}
-	if _, decode := m.pickAuto(autoDecision{Reason: "degraded", Anywhere: true}, false); decode.url != "http://d0:8000" {
+	if _, decode := m.pickAuto(autoDecision{Reason: "degraded", Anywhere: true}, false, nil); decode.url != "http://d0:8000" {
 		t.Fatalf("with localOnPrefillPool off it went to %s", decode.url)
 	}
-	if _, decode := m.pickAuto(autoDecision{Reason: "short_prompt"}, true); decode.url != "http://d0:8000" {
+	if _, decode := m.pickAuto(autoDecision{Reason: "short_prompt"}, true, nil); decode.url != "http://d0:8000" {
 		t.Fatalf("a short prompt went to %s, want decode", decode.url)
 	}
-	if prefill, _ := m.pickAuto(autoDecision{Disaggregated: true, Prefill: []string{"http://elsewhere"}}, true); prefill != nil {
+	if prefill, _ := m.pickAuto(autoDecision{Disaggregated: true, Prefill: []string{"http://elsewhere"}}, true, nil); prefill != nil {
 		t.Fatalf("P/D restricted to a replica not in the table picked %s", prefill.url)
 	}
 }
@@ -160,13 +160,13 @@ func TestAutosRestrictionHoldsForAdmissionAndRetries(t *testing.T) {
 	m := built.models["qwen"]
 	p0 := m.groups[0].prefill[0]
 	only := []string{"http://p0:8000"}
-	if ranked := m.rankedPrefill(p0, only); len(ranked) != 1 {
+	if ranked := m.rankedPrefill(p0, only, nil); len(ranked) != 1 {
 		t.Fatalf("ranked %d prefill replicas, want p0 alone", len(ranked))
 	}
-	if others := m.otherPrefills(p0, only); len(others) != 0 {
+	if others := m.otherPrefills(p0, only, nil); len(others) != 0 {
 		t.Fatalf("a retry would go to %s, outside Auto's restriction", others[0].url)
 	}
-	if others := m.otherPrefills(p0, nil); len(others) != 1 || others[0].url != "http://p1:8000" {
+	if others := m.otherPrefills(p0, nil, nil); len(others) != 1 || others[0].url != "http://p1:8000" {
 		t.Fatalf("unrestricted retries %v, want p1", others)
 	}
 }

@@ -59,6 +59,8 @@ type plane struct {
 	auto        autoRuntime // routing mode Auto's state between requests
 	requestLog  *requestLog // nil: the gateway keeps none
 	intake      *intakeClient
+	// conversation id -> its engines, per stage (placement.go)
+	conversations conversations
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -298,6 +300,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	}
 	stream := string(lookup(members, "stream")) == "true"
 	s.route = planned(m)
+	s.where = p.placing(t, m, members, r.Header.Get("X-Conversation-Id"))
 	if stream && len(m.render) > 0 {
 		if param := logprobsAsked(members, chat); param != "" {
 			answerFailure(w, s, streamLogprobsRefused(param)) // tokens_route.py
@@ -327,10 +330,10 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		// prompt holds a slot on one prefill replica while it prefills there.
 		var granted *endpoint
 		var reason fallback
-		if granted, release, reason = p.admit(ctx, t, m, prefill, s.prefillOnly); reason != "" {
+		if granted, release, reason = p.admit(ctx, t, m, prefill, s); reason != "" {
 			return reason
 		}
-		prefill, decode = granted, m.decodeFor(granted)
+		prefill, decode = granted, m.decodeFor(granted, s.where)
 	}
 	decodeBody := p.buffers.Get().(*bytes.Buffer)
 	decodeBody.Reset()
@@ -345,6 +348,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		extra := []field{}
 		if kv != nil {
 			extra = append(extra, field{"kv_transfer_params", kv})
+			s.kvToDecode = true
 		}
 		splice(decodeBody, body, members, decodeDrops, extra)
 		p.stats.pd.Add(1)
@@ -367,7 +371,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if kv == nil {
 		local = nil
 	}
-	decoded, f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer)
+	decoded, f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer, s.where)
 	if f != nil {
 		return p.failed(w, s, f)
 	}
@@ -441,7 +445,7 @@ func (p *plane) refuseTooLarge(w http.ResponseWriter, r *http.Request) {
 // decides for a prompt of `promptTokens` (then what the request teaches is reported).
 func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode *endpoint) {
 	if m.route != routeAuto {
-		return m.pick()
+		return m.pick(s.where)
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
 	s.learn, s.promptTokens, s.prefillOnly = &p.auto, promptTokens, d.Prefill
@@ -449,7 +453,7 @@ func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode 
 		s.log.autoReason = d.Reason
 	}
 	s.stepWindow = time.Duration(m.auto.StepWindowSeconds * float64(time.Second))
-	return m.pickAuto(d, m.auto.LocalOnPrefillPool)
+	return m.pickAuto(d, m.auto.LocalOnPrefillPool, s.where)
 }
 
 // estimatedPromptTokens: without render servers there are no token ids, so about 4 bytes of
@@ -519,7 +523,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	served, f := p.callJSON(ctx, "prefill", []*endpoint{first}, path, request, id, auth,
 		p.upstream.firstByte, true, answer)
 	if f != nil && !f.final && !f.kv {
-		if others := m.otherPrefills(first, s.prefillOnly); len(others) > 0 {
+		if others := m.otherPrefills(first, s.prefillOnly, s.where); len(others) > 0 {
 			served, f = p.callJSON(ctx, "prefill", others, path, request, id, auth,
 				p.upstream.firstByte, true, answer)
 		}
@@ -534,7 +538,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	}
 	p.metrics.stage.observe("prefill", time.Since(started))
 	if served != first {
-		decode = m.decodeFor(served)
+		decode = m.decodeFor(served, s.where)
 	}
 	fields, err := topLevel(answer.Bytes())
 	kv := lookup(fields, "kv_transfer_params")
@@ -552,11 +556,11 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 // without it, for the retry when the replicas given the KV failed (or could not load it). The
 // answer is read into `into`, and the replica that gave it comes back; else what the client gets.
 func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path string, body []byte,
-	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer) (*endpoint, *failure) {
+	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer, w *placing) (*endpoint, *failure) {
 	limit := p.timeouts.request
 	served, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, into)
 	if f != nil && !f.final {
-		others := m.otherDecodes(first)
+		others := m.otherDecodes(first, w)
 		if f.kv && len(others) == 0 {
 			others = []*endpoint{first} // it answered: it may prefill the request itself
 		}
@@ -776,8 +780,8 @@ func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body [
 // admit waits for a long-prefill slot on one of the model's prefill replicas (the least loaded
 // first; with `only`, of those servers alone) in this replica's queue, or while another gateway
 // replica leads admission through the Python gateway, and holds it until release.
-func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint, only []string) (*endpoint, func(), fallback) {
-	ranked := m.rankedPrefill(best, only)
+func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint, s *served) (*endpoint, func(), fallback) {
+	ranked := m.rankedPrefill(best, s.prefillOnly, s.where)
 	// Slots are per server, however many of its data-parallel ranks the table names.
 	urls := make([]string, 0, len(ranked))
 	for _, e := range ranked {

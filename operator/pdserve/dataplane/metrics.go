@@ -134,6 +134,8 @@ type served struct {
 	events       int64     // decode's events of a stream (one per engine step and choice)
 	lastEvent    time.Time // zero until decode's first event
 	log          *logged   // nil unless the request log is kept
+	where        *placing  // what its engines are picked by, beside load (nil: load alone)
+	kvToDecode   bool      // decode is sent prefill's KV: its own prefix cache is not filled
 }
 
 // event: decode sent a stream event; in routing mode Auto the gap since its last one feeds the
@@ -205,8 +207,12 @@ func (s *served) end() {
 	}
 }
 
-// ran: `stage` (render, prefill, decode) of the request ran on e (for the request log).
+// ran: `stage` (render, prefill, decode) of the request ran on e: for the request log, and
+// where its conversation and its prompt's prefix now are (placement.go).
 func (s *served) ran(stage string, e *endpoint) {
+	if stage != "render" {
+		s.where.remember(stage, e, stage == "prefill" || !s.kvToDecode)
+	}
 	if s.log == nil || e == nil {
 		return
 	}

@@ -90,15 +90,18 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	if s.log != nil {
 		s.log.promptTokens = int64(promptTokens) // what a stream's entry says (tokens_route.py)
 	}
+	if s.where != nil {
+		s.where.hashes, _ = blockHashes(tokens, m.blockSize) // none: picked by load alone
+	}
 	prefill, decode := p.route(m, int64(promptTokens), s)
 	release := func() {}
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
 		var granted *endpoint
 		var reason fallback
-		if granted, release, reason = p.admit(ctx, t, m, prefill, s.prefillOnly); reason != "" {
+		if granted, release, reason = p.admit(ctx, t, m, prefill, s); reason != "" {
 			return reason
 		}
-		prefill, decode = granted, m.decodeFor(granted)
+		prefill, decode = granted, m.decodeFor(granted, s.where)
 	}
 	quotedID := strconv.AppendQuote(nil, id)
 	var kv []byte
@@ -113,6 +116,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	request.Reset()
 	extra := []field{{"request_id", quotedID}}
 	if kv != nil {
+		s.kvToDecode = true
 		extra = append(extra, field{"kv_transfer_params", kv},
 			field{"sampling_params", withExtraArg(params, paramFields, extraArgsDrops, nil, kv)})
 		splice(request, generate, fields, tokensDecodeDrops, extra)
@@ -145,7 +149,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	decoded := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(decoded)
-	decodedOn, f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded)
+	decodedOn, f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded, s.where)
 	if f != nil {
 		if f == errClientLeft {
 			p.abort(decode, id, auth) // a tokens engine behind a proxy may keep working else

@@ -286,7 +286,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	if f != nil && !f.final {
 		// open_decode_stream: the next decode replica; one that could not load prefill's KV
 		// is retried with local prefill, itself last (it answered, so it may serve that).
-		others := rs.routed.otherDecodes(decode)
+		others := rs.routed.otherDecodes(decode, rs.served.where)
 		if f.kv && local != nil {
 			p.stats.localPrefill("kv_load_failed")
 			request := p.buffers.Get().(*bytes.Buffer)

@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sort"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -42,6 +41,7 @@ type tableJSON struct {
 	Load          map[string]float64   `json:"load"`
 	Admission     admissionJSON        `json:"admission"`
 	RequestLog    *requestLogJSON      `json:"requestLog"` // absent: no request log is kept
+	Placement     *placementJSON       `json:"placement"`  // absent: engines picked by load alone
 }
 
 // admissionJSON: how this replica's fair admission queue runs (fairqueue.go). Absent (a zero
@@ -62,6 +62,8 @@ type modelJSON struct {
 	Auto *autoJSON `json:"auto"`
 	// The parity hash of the engines it routes to (the request log's parity_hash).
 	ParityHash string `json:"parityHash"`
+	// Token ids per block of the prefix index (placement.go): the engines' KV block size.
+	BlockSize int `json:"blockSize"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -79,7 +81,8 @@ type endpoint struct {
 	base     atomic.Uint64 // float64 bits: the Python gateway's view of its load (scraped)
 	inflight atomic.Int64
 	served   atomic.Int64
-	steps    stepMeter // routing mode Auto: its streams' time between tokens
+	steps    stepMeter   // routing mode Auto: its streams' time between tokens
+	prefixes prefixCache // the block hashes of the prompts it prefilled lately
 }
 
 type group struct {
@@ -87,11 +90,14 @@ type group struct {
 }
 
 type model struct {
-	route  string
-	groups []group
-	render []*endpoint
-	auto   *autoJSON // route auto only
-	parity string
+	route     string
+	groups    []group
+	render    []*endpoint
+	auto      *autoJSON // route auto only
+	parity    string
+	blockSize int
+	// Every prefill and every decode engine of the groups, each once, in the table's order.
+	prefills, decodes []*endpoint
 }
 
 type table struct {
@@ -107,6 +113,7 @@ type table struct {
 	admission          admissionSettings
 	admitHere          bool // this replica's queue runs here; else ask the Python gateway
 	requestLog         *requestLogJSON
+	placement          *placementJSON // nil: engines picked by load alone
 }
 
 // build validates a pushed table; engines are shared with the previous table by URL.
@@ -118,7 +125,10 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	t := &table{version: in.Version, models: map[string]*model{}, passAuth: in.PassAuth,
 		maxTokensCap: in.MaxTokensCap, longBody: in.LongBodyBytes, longTokens: in.LongTokens,
 		tokensOnly:         in.TokensOnly,
-		derenderPipelining: in.Pipelining, requestLog: in.RequestLog}
+		derenderPipelining: in.Pipelining, requestLog: in.RequestLog, placement: in.Placement}
+	if err := validPlacement(in.Placement); err != nil {
+		return nil, nil, err
+	}
 	if in.RequestLog != nil {
 		if err := validRequestLog(in.RequestLog); err != nil {
 			return nil, nil, err
@@ -165,7 +175,10 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		default:
 			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode, auto or python", name, m.Route)
 		}
-		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash}
+		if m.BlockSize < 0 {
+			return nil, nil, fmt.Errorf("routing table: models.%s.blockSize %d is negative", name, m.BlockSize)
+		}
+		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash, blockSize: m.BlockSize}
 		if m.Route != routePython {
 			for _, url := range m.Render {
 				e, err := engine(url)
@@ -195,6 +208,16 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 				return nil, nil, fmt.Errorf("routing table: models.%s.groups[%d] lacks the engines route %s needs", name, i, m.Route)
 			}
 			out.groups = append(out.groups, built)
+			for _, e := range built.prefill {
+				if !slices.Contains(out.prefills, e) {
+					out.prefills = append(out.prefills, e)
+				}
+			}
+			for _, e := range built.decode {
+				if !slices.Contains(out.decodes, e) {
+					out.decodes = append(out.decodes, e)
+				}
+			}
 		}
 		if m.Route != routePython && len(out.groups) == 0 {
 			return nil, nil, fmt.Errorf("routing table: models.%s has route %s but no groups", name, m.Route)
@@ -240,51 +263,36 @@ func least(engines []*endpoint) *endpoint {
 	return best
 }
 
-// pick: for P/D the least busy prefill of all groups, then the least busy decode of its group;
-// straight to decode the least busy decode of all.
-func (m *model) pick() (prefill, decode *endpoint) {
+// pick: for P/D the best prefill of all groups (its prefix cache counting), then the best
+// decode of its group (one that can pull its KV); straight to decode the best decode of all,
+// its own prefix cache counting (placement.go; nil w: the least loaded).
+func (m *model) pick(w *placing) (prefill, decode *endpoint) {
 	if m.route == routePD {
-		var chosen *group
-		for i := range m.groups {
-			candidate := least(m.groups[i].prefill)
-			if prefill == nil || candidate.load() < prefill.load() {
-				prefill, chosen = candidate, &m.groups[i]
-			}
-		}
-		return prefill, least(chosen.decode)
+		prefill = w.pick("prefill", m.prefills, true)
+		return prefill, m.decodeFor(prefill, w)
 	}
-	for i := range m.groups {
-		candidate := least(m.groups[i].decode)
-		if decode == nil || candidate.load() < decode.load() {
-			decode = candidate
-		}
-	}
-	return nil, decode
+	return nil, w.pick("decode", m.decodes, true)
 }
 
-// rankedPrefill: every prefill replica (or rank) of the model, `best` first, then by load;
-// with `only`, those of these servers alone (Auto mode's P/D through the replicas whose KV path
-// fits).
-func (m *model) rankedPrefill(best *endpoint, only []string) []*endpoint {
-	ranked := []*endpoint{best}
-	for i := range m.groups {
-		for _, e := range m.groups[i].prefill {
-			if e != best && (len(only) == 0 || slices.Contains(only, e.url)) {
-				ranked = append(ranked, e)
-			}
+// rankedPrefill: every prefill replica (or rank) of the model, `best` first, then as pick
+// would choose them; with `only`, those of these servers alone (Auto mode's P/D through the
+// replicas whose KV path fits).
+func (m *model) rankedPrefill(best *endpoint, only []string, w *placing) []*endpoint {
+	var rest []*endpoint
+	for _, e := range m.prefills {
+		if e != best && (len(only) == 0 || slices.Contains(only, e.url)) {
+			rest = append(rest, e)
 		}
 	}
-	rest := ranked[1:]
-	sort.SliceStable(rest, func(a, b int) bool { return rest[a].load() < rest[b].load() })
-	return ranked
+	return append([]*endpoint{best}, w.rank("prefill", rest, true)...)
 }
 
-// otherPrefills: a failed prefill's retries, the least loaded first: the model's prefill
-// replicas on other servers (a server that failed a request fails it on every rank, as the
-// Python gateway holds).
-func (m *model) otherPrefills(failed *endpoint, only []string) []*endpoint {
+// otherPrefills: a failed prefill's retries, best first: the model's prefill replicas on
+// other servers (a server that failed a request fails it on every rank, as the Python
+// gateway holds).
+func (m *model) otherPrefills(failed *endpoint, only []string, w *placing) []*endpoint {
 	var others []*endpoint
-	for _, e := range m.rankedPrefill(failed, only)[1:] {
+	for _, e := range m.rankedPrefill(failed, only, w)[1:] {
 		if e.url != failed.url {
 			others = append(others, e)
 		}
@@ -292,29 +300,27 @@ func (m *model) otherPrefills(failed *endpoint, only []string) []*endpoint {
 	return others
 }
 
-// decodeFor: the least loaded decode replica that can pull `prefill`'s KV.
-func (m *model) decodeFor(prefill *endpoint) *endpoint {
+// decodeFor: the best decode replica that can pull `prefill`'s KV (its own prefix cache does
+// not count: the KV comes from prefill).
+func (m *model) decodeFor(prefill *endpoint, w *placing) *endpoint {
 	for i := range m.groups {
 		for _, e := range m.groups[i].prefill {
 			if e == prefill {
-				return least(m.groups[i].decode)
+				return w.pick("decode", m.groups[i].decode, false)
 			}
 		}
 	}
 	return nil
 }
 
-// otherDecodes: the model's decode replicas on other servers than `e`'s, the least loaded
-// first (a retry's).
-func (m *model) otherDecodes(e *endpoint) []*endpoint {
+// otherDecodes: the model's decode replicas on other servers than `e`'s, best first (a
+// retry's, which mostly prefills itself).
+func (m *model) otherDecodes(e *endpoint, w *placing) []*endpoint {
 	var others []*endpoint
-	for i := range m.groups {
-		for _, d := range m.groups[i].decode {
-			if d.url != e.url {
-				others = append(others, d)
-			}
+	for _, d := range m.decodes {
+		if d.url != e.url {
+			others = append(others, d)
 		}
 	}
-	sort.SliceStable(others, func(a, b int) bool { return others[a].load() < others[b].load() })
-	return others
+	return w.rank("decode", others, true)
 }

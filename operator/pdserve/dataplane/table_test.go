@@ -24,17 +24,17 @@ const twoGroups = `{"version":1,"models":{"qwen":{"route":"pd","groups":[
 func TestPickPairsAPrefillOnlyWithADecodeOfItsGroup(t *testing.T) {
 	built, engines := mustBuild(t, twoGroups, nil)
 	m := built.models["qwen"]
-	prefill, decode := m.pick()
+	prefill, decode := m.pick(nil)
 	// p0 carries the Python gateway's scraped load of 3: p1 is less loaded.
 	if prefill.url != "http://p1:8000" || !strings.HasPrefix(decode.url, "http://d1") {
 		t.Fatalf("picked %s -> %s, want p1 -> d1", prefill.url, decode.url)
 	}
 	engines["http://d1:8000"].inflight.Add(1)
-	if _, decode = m.pick(); decode.url != "http://d2:8000" {
+	if _, decode = m.pick(nil); decode.url != "http://d2:8000" {
 		t.Fatalf("picked decode %s with d1 busy, want d2", decode.url)
 	}
 	engines["http://p1:8000"].inflight.Add(5)
-	if prefill, decode = m.pick(); prefill.url != "http://p0:8000" || decode.url != "http://d0:8000" {
+	if prefill, decode = m.pick(nil); prefill.url != "http://p0:8000" || decode.url != "http://d0:8000" {
 		t.Fatalf("picked %s -> %s with p1 busier, want p0 -> d0", prefill.url, decode.url)
 	}
 }

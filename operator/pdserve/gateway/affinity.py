@@ -15,6 +15,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MAX_BLOCKS_PER_ENGINE = 200_000
+"""Block hashes remembered per engine: about 3 M tokens at 16 a block, more than an engine's KV
+cache holds, so an engine's index forgets only what its cache has evicted too."""
+MAX_CONVERSATIONS = 100_000
+CONVERSATION_BONUS = 1_000_000
+"""A conversation's last engine outranks any prefix count: its KV of the whole conversation,
+answers included, is there."""
+
+
+def scores(cached: Mapping[str, int], conversation_engine: str | None) -> dict[str, int]:
+    """Per engine (Endpoint.key), how much of a request's KV it probably holds: the leading
+    blocks of its prompt it cached, and the bonus for the conversation's last engine."""
+    out = {key: blocks for key, blocks in cached.items() if blocks > 0}
+    if conversation_engine:
+        out[conversation_engine] = out.get(conversation_engine, 0) + CONVERSATION_BONUS
+    return out
+
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Chained hashes of the full blocks (keyed like vLLM's prefix cache, but the gateway's own):
@@ -36,7 +53,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 class PrefixIndex:
     """Per engine (Endpoint.key), the most recent block hashes it was sent (LRU, bounded)."""
 
-    def __init__(self, max_blocks_per_engine: int = 200_000) -> None:
+    def __init__(self, max_blocks_per_engine: int = MAX_BLOCKS_PER_ENGINE) -> None:
         self.max_blocks = max_blocks_per_engine
         self.engines: dict[str, OrderedDict[bytes, None]] = {}
 
@@ -64,7 +81,7 @@ class PrefixIndex:
 class Conversations:
     """conversation id -> the engine (Endpoint.key) per stage it used last (LRU, bounded)."""
 
-    def __init__(self, max_conversations: int = 100_000) -> None:
+    def __init__(self, max_conversations: int = MAX_CONVERSATIONS) -> None:
         self.max = max_conversations
         self.last: OrderedDict[tuple[str, str], str] = OrderedDict()
 

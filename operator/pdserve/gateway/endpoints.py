@@ -18,6 +18,9 @@ from pdserve.gateway.policy import ewma
 # One unit of load per this many queued prompt tokens (about two engine steps of prefill at
 # vLLM's default 2048-token budget).
 PREFILL_TOKENS_PER_LOAD_UNIT = 4096
+AFFINITY_SLACK = 4.0
+"""How much busier (load units) than the least loaded candidate the one holding a request's KV
+may be and still win it: a cache hit saves a prefill, a queue that long costs more."""
 
 
 @dataclass
@@ -272,7 +275,7 @@ class Endpoints:
         candidates: list[Endpoint],
         exclude: Iterable[Endpoint] = (),
         affinity: Mapping[str, int] | None = None,
-        slack: float = 4.0,
+        slack: float = AFFINITY_SLACK,
     ) -> Endpoint | None:
         """Least loaded, skipping the replicas that already failed this request (every rank of
         one: a retry goes to another pod). With `affinity` (Endpoint.key -> cached prefix
@@ -284,7 +287,7 @@ class Endpoints:
 
     @staticmethod
     def _best(
-        pool: list[Endpoint], affinity: Mapping[str, int] | None, slack: float = 4.0
+        pool: list[Endpoint], affinity: Mapping[str, int] | None, slack: float = AFFINITY_SLACK
     ) -> Endpoint | None:
         if not pool:
             return None

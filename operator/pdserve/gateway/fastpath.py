@@ -8,8 +8,9 @@ Aggregated (straight to decode) or Auto (P/D or local prefill, decided per reque
 plane from the view of Auto mode's model pushed here: `auto_table`), with engines that speak
 OpenAI or behind render servers (render -> P/D -> derender, streamed through the same derender
 pipeline or not), keeping the request log's entries of what it serves when the gateway keeps
-one (`request_log_table`), and serving the bodies it cannot prove valid cheaply once this
-gateway's intake judged them (app.py intake_for_data_plane). Every request under bidirectional
+one (`request_log_table`), picking engines by where a request's KV probably is as Placement
+does (`PLACEMENT`, each model's `blockSize`), and serving the bodies it cannot prove valid
+cheaply once this gateway's intake judged them (app.py intake_for_data_plane). Every request under bidirectional
 KV goes to the Python gateway (a conversation's KV on decode is tracked per request). Long
 prompts (by body size, or by rendered token count behind render servers) wait for a fair
 prefill admission slot in this replica's queue, which the data plane runs (`admission`), or,
@@ -22,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pdserve.contract.routing import GatewayConfig
+from pdserve.gateway.affinity import CONVERSATION_BONUS, MAX_BLOCKS_PER_ENGINE, MAX_CONVERSATIONS
 from pdserve.gateway.dataplane_metrics import ROUTES
-from pdserve.gateway.endpoints import Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.endpoints import AFFINITY_SLACK, Endpoint, Endpoints, NoEndpoints, Selection
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
@@ -31,6 +33,15 @@ PYTHON, PD, DECODE, AUTO = "python", "pd", "decode", "auto"
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""
+
+PLACEMENT = {
+    "affinitySlack": AFFINITY_SLACK,
+    "conversationBonus": CONVERSATION_BONUS,
+    "maxBlocksPerEngine": MAX_BLOCKS_PER_ENGINE,
+    "maxConversations": MAX_CONVERSATIONS,
+}
+"""How the data plane picks among engines by where a request's KV probably is, as
+Placement and Endpoints.pick do (the shared cases: dataplane/testdata/placement_cases.json)."""
 
 
 def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
@@ -185,7 +196,10 @@ def routing_table(
     admission_table, by default this replica alone; `policy`: Auto mode's, which the data
     plane decides by in that mode; `peers_queued`: long prompts in the peers' queues)."""
     route, render, engine_groups, _ = served_route(config, endpoints, settings)
-    entry: dict[str, Any] = {"route": route, "groups": engine_groups, "render": render}
+    entry: dict[str, Any] = {
+        "route": route, "groups": engine_groups, "render": render,
+        "blockSize": config.block_size,  # the prefix index's blocks of token ids
+    }  # fmt: skip
     if route == AUTO:
         entry["auto"] = auto_table(
             config, endpoints, policy, peers_queued, settings.step_window_seconds
@@ -208,6 +222,7 @@ def routing_table(
         "derenderPipelining": settings.derender_pipelining,
         "load": target_loads(endpoints),
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
+        "placement": PLACEMENT,
         **({"requestLog": request_log_table(endpoints)} if logged else {}),
     }
 

@@ -3,7 +3,7 @@ conversation ran, and for decode the replicas that can pull prefill's KV."""
 
 from __future__ import annotations
 
-from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes
+from pdserve.gateway.affinity import Conversations, PrefixIndex, block_hashes, scores
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.exchange import Exchange
 
@@ -19,16 +19,14 @@ class Placement:
     ) -> dict[str, int]:
         """Where this request's prefix is probably cached, and where its conversation ran, by
         Endpoint.key: a data-parallel rank's prefix cache is its own."""
-        scores: dict[str, int] = {}
+        cached: dict[str, int] = {}
         if token_ids:
             hashes = self.hashes(exchange, token_ids)
             for endpoint in exchange.selection.pools.get(stage, []):
-                if blocks := self.prefixes.cached_blocks(endpoint.key, hashes):
-                    scores[endpoint.key] = blocks
+                cached[endpoint.key] = self.prefixes.cached_blocks(endpoint.key, hashes)
         conversation = exchange.conversation
-        if conversation and (key := self.conversations.endpoint(conversation, stage)):
-            scores[key] = scores.get(key, 0) + 1_000_000  # stay on the conversation's engine
-        return scores
+        last = self.conversations.endpoint(conversation, stage) if conversation else None
+        return scores(cached, last)
 
     def remember(
         self, exchange: Exchange, stage: str, endpoint: Endpoint, token_ids: list[int] | None

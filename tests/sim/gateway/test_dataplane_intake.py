@@ -26,15 +26,6 @@ UNPROVEN = {
 }
 
 
-async def data_plane_stats(stack: Stack) -> dict[str, Any]:
-    front = stack.gateway_server.data_plane
-    assert front is not None
-    assert front.control is not None
-    async with httpx.AsyncClient() as client:
-        answer = await client.get(f"{front.control}/stats", headers=front.control_headers)
-    return dict(answer.json())
-
-
 async def openai_pd(stack: Stack, request_path: str, **settings: Any) -> httpx.AsyncClient:
     urls = {
         role: await stack.engine(role, engine(role, api="openai")) for role in ("prefill", "decode")
@@ -81,7 +72,7 @@ async def test_unproven_bodies_are_served_and_refused_as_the_python_gateway_woul
     probed = await client.post("/_pdserve/dataplane/intake/v1/chat/completions", json=BASE)
     assert probed.status_code == 404
     if request_path == "dataplane":
-        stats = await data_plane_stats(stack)
+        stats = await stack.data_plane_stats()
         assert stats["fallbacks"] == {}, stats
         assert stats["intake"] == 7
         assert stats["routes"]["pd"] == 5

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from pdserve.gateway.dataplane import SOURCE
@@ -27,16 +26,6 @@ ASKED = {
 def entries(log: Path) -> list[dict[str, Any]]:
     text = log.read_text() if log.exists() else ""
     return [json.loads(line) for line in text.splitlines()]
-
-
-async def handed_over(stack: Stack) -> dict[str, int]:
-    """The requests the data plane handed to the Python gateway, by reason."""
-    front = stack.gateway_server.data_plane
-    assert front is not None
-    assert front.control is not None
-    async with httpx.AsyncClient() as client:
-        stats = (await client.get(f"{front.control}/stats", headers=front.control_headers)).json()
-    return dict(stats["fallbacks"])
 
 
 @pytest.mark.parametrize("request_path", REQUEST_PATHS)
@@ -96,4 +85,5 @@ async def test_each_request_is_logged_with_the_same_values_on_both_paths(
     assert streamed["sent_at_ms"] <= streamed["first_token_at_ms"] <= streamed["finished_at_ms"]
     assert events[-1] == "[DONE]"
     if request_path == "dataplane":
-        assert await handed_over(stack) == {}  # the data plane served and logged them
+        stats = await stack.data_plane_stats()
+        assert stats["fallbacks"] == {}  # the data plane served and logged them

@@ -48,10 +48,12 @@ def test_disaggregated_and_aggregated_are_served_by_the_data_plane() -> None:
     pd = model(table_for("Disaggregated"))
     assert pd == {
         "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}], "render": [],
+        "blockSize": 16,
     }  # fmt: skip
     aggregated = model(table_for("Aggregated"))
     assert aggregated == {
         "route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}], "render": [],
+        "blockSize": 16,
     }  # fmt: skip
 
 
@@ -59,7 +61,7 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     pd = model(table_for("Disaggregated", engine_api="tokens"))
     assert pd == {
         "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}],
-        "render": ["http://r"],
+        "render": ["http://r"], "blockSize": 16,
     }  # fmt: skip
     assert model(table_for("Aggregated", engine_api="tokens"))["route"] == "decode"
     # The render servers of the engines' parity only: never a template the engines disagree with.
@@ -67,7 +69,7 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     assert model(table_for(engine_api="tokens", render=render))["render"] == ["http://r"]
     # No routable render server: the Python gateway waits for one or answers 503.
     assert model(table_for(engine_api="tokens", render=[])) == {
-        "route": "python", "groups": [], "render": [],
+        "route": "python", "groups": [], "render": [], "blockSize": 16,
     }  # fmt: skip
     # Long prompts are counted in rendered tokens; what tokens-only engines would refuse, the
     # data plane refuses as intake does (naming the parameter and what to send instead).
@@ -213,7 +215,7 @@ def test_replicas_the_python_gateway_would_not_route_to_are_left_out() -> None:
     assert groups == [{"prefill": ["http://p-ok"], "decode": ["http://d"]}]
     # Mode Disaggregated with no prefill to pair: the Python gateway decides (local or 503).
     assert model(table_for(prefill=[unverified], kv_transfer={"verify": "Required"})) == {
-        "route": "python", "groups": [], "render": [],
+        "route": "python", "groups": [], "render": [], "blockSize": 16,
     }  # fmt: skip
 
 

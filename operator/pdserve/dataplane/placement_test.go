@@ -1,0 +1,202 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"slices"
+	"testing"
+)
+
+// placementCases is testdata/placement_cases.json, which the Python gateway's tests read too
+// (tests/unit/gateway/test_placement_cases.py).
+type placementCases struct {
+	Placement placementJSON `json:"placement"`
+	Pick      []struct {
+		Name    string `json:"name"`
+		Engines []struct {
+			Key  string  `json:"key"`
+			Load float64 `json:"load"`
+		} `json:"engines"`
+		CachedBlocks       map[string]int `json:"cachedBlocks"`
+		ConversationEngine *string        `json:"conversationEngine"`
+		Pick               string         `json:"pick"`
+		Rank               []string       `json:"rank"`
+	} `json:"pick"`
+	Prefix []struct {
+		Name         string    `json:"name"`
+		BlockSize    int       `json:"blockSize"`
+		MaxBlocks    int       `json:"maxBlocks"`
+		Sent         [][]int64 `json:"sent"`
+		Prompt       []int64   `json:"prompt"`
+		CachedBlocks int       `json:"cachedBlocks"`
+	} `json:"prefix"`
+}
+
+func TestAnEngineIsPickedAsTheSharedCaseSays(t *testing.T) {
+	cases := sharedCases[placementCases](t, "placement_cases.json")
+	for _, c := range cases.Pick {
+		t.Run(c.Name, func(t *testing.T) {
+			var pool []*endpoint
+			for _, each := range c.Engines {
+				e := &endpoint{url: each.Key, key: each.Key}
+				e.base.Store(math.Float64bits(each.Load))
+				pool = append(pool, e)
+				if blocks := c.CachedBlocks[each.Key]; blocks > 0 {
+					hashes := make([]uint64, blocks)
+					for i := range hashes {
+						hashes[i] = uint64(i + 1)
+					}
+					e.prefixes.record(hashes, cases.Placement.MaxBlocks)
+				}
+			}
+			w := &placing{rule: cases.Placement, known: &conversations{}, hashes: []uint64{}}
+			for i := 1; i <= 1000; i++ {
+				w.hashes = append(w.hashes, uint64(i))
+			}
+			if c.ConversationEngine != nil {
+				w.conversation = "c-1"
+				w.known.remember("c-1", "decode", *c.ConversationEngine, cases.Placement.MaxConversations)
+			}
+			if got := w.pick("decode", pool, true); got.key != c.Pick {
+				t.Errorf("picked %s, want %s", got.key, c.Pick)
+			}
+			var order []string
+			for _, e := range w.rank("decode", pool, true) {
+				order = append(order, e.key)
+			}
+			if !slices.Equal(order, c.Rank) {
+				t.Errorf("ranked %v, want %v", order, c.Rank)
+			}
+		})
+	}
+}
+
+func TestCachedBlocksAreCountedAsTheSharedCaseSays(t *testing.T) {
+	for _, c := range sharedCases[placementCases](t, "placement_cases.json").Prefix {
+		t.Run(c.Name, func(t *testing.T) {
+			hashesOf := func(tokens []int64) []uint64 {
+				raw, _ := json.Marshal(tokens)
+				hashes, ok := blockHashes(raw, c.BlockSize)
+				if !ok {
+					t.Fatalf("%s: not read as token ids", raw)
+				}
+				return hashes
+			}
+			var cache prefixCache
+			for _, sent := range c.Sent {
+				cache.record(hashesOf(sent), c.MaxBlocks)
+			}
+			if got := cache.cachedBlocks(hashesOf(c.Prompt)); got != c.CachedBlocks {
+				t.Errorf("%d blocks cached, want %d", got, c.CachedBlocks)
+			}
+			if cache.blocks.len() > c.MaxBlocks {
+				t.Errorf("%d blocks kept, over the bound %d", cache.blocks.len(), c.MaxBlocks)
+			}
+		})
+	}
+}
+
+func TestTokenIdsAreReadAsRenderWritesThemOrNotAtAll(t *testing.T) {
+	compact, _ := blockHashes([]byte(`[1,2,3,4,5]`), 2)
+	spaced, ok := blockHashes([]byte("[ 1, 2 ,\n3,4 , 5 ]"), 2)
+	if !ok || !slices.Equal(compact, spaced) || len(compact) != 2 {
+		t.Errorf("spacing changed the hashes: %v vs %v (ok %v)", compact, spaced, ok)
+	}
+	if hashes, ok := blockHashes([]byte(`[]`), 2); !ok || len(hashes) != 0 {
+		t.Errorf("[]: %v %v", hashes, ok)
+	}
+	for _, bad := range []string{`[1,2,]`, `[1.5,2]`, `[1 2]`, `["1"]`, `[1,2`, `1,2]`, `[1,2]x`, `[-]`, `[`, ``} {
+		if _, ok := blockHashes([]byte(bad), 1); ok {
+			t.Errorf("%q read as token ids", bad)
+		}
+	}
+	if _, ok := blockHashes([]byte(`[1,2]`), 0); ok {
+		t.Error("a block size of 0 hashed")
+	}
+}
+
+func TestAConversationIsNamedAsThePythonGatewayNamesIt(t *testing.T) {
+	for _, c := range []struct{ raw, header, want string }{
+		{`"c-7"`, "", "c-7"},
+		{`"c\u002d7"`, "", "c-7"},
+		{`7`, "", "7"},
+		{`""`, "h-1", "h-1"},
+		{`0`, "h-1", "h-1"},
+		{`null`, "h-1", "h-1"},
+		{``, "h-1", "h-1"},
+		{``, "", ""},
+		{`"body"`, "h-1", "body"},
+	} {
+		if got := conversationOf([]byte(c.raw), c.header); got != c.want {
+			t.Errorf("conversation_id %s, header %q: %q, want %q", c.raw, c.header, got, c.want)
+		}
+	}
+}
+
+func TestTheLeastRecentlyUsedIsForgottenFirstAndALowerBoundApplies(t *testing.T) {
+	l := newLRU[string, int]()
+	for i, key := range []string{"a", "b", "c"} {
+		l.put(key, i, 3)
+	}
+	l.put("a", 10, 3) // used again: "b" is now the oldest
+	l.put("d", 3, 3)
+	if l.has("b") || !l.has("a") || !l.has("c") || !l.has("d") {
+		t.Errorf("kept %v", l.index)
+	}
+	if v, _ := l.get("a"); v != 10 {
+		t.Errorf("a = %d", v)
+	}
+	l.put("e", 4, 2) // a table with a lower bound: down to it
+	if l.len() != 2 || !l.has("e") || !l.has("d") {
+		t.Errorf("kept %v", l.index)
+	}
+	l.put("f", 5, 0)
+	if l.has("f") {
+		t.Error("a bound of 0 kept a key")
+	}
+}
+
+func TestARequestWithNothingToGoByIsPlacedByLoadWithoutAllocating(t *testing.T) {
+	a, b := &endpoint{url: "http://a", key: "http://a"}, &endpoint{url: "http://b", key: "http://b"}
+	a.inflight.Add(1)
+	pool := []*endpoint{a, b}
+	var w *placing
+	if allocs := testing.AllocsPerRun(100, func() {
+		if w.pick("decode", pool, true) != b {
+			t.Fatal("not the least loaded")
+		}
+	}); allocs != 0 {
+		t.Errorf("%v allocations per pick", allocs)
+	}
+}
+
+// Whatever render sends as token ids is read without panicking, and read as token ids exactly
+// when it is a JSON array of integers in int64's range, each full block of them hashed.
+func FuzzTokenIdsFromRenderAreReadSafely(f *testing.F) {
+	for _, seed := range []string{`[1,2,3,4,5]`, `[ -1 , 9223372036854775807 ]`, `[]`, `[1,]`,
+		`[1.0]`, `["a"]`, `[[1]]`, `[1 2]`, `{}`, ``} {
+		f.Add([]byte(seed), 2)
+	}
+	f.Fuzz(func(t *testing.T, tokens []byte, blockSize int) {
+		if blockSize < 1 || blockSize > 64 {
+			return
+		}
+		hashes, ok := blockHashes(tokens, blockSize)
+		var ids []int64
+		strict := json.Unmarshal(tokens, &ids) == nil && tokens[0] == '[' && tokens[len(tokens)-1] == ']'
+		for _, b := range tokens {
+			if b == '.' || b == 'e' || b == 'E' || b == '+' || b == 'n' {
+				strict = false // 1.0, 1e3, null: JSON's reader takes them, render never sends them
+			}
+		}
+		if strict && (!ok || len(hashes) != len(ids)/blockSize) {
+			t.Fatalf("%q: ok %v, %d hashes for %d ids", tokens, ok, len(hashes), len(ids))
+		}
+		if ok && !strict && json.Valid(tokens) {
+			var any []json.Number
+			if json.Unmarshal(tokens, &any) != nil {
+				t.Fatalf("%q read as token ids, yet not an array of numbers", tokens)
+			}
+		}
+	})
+}
