@@ -22,9 +22,8 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.support.serving import serving
+from tests.support.serving import serving, serving_engine
 
 MODEL = "qwen"
 SCALE = 0.05
@@ -45,7 +44,6 @@ def engine(role: str) -> EngineConfig:
         served_model_name=MODEL,
         role=role,
         api="tokens",
-        port=free_port(),
         scheduler=SchedulerConfig(time_scale=SCALE, enable_prefix_caching=False),
     )
 
@@ -62,8 +60,8 @@ async def pd() -> AsyncIterator[Upstreams]:
     prefill, decode = engine("prefill"), engine("decode")
     async with (
         serving(render.app()) as render_url,
-        serving(EngineServer(prefill).app(), port=prefill.port) as prefill_url,
-        serving(EngineServer(decode).app(), port=decode.port) as decode_url,
+        serving_engine(prefill) as (_, prefill_url),
+        serving_engine(decode) as (_, decode_url),
     ):
         pool = {"service": "x", "port": 8000}
         config = GatewayConfig.model_validate(
@@ -244,7 +242,7 @@ async def test_a_plain_engine_is_a_target_too_chat_and_closed_loop(tmp_path: Pat
     """No gateway: the model comes from /v1/models, there is no document queue to read, and a
     fixed concurrency replaces the rate."""
     config = replace(engine("both"), api="openai")
-    async with serving(EngineServer(config).app(), port=config.port) as url:
+    async with serving_engine(config) as (_, url):
         code, out, err = await bench(
             "run", "--base-url", url, *MIX, "--endpoint", "chat", "--concurrency", "1,4",
             "--num-prompts", "12", "--time-scale", str(SCALE), "--out", str(tmp_path),

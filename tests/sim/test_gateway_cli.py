@@ -19,9 +19,8 @@ import pytest
 from devtools.localplane import free_port, wait_until
 from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_core import SchedulerConfig
-from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.support.serving import serving
+from tests.support.serving import serving, serving_engine
 
 MODEL = "qwen"
 
@@ -33,12 +32,11 @@ async def simulated(time_scale: float) -> AsyncIterator[dict[str, str]]:
     config = EngineConfig(
         model="m",
         served_model_name=MODEL,
-        port=free_port(),
         scheduler=SchedulerConfig(time_scale=time_scale),
     )
     async with (
         serving(render.app()) as render_url,
-        serving(EngineServer(config).app(), port=config.port) as decode_url,
+        serving_engine(config) as (_, decode_url),
     ):
         yield {"render": render_url, "decode": decode_url}
 

@@ -13,10 +13,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from devtools.localplane import free_port
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.dataplane import build_binary
 from pdserve.gateway.server import GatewayRunner
+from pdserve.ports import listening_socket
 from tests.support.loopback_upstream import LoopbackUpstream
 
 T = TypeVar("T")
@@ -50,15 +50,16 @@ class ServedGateway:
     ) -> aiohttp.ClientSession:
         await self.upstream.start()
         self.gateway = make_gateway(self.upstream.urls)
-        port = 0
+        # Listening before the data plane is told where the Python gateway is.
+        sock = listening_socket()
         if self.path == "dataplane":
-            port = free_port()
-            self.gateway.use_data_plane(build_binary(), "127.0.0.1:0", f"http://127.0.0.1:{port}")
+            python_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            self.gateway.use_data_plane(build_binary(), "127.0.0.1:0", python_url)
         app = self.gateway.app()
         app.middlewares.insert(0, self._count)
         self.runner = GatewayRunner(app, handler_cancellation=True)
         await self.runner.setup()  # starts the data plane, when there is one
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        await web.SockSite(self.runner, sock).start()
         if self.gateway.data_plane is not None:
             assert self.gateway.data_plane.address is not None
             self.base_url = f"http://{self.gateway.data_plane.address}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -9,6 +10,8 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from pdserve.ports import listening_socket as listening_socket  # re-exported: the tests' import
+from pdserve.sim.engine_config import EngineConfig
+from pdserve.sim.engine_server import EngineServer
 
 
 @asynccontextmanager
@@ -34,3 +37,14 @@ async def serving(
 
 
 AppFactory = Callable[[], web.Application]
+
+
+@asynccontextmanager
+async def serving_engine(config: EngineConfig) -> AsyncIterator[tuple[EngineServer, str]]:
+    """An engine simulator on a loopback port that listens before the engine is built: it
+    names its own port in the KV parameters it hands out (remote_port), so its config gets the
+    listening socket's port (config.port is ignored). Yields the server and its base URL."""
+    sock = listening_socket()
+    server = EngineServer(dataclasses.replace(config, port=sock.getsockname()[1]))
+    async with serving(server.app(), sock=sock) as url:
+        yield server, url

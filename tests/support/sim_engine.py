@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 
-from devtools.localplane import free_port
 from pdserve.sim.engine_config import EngineConfig, TransferConfig
 from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineServer
@@ -23,12 +22,10 @@ FAST = 0.01  # 100x faster than real time
 
 
 def engine_config(role: str = "both", **overrides: Any) -> EngineConfig:
-    port = free_port()
     base: dict[str, Any] = {
         "model": "Qwen/Qwen2.5-7B-Instruct",
         "served_model_name": "qwen",
         "role": role,
-        "port": port,
         "scheduler": SchedulerConfig(time_scale=FAST),
         "transfer": TransferConfig(lease_seconds=30),
     }

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from devtools.localplane import free_port
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.dataplane import build_binary
@@ -27,7 +26,7 @@ from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.support.serving import listening_socket, serving
+from tests.support.serving import listening_socket, serving, serving_engine
 
 MODEL = "qwen"
 TOOLS = [
@@ -75,7 +74,6 @@ def engine(role: str, *, api: str = "tokens", policy: str = "fail") -> EngineCon
         served_model_name=MODEL,
         role=role,
         api=api,
-        port=free_port(),
         scheduler=SchedulerConfig(time_scale=0.01),
         transfer=TransferConfig(load_failure_policy=policy),
         behaviour=ModelBehaviour(reasoning=True),
@@ -100,9 +98,10 @@ class Stack:
         )
 
     async def engine(self, name: str, config: EngineConfig) -> str:
-        server = EngineServer(config)
+        """The engine on a port listening before it is built (serving_engine)."""
+        server, url = await self.exits.enter_async_context(serving_engine(config))
         self.engines[name] = server
-        return await self.start(server, config.port)
+        return url
 
     async def render(self, config: RenderConfig = RENDER) -> str:
         server = RenderServer(config)
@@ -253,11 +252,21 @@ class Replicas:
         return hung - self.prefill.faults.hang
 
 
-def local_url(above: str = "") -> str:
-    """A free loopback URL sorting after `above` (the leader is the lowest URL)."""
-    while (url := f"http://127.0.0.1:{free_port()}") <= above:
-        pass
-    return url
+def local_listener(above: str = "", below: str | None = None) -> tuple[socket.socket, str]:
+    """A loopback socket already listening, and its URL, sorting after `above` and before
+    `below` (the leader is the lowest URL). The sockets passed over stay open until one fits,
+    so the kernel never hands the same port back."""
+    passed: list[socket.socket] = []
+    try:
+        while True:
+            sock = listening_socket()
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            if url > above and (below is None or url < below):
+                return sock, url
+            passed.append(sock)
+    finally:
+        for each in passed:
+            each.close()
 
 
 async def gateway_replicas(
@@ -281,17 +290,18 @@ async def gateway_replicas(
         "prefill": [ep(prefill)],
         "decode": [ep(decode)],
     }
-    urls = [local_url(min(extra_peers, default="")) for _ in range(2)]
+    listeners = [local_listener(min(extra_peers, default="")) for _ in range(2)]
+    urls = [url for _, url in listeners]
     fair = FairQueueSettings(
         long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=max_wait
     )
     gateways, clients = [], []
-    for mine, theirs in (urls, urls[::-1]):
+    for (sock, mine), theirs in zip(listeners, urls[::-1], strict=True):
         config = routing(endpoints={**endpoints, "peers": [theirs, *extra_peers], "selfUrl": mine})
         gateway = Gateway(
             GatewayConfig.model_validate(config), GatewaySettings(fair_queue=fair, **settings)
         )
-        await stack.start(gateway, int(mine.rsplit(":", 1)[1]))
+        await stack.start(gateway, sock=sock)
         gateways.append(gateway)
         clients.append(
             await stack.exits.enter_async_context(

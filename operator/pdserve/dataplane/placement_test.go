@@ -200,3 +200,18 @@ func FuzzTokenIdsFromRenderAreReadSafely(f *testing.F) {
 		}
 	})
 }
+
+// The render route's cost of placement per request: a 2,000-token prompt's block hashes.
+func BenchmarkBlockHashesOfA2000TokenPrompt(b *testing.B) {
+	ids := make([]int64, 2000)
+	for i := range ids {
+		ids[i] = int64(i*7919) % 151_936
+	}
+	raw, _ := json.Marshal(ids)
+	b.SetBytes(int64(len(raw)))
+	for b.Loop() {
+		if _, ok := blockHashes(raw, 16); !ok {
+			b.Fatal("not read")
+		}
+	}
+}

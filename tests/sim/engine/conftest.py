@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.sim.engine_config import EngineConfig
 from pdserve.sim.engine_server import EngineServer
-from tests.support.serving import serving
+from tests.support.serving import serving_engine
 from tests.support.sim_engine import Engines
 
 
@@ -21,8 +21,7 @@ async def engines() -> AsyncIterator[Engines]:
     async with AsyncExitStack() as stack:
 
         async def start(config: EngineConfig) -> tuple[EngineServer, httpx.AsyncClient]:
-            server = EngineServer(config)
-            url = await stack.enter_async_context(serving(server.app(), port=config.port))
+            server, url = await stack.enter_async_context(serving_engine(config))
             client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
             return server, client
 

@@ -22,7 +22,7 @@ from tests.support.sim_gateway import (
     ep,
     finished,
     gateway_replicas,
-    local_url,
+    local_listener,
     pd_stack,
     routing,
     until,
@@ -203,11 +203,9 @@ async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(
     stand_in.router.add_get("/admission", admission)
     if leader == "stuck":
         stand_in.router.add_post("/admission/hold", stuck)
-    while True:  # a free port with many free ports' URLs sorting after it
-        lowest = local_url()
-        if lowest < "http://127.0.0.1:6":
-            break
-    await stack.exits.enter_async_context(serving(stand_in, port=int(lowest.rsplit(":", 1)[1])))
+    # A port with many free ports' URLs sorting after it.
+    sock, lowest = local_listener(below="http://127.0.0.1:6")
+    await stack.exits.enter_async_context(serving(stand_in, sock=sock))
     replicas = await gateway_replicas(stack, hang=0, extra_peers=(lowest,), max_wait=0.2)
     await until(lambda: all(g.peers.leader() == lowest for g in replicas.gateways))
     answers = await asyncio.gather(
