@@ -209,7 +209,8 @@ func BenchmarkBlockHashesOfA2000TokenPrompt(b *testing.B) {
 	}
 	raw, _ := json.Marshal(ids)
 	b.SetBytes(int64(len(raw)))
-	for b.Loop() {
+	b.ResetTimer()
+	for range b.N {
 		if _, ok := blockHashes(raw, 16); !ok {
 			b.Fatal("not read")
 		}

@@ -10,11 +10,11 @@ OpenAI or behind render servers (render -> P/D -> derender, streamed through the
 pipeline or not), keeping the request log's entries of what it serves when the gateway keeps
 one (`request_log_table`), picking engines by where a request's KV probably is as Placement
 does (`PLACEMENT`, each model's `blockSize`), and serving the bodies it cannot prove valid
-cheaply once this gateway's intake judged them (app.py intake_for_data_plane). Every request under bidirectional
-KV goes to the Python gateway (a conversation's KV on decode is tracked per request). Long
-prompts (by body size, or by rendered token count behind render servers) wait for a fair
-prefill admission slot in this replica's queue, which the data plane runs (`admission`), or,
-while another gateway replica leads admission, ask this gateway."""
+cheaply once this gateway's intake judged them (app.py intake_for_data_plane). Every request
+under bidirectional KV goes to the Python gateway (a conversation's KV on decode is tracked per
+request). Long prompts (by body size, or by rendered token count behind render servers) wait
+for a fair prefill admission slot in this replica's queue, which the data plane runs
+(`admission`), or, while another gateway replica leads admission, ask this gateway."""
 
 from __future__ import annotations
 
