@@ -178,9 +178,8 @@ func blockHashes(tokens []byte, blockSize int) (hashes []uint64, ok bool) {
 	if i == len(tokens)-1 && tokens[i] == ']' {
 		return nil, true // no tokens at all
 	}
-	var h maphash.Hash
-	h.SetSeed(blockSeed)
-	var word [8]byte
+	// One hash per block, over the previous block's hash and this block's ids.
+	block := make([]byte, 8+8*blockSize)
 	inBlock := 0
 	for {
 		i = skipSpace(tokens, i)
@@ -200,10 +199,11 @@ func blockHashes(tokens []byte, blockSize int) (hashes []uint64, ok bool) {
 		if negative {
 			value = -value
 		}
-		binary.LittleEndian.PutUint64(word[:], value)
-		_, _ = h.Write(word[:])
+		binary.LittleEndian.PutUint64(block[8+8*inBlock:], value)
 		if inBlock++; inBlock == blockSize {
-			hashes = append(hashes, h.Sum64())
+			h := maphash.Bytes(blockSeed, block)
+			hashes = append(hashes, h)
+			binary.LittleEndian.PutUint64(block, h)
 			inBlock = 0
 		}
 		i = skipSpace(tokens, i)
