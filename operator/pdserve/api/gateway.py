@@ -98,14 +98,13 @@ class GatewaySpec(ApiModel):
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token
     counts. Off by default: a line per request costs CPU at high rates."""
-    data_plane: bool = True
+    data_plane: bool = False
     """Serve clients through the gateway's compiled data plane (Go, in the pdserve image) at a
     fraction of the CPU per request: every routing mode (Auto decided per request in the data
     plane), OpenAI engines or engines behind a render pool, the request log included; a body it
     cannot prove valid cheaply is judged by the Python gateway in the same pod and then served
     by it. A model with bidirectional KV goes on to the Python gateway, as it would without
-    it. false: the Python gateway alone serves every request (the same answers, at several
-    times the CPU per request)."""
+    it. Off by default."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)
