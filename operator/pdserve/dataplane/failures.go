@@ -140,6 +140,25 @@ func callFailure(err error) string {
 	return "ServerDisconnectedError"
 }
 
+// outOfTime names a call that ran out of time (errors.out_of_time) by what never came: the
+// connection, within the connect timeout, or the answer, within `waited`.
+func (p *plane) outOfTime(stage, url string, err error, waited time.Duration) string {
+	return outOfTimeWords(stage, url, dialTimedOut(err), waited, p.upstream.dialer.Timeout)
+}
+
+func outOfTimeWords(stage, url string, dialing bool, waited, connect time.Duration) string {
+	if dialing {
+		return stage + " at " + url + ": could not connect within " + pySeconds(connect) + " s"
+	}
+	return stage + " at " + url + ": no answer within " + pySeconds(waited) + " s"
+}
+
+// dialTimedOut: the connection was not made in time (a dial's own timeout).
+func dialTimedOut(err error) bool {
+	var dial *net.OpError
+	return errors.As(err, &dial) && dial.Op == "dial" && timedOut(err)
+}
+
 // timedOut: the call's own bound passed (not the client leaving).
 func timedOut(err error) bool {
 	var netErr net.Error
@@ -189,8 +208,7 @@ func (p *plane) callJSON(ctx context.Context, stage string, candidates []*endpoi
 		case errors.Is(err, errNotJSON):
 			last = upstreamFailed(stage+" at "+e.url+" answered non-JSON", false)
 		case timedOut(err):
-			last = upstreamFailed(fmt.Sprintf("%s at %s: no answer within %s s", stage, e.url,
-				pySeconds(until.Sub(started))), true)
+			last = upstreamFailed(p.outOfTime(stage, e.url, err, until.Sub(started)), true)
 		default:
 			last = upstreamFailed(stage+" at "+e.url+": "+callFailure(err), false)
 		}

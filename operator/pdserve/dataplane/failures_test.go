@@ -3,11 +3,15 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -174,5 +178,39 @@ func TestAClientLeavingMidStreamIsClientGoneAndItsTokensDecodeAborted(t *testing
 	}
 	if want := `{"request_ids":["generate-tokens-` + id + `"]}`; aborted.Load() != want {
 		t.Fatalf("aborted %v, want %s", aborted.Load(), want)
+	}
+}
+
+// outOfTimeCase is one of testdata/out_of_time.json, which the Python gateway's tests read
+// too (tests/unit/gateway/test_out_of_time_cases.py).
+type outOfTimeCase struct {
+	Name           string  `json:"name"`
+	Stage          string  `json:"stage"`
+	URL            string  `json:"url"`
+	ConnectionMade bool    `json:"connectionMade"`
+	Waited         float64 `json:"waited"`
+	ConnectTimeout float64 `json:"connectTimeout"`
+	Message        string  `json:"message"`
+}
+
+func TestACallOutOfTimeIsNamedAsTheSharedCaseSays(t *testing.T) {
+	seconds := func(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+	for _, c := range sharedCases[[]outOfTimeCase](t, "out_of_time.json") {
+		got := outOfTimeWords(c.Stage, c.URL, !c.ConnectionMade, seconds(c.Waited), seconds(c.ConnectTimeout))
+		if got != c.Message {
+			t.Errorf("%s: %q, want %q", c.Name, got, c.Message)
+		}
+	}
+}
+
+func TestADialThatTimesOutIsToldFromAnAnswerThatDidNot(t *testing.T) {
+	dial := &net.OpError{Op: "dial", Net: "tcp", Err: os.ErrDeadlineExceeded} // as DialContext fails
+	read := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	if !dialTimedOut(fmt.Errorf("post: %w", dial)) {
+		t.Error("a dial past its timeout not told apart")
+	}
+	if dialTimedOut(read) || dialTimedOut(refused) || dialTimedOut(os.ErrDeadlineExceeded) {
+		t.Error("an answer's deadline, or a refused dial, taken for a dial that timed out")
 	}
 }

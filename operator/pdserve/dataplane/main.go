@@ -755,7 +755,7 @@ func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body [
 		}
 		if ctx.Err() != nil || timedOut(err) {
 			return nil, &failure{status: http.StatusGatewayTimeout, kind: "GatewayTimeout", final: ctx.Err() != nil, timedOut: true,
-				message: "decode at " + e.url + ": no answer within " + pySeconds(p.upstream.firstByte) + " s"}
+				message: p.outOfTime("decode", e.url, err, p.upstream.firstByte)}
 		}
 		return nil, upstreamFailed("decode at "+e.url+": "+callFailure(err), false)
 	}

@@ -135,6 +135,17 @@ def upstream_message(payload: bytes) -> str:
     return "an error answer without a message"
 
 
+def out_of_time(
+    stage: str, url: str, error: BaseException, waited: float, connect_timeout: float
+) -> str:
+    """A call that ran out of time, named by what never came: the connection (within the
+    connect timeout) or the answer (within `waited`, the call's own bound). Shared cases:
+    dataplane/testdata/out_of_time.json."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return f"{stage} at {url}: could not connect within {connect_timeout:g} s"
+    return f"{stage} at {url}: no answer within {waited:g} s"
+
+
 def upstream_failure(error: BaseException) -> str:
     """What broke an upstream call, for the client: the failure's kind, and its reason where
     that is the gateway's own words. aiohttp's words for an answer it could not parse draw the

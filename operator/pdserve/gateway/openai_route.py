@@ -18,6 +18,7 @@ from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.errors import (
     GatewayError,
     json_response,
+    out_of_time,
     upstream_failure,
     upstream_message,
     without_addresses,
@@ -111,10 +112,10 @@ class OpenAIRoute:
             upstream = await self.upstream.post_stream(
                 endpoint, path, body, ex.headers, deadline=deadline
             )
-        except TimeoutError:
+        except TimeoutError as error:
             raise GatewayError(
                 504,
-                f"decode at {endpoint.url}: no answer within {s.first_byte_timeout:g} s",
+                out_of_time("decode", endpoint.url, error, s.first_byte_timeout, s.connect_timeout),
                 kind="GatewayTimeout",
             ) from None
         except aiohttp.ClientError as error:

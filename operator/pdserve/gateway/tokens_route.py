@@ -21,6 +21,7 @@ from pdserve.gateway.errors import (
     GatewayError,
     UpstreamFailed,
     json_response,
+    out_of_time,
     stream_logprobs_refused,
     upstream_failure,
     upstream_message,
@@ -298,11 +299,13 @@ class TokensRoute:
                         response = await self.upstream.post_stream(
                             endpoint, GENERATE_PATH, body, ex.headers, deadline=deadline
                         )
-                    except TimeoutError:
+                    except TimeoutError as error:
                         tried.append(endpoint)
                         self.metrics.retries.labels("decode", "timeout").inc()
-                        wait = self.settings.first_byte_timeout
-                        failure = f"decode at {endpoint.url}: no answer within {wait:g} s"
+                        s = self.settings
+                        failure = out_of_time(
+                            "decode", endpoint.url, error, s.first_byte_timeout, s.connect_timeout
+                        )
                         status = 504
                         continue
                     except aiohttp.ClientError as error:

@@ -20,6 +20,7 @@ from pdserve.gateway.errors import (
     GatewayError,
     LeaseExpiring,
     UpstreamFailed,
+    out_of_time,
     upstream_failure,
     upstream_message,
 )
@@ -183,7 +184,8 @@ class UpstreamClient:
                     raise self.past_deadline(stage, endpoint) from None
                 timed_out = isinstance(error, TimeoutError)
                 if timed_out:
-                    last = f"{stage} at {endpoint.url}: no answer within {limit:g} s"
+                    connect = self.settings.connect_timeout
+                    last = out_of_time(stage, endpoint.url, error, limit, connect)
                 else:
                     last = f"{stage} at {endpoint.url}: {upstream_failure(error)}"
                     log.info(
