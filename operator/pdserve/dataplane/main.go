@@ -777,9 +777,10 @@ func (p *plane) openStream(ctx context.Context, e *endpoint, path string, body [
 	return response, nil
 }
 
-// admit waits for a long-prefill slot on one of the model's prefill replicas (the least loaded
-// first; with `only`, of those servers alone) in this replica's queue, or while another gateway
-// replica leads admission through the Python gateway, and holds it until release.
+// admit waits for a long-prefill slot on one of the model's prefill replicas (`best` first,
+// then as pick ranks them; with s.prefillOnly, of those servers alone) in this replica's
+// queue, or while another gateway replica leads admission through the Python gateway, and
+// holds it until release.
 func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint, s *served) (*endpoint, func(), fallback) {
 	ranked := m.rankedPrefill(best, s.prefillOnly, s.where)
 	// Slots are per server, however many of its data-parallel ranks the table names.
