@@ -22,6 +22,12 @@ type placementCases struct {
 		Pick               string         `json:"pick"`
 		Rank               []string       `json:"rank"`
 	} `json:"pick"`
+	Conversation []struct {
+		Name           string  `json:"name"`
+		ConversationID any     `json:"conversationId"`
+		Header         *string `json:"header"`
+		Want           *string `json:"conversation"`
+	} `json:"conversation"`
 	Prefix []struct {
 		Name         string    `json:"name"`
 		BlockSize    int       `json:"blockSize"`
@@ -115,21 +121,26 @@ func TestTokenIdsAreReadAsRenderWritesThemOrNotAtAll(t *testing.T) {
 	}
 }
 
-func TestAConversationIsNamedAsThePythonGatewayNamesIt(t *testing.T) {
-	for _, c := range []struct{ raw, header, want string }{
-		{`"c-7"`, "", "c-7"},
-		{`"c\u002d7"`, "", "c-7"},
-		{`7`, "", "7"},
-		{`""`, "h-1", "h-1"},
-		{`0`, "h-1", "h-1"},
-		{`null`, "h-1", "h-1"},
-		{``, "h-1", "h-1"},
-		{``, "", ""},
-		{`"body"`, "h-1", "body"},
-	} {
-		if got := conversationOf([]byte(c.raw), c.header); got != c.want {
-			t.Errorf("conversation_id %s, header %q: %q, want %q", c.raw, c.header, got, c.want)
+func TestAConversationIsNamedAsTheSharedCaseSays(t *testing.T) {
+	for _, c := range sharedCases[placementCases](t, "placement_cases.json").Conversation {
+		raw := []byte{}
+		if c.ConversationID != nil {
+			raw, _ = json.Marshal(c.ConversationID)
 		}
+		header, want := "", ""
+		if c.Header != nil {
+			header = *c.Header
+		}
+		if c.Want != nil {
+			want = *c.Want
+		}
+		if got := conversationOf(raw, header); got != want {
+			t.Errorf("%s: %q, want %q", c.Name, got, want)
+		}
+	}
+	// JSON escapes are the data plane's own reading: the Python gateway gets the string decoded.
+	if got := conversationOf([]byte(`"c\u002d7"`), ""); got != "c-7" {
+		t.Errorf("an escaped id: %q", got)
 	}
 }
 

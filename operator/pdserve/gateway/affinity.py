@@ -24,6 +24,14 @@ CONVERSATION_BONUS = 1_000_000
 answers included, is there."""
 
 
+def conversation_of(body_id: object, header: str | None) -> str | None:
+    """A request's conversation: the body's conversation_id (a string or an integer) unless it
+    is empty or 0, else the X-Conversation-Id header. The data plane reads it the same way
+    (placement.go conversationOf; shared cases in dataplane/testdata/placement_cases.json)."""
+    conversation = body_id or header
+    return str(conversation) if conversation else None
+
+
 def scores(cached: Mapping[str, int], conversation_engine: str | None) -> dict[str, int]:
     """Per engine (Endpoint.key), how much of a request's KV it probably holds: the leading
     blocks of its prompt it cached, and the bonus for the conversation's last engine."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from pdserve.gateway.affinity import conversation_of
 from pdserve.gateway.endpoints import Endpoint, Selection
 from pdserve.gateway.request_log import p95
 from pdserve.wirejson import dumps
@@ -97,10 +98,9 @@ class Exchange:
 
     @property
     def conversation(self) -> str | None:
-        conversation = self.body.get("conversation_id") or self.request.headers.get(
-            "X-Conversation-Id"
+        return conversation_of(
+            self.body.get("conversation_id"), self.request.headers.get("X-Conversation-Id")
         )
-        return str(conversation) if conversation else None
 
     @property
     def route(self) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.gateway.affinity import PrefixIndex, block_hashes, scores
+from pdserve.gateway.affinity import PrefixIndex, block_hashes, conversation_of, scores
 from pdserve.gateway.endpoints import Endpoint, Endpoints
 from pdserve.gateway.fastpath import PLACEMENT
 
@@ -42,3 +42,8 @@ def test_cached_blocks_are_counted_as_the_shared_case_says(case: dict[str, Any])
         index.record("engine", block_hashes(prompt, case["blockSize"]))
     hashes = block_hashes(case["prompt"], case["blockSize"])
     assert index.cached_blocks("engine", hashes) == case["cachedBlocks"]
+
+
+@pytest.mark.parametrize("case", CASES["conversation"], ids=lambda case: case["name"])
+def test_a_conversation_is_named_as_the_shared_case_says(case: dict[str, Any]) -> None:
+    assert conversation_of(case["conversationId"], case["header"]) == case["conversation"]
