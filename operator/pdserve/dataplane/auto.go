@@ -247,7 +247,7 @@ func (m *stepMeter) read() (float64, bool) {
 type engineQueue struct {
 	Waiting     float64  `json:"waiting"`
 	Running     float64  `json:"running"`
-	Backlog     float64  `json:"backlog"`     // prompt tokens sent and not prefilled yet
+	Backlog     float64  `json:"backlog"`     // prompt tokens the Python gateway sent, not prefilled yet
 	StepSeconds *float64 `json:"stepSeconds"` // recent time between its streams' tokens
 }
 
@@ -280,7 +280,8 @@ func (a *autoJSON) queues(m *model, queuedHere int) (*queueState, []string) {
 			}
 		}
 		for _, e := range m.groups[i].prefill {
-			ahead, backlog := a.active(e)+queued, a.Queues[e.key].Backlog
+			// The prompt tokens waiting there: the Python gateway's and this data plane's own.
+			ahead, backlog := a.active(e)+queued, a.Queues[e.key].Backlog+float64(e.backlog.Load())
 			if before, ok := out.PrefillAheadBy[e.url]; ok { // its calmest rank
 				ahead, backlog = math.Min(before, ahead), math.Min(out.PrefillBacklogBy[e.url], backlog)
 			}
@@ -359,11 +360,12 @@ func (a *autoRuntime) decide(t *autoJSON, m *model, promptTokens int64, queuedHe
 }
 
 // snapshot: GET /stats's "auto": decisions by reason, how many requests went to measure the
-// first handoff, and the observations still held.
-func (a *autoRuntime) snapshot() map[string]any {
+// first handoff, and the observations still held past `after` (the last one the Python
+// gateway folded).
+func (a *autoRuntime) snapshot(after int64) map[string]any {
 	a.mu.Lock()
 	held := []observation{}
-	for seq := max(1, a.seq-observationRing+1); seq <= a.seq; seq++ {
+	for seq := max(1, a.seq-observationRing+1, after+1); seq <= a.seq; seq++ {
 		held = append(held, a.ring[seq%observationRing])
 	}
 	a.mu.Unlock()

@@ -85,7 +85,7 @@ func TestWhileDegradedEveryNthEligibleRequestProbes(t *testing.T) {
 	if !slices.Equal(reasons, want) {
 		t.Fatalf("decisions %v, want %v", reasons, want)
 	}
-	if got := a.snapshot()["decisions"].(map[string]int64); got["probe"] != 2 || got["degraded"] != 4 || got["short_prompt"] != 1 {
+	if got := a.snapshot(0)["decisions"].(map[string]int64); got["probe"] != 2 || got["degraded"] != 4 || got["short_prompt"] != 1 {
 		t.Fatalf("decisions reported %v", got)
 	}
 }
@@ -126,9 +126,16 @@ func TestObservationsWaitInABoundedRingForThePythonGateway(t *testing.T) {
 	for i := range observationRing + 5 {
 		a.observe("output", 0, int64(i), "")
 	}
-	held := a.snapshot()["observations"].([]observation)
+	held := a.snapshot(0)["observations"].([]observation)
 	if len(held) != observationRing || held[0].Seq != 6 || held[len(held)-1].Seq != observationRing+5 {
 		t.Fatalf("held %d, from seq %d to %d", len(held), held[0].Seq, held[len(held)-1].Seq)
+	}
+	newer := a.snapshot(observationRing)["observations"].([]observation) // folded up to there
+	if len(newer) != 5 || newer[0].Seq != observationRing+1 {
+		t.Fatalf("after %d: %d held, from seq %d", observationRing, len(newer), newer[0].Seq)
+	}
+	if none := a.snapshot(observationRing + 5)["observations"].([]observation); len(none) != 0 {
+		t.Fatalf("after the last: %d held", len(none))
 	}
 }
 
@@ -202,5 +209,28 @@ func TestAutoReadsTheStepTimeOfTheStreamsItRelaysOverTheScrapedOne(t *testing.T)
 	decode.steps.observe(20*time.Millisecond, now.Add(time.Millisecond), time.Millisecond)
 	if q, _ = m.auto.queues(m, 0); *q.DecodeStepSeconds > 0.021 {
 		t.Fatalf("step time %g, want its own 0.020", *q.DecodeStepSeconds)
+	}
+}
+
+// The prompts this data plane sent prefill and that are not prefilled yet count as queued
+// there (planner.queue_state reads the Python gateway's own the same way): past the TTFT
+// target, the next long prompt prefills on decode instead.
+func TestThePromptTokensOwedHereCountInPrefillsQueue(t *testing.T) {
+	measured := strings.NewReplacer(`"learning":false`, `"learning":null`,
+		`"secondsPerToken":null`, `"secondsPerToken":0.00001`,
+		`"prefillSecondsPerToken":null`, `"prefillSecondsPerToken":0.0001`).Replace(autoTable)
+	built, engines := mustBuild(t, measured, nil)
+	m, a := built.models["qwen"], &autoRuntime{}
+	if d := a.decide(m.auto, m, 2000, 0); d.Reason != "long_prompt" {
+		t.Fatalf("an idle prefill pool: %+v, want P/D", d)
+	}
+	// 8,000 tokens ahead at 0.1 ms each: 0.8 s of wait, past 0.9 x the 1 s budget with this prompt.
+	prefilled := engines["http://p0:8000"].owe(8000)
+	if d := a.decide(m.auto, m, 2000, 0); d.Disaggregated || d.Reason != "prefill_queue_over_ttft_budget" {
+		t.Fatalf("8,000 tokens owed on prefill: %+v, want local prefill", d)
+	}
+	prefilled()
+	if d := a.decide(m.auto, m, 2000, 0); d.Reason != "long_prompt" {
+		t.Fatalf("once prefilled: %+v, want P/D again", d)
 	}
 }

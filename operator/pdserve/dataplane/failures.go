@@ -168,9 +168,11 @@ func timedOut(err error) bool {
 // callJSON is post_json: one POST to the first of `candidates` that answers, each tried once;
 // on a connection error, a timeout, a 5xx or a 200 that is not JSON the next one is tried.
 // `limit` bounds each call whole (its answer read to the end); `deadline` (the request's, for
-// prefill and decode) ends the tries with a 504. The answer is read into `into`.
+// prefill and decode) ends the tries with a 504. `prefills` prompt tokens are counted on each
+// engine tried until it answered (its load). The answer is read into `into`.
 func (p *plane) callJSON(ctx context.Context, stage string, candidates []*endpoint, path string,
-	body []byte, id, auth string, limit time.Duration, deadline bool, into *bytes.Buffer) (*endpoint, *failure) {
+	body []byte, id, auth string, limit time.Duration, deadline bool, prefills int64,
+	into *bytes.Buffer) (*endpoint, *failure) {
 	var last *failure
 	for _, e := range candidates {
 		started := time.Now()
@@ -181,7 +183,9 @@ func (p *plane) callJSON(ctx context.Context, stage string, candidates []*endpoi
 		if !until.After(started) {
 			return nil, p.pastDeadlineFailure(stage, nil)
 		}
+		prefilled := e.owe(prefills)
 		err := p.callWithin(ctx, e, path, body, id, auth, until, into)
+		prefilled()
 		if stage == "render" || stage == "derender" {
 			spent := time.Since(started)
 			p.metrics.render.observe(e.url+"\t"+stage, spent)

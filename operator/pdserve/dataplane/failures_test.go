@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -212,5 +213,63 @@ func TestADialThatTimesOutIsToldFromAnAnswerThatDidNot(t *testing.T) {
 	}
 	if dialTimedOut(read) || dialTimedOut(refused) || dialTimedOut(os.ErrDeadlineExceeded) {
 		t.Error("an answer's deadline, or a refused dial, taken for a dial that timed out")
+	}
+}
+
+// The prompt an engine was sent weighs on its load until it is prefilled there (upstream.counted):
+// a prefill call until it answers, a local stream until its first event; decode sent prefill's
+// KV owes nothing.
+func TestAnEnginesLoadCountsThePromptItWasSentUntilItIsPrefilled(t *testing.T) {
+	prompt := `[{"role":"user","content":"` + strings.Repeat("x", 4000) + `"}]`
+	owed := int64(len(prompt) / 4) // estimatedPromptTokens: 4 bytes of the prompt's JSON a token
+	for _, c := range []struct {
+		name, table         string
+		stream              bool
+		atPrefill, atDecode int64
+	}{
+		{"P/D", pdTable, false, owed, 0},
+		{"P/D streamed", pdTable, true, owed, 0},
+		{"local, streamed", decodeTable, true, -1, owed},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var engine **endpoint
+			var mu sync.Mutex
+			seen := map[string]int64{}
+			u := newPlaneUnderTest(t, c.table, func(w http.ResponseWriter, r *http.Request) {
+				var body map[string]any
+				json.NewDecoder(r.Body).Decode(&body)
+				stage := "decode"
+				if body["max_tokens"] == 1.0 {
+					stage = "prefill"
+				}
+				mu.Lock()
+				seen[stage] = (*engine).backlog.Load()
+				mu.Unlock()
+				if body["stream"] == true {
+					w.Header().Set("Content-Type", "text/event-stream")
+					io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n")
+					return
+				}
+				io.WriteString(w, `{"choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}],"kv_transfer_params":{"remote_host":"h"}}`)
+			}, nil)
+			for _, e := range u.p.engines {
+				engine = &e
+			}
+			body := `{"model":"m","stream":` + strconv.FormatBool(c.stream) + `,"messages":` + prompt + `}`
+			if response, text := u.post(t, body); response.StatusCode != 200 {
+				t.Fatalf("%d %s", response.StatusCode, text)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if got, ok := seen["prefill"]; c.atPrefill >= 0 && got != c.atPrefill || c.atPrefill < 0 && ok {
+				t.Errorf("prefill saw %d tokens owed, want %d", got, c.atPrefill)
+			}
+			if seen["decode"] != c.atDecode {
+				t.Errorf("decode saw %d tokens owed, want %d", seen["decode"], c.atDecode)
+			}
+			if left := (*engine).backlog.Load(); left != 0 {
+				t.Errorf("%d tokens still owed after the answer", left)
+			}
+		})
 	}
 }

@@ -444,11 +444,12 @@ func (p *plane) refuseTooLarge(w http.ResponseWriter, r *http.Request) {
 // route: the engines for one request, P/D or not as the model's route says, or as Auto mode
 // decides for a prompt of `promptTokens` (then what the request teaches is reported).
 func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode *endpoint) {
+	s.promptTokens = promptTokens
 	if m.route != routeAuto {
 		return m.pick(s.where)
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
-	s.learn, s.promptTokens, s.prefillOnly = &p.auto, promptTokens, d.Prefill
+	s.learn, s.prefillOnly = &p.auto, d.Prefill
 	if s.log != nil {
 		s.log.autoReason = d.Reason
 	}
@@ -521,11 +522,11 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	defer p.buffers.Put(answer)
 	started := time.Now()
 	served, f := p.callJSON(ctx, "prefill", []*endpoint{first}, path, request, id, auth,
-		p.upstream.firstByte, true, answer)
+		p.upstream.firstByte, true, s.promptTokens, answer)
 	if f != nil && !f.final && !f.kv {
 		if others := m.otherPrefills(first, s.prefillOnly, s.where); len(others) > 0 {
 			served, f = p.callJSON(ctx, "prefill", others, path, request, id, auth,
-				p.upstream.firstByte, true, answer)
+				p.upstream.firstByte, true, s.promptTokens, answer)
 		}
 	}
 	release() // the slot is for prefill's work, as in the Python gateway
@@ -558,7 +559,7 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path string, body []byte,
 	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer, w *placing) (*endpoint, *failure) {
 	limit := p.timeouts.request
-	served, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, into)
+	served, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, 0, into)
 	if f != nil && !f.final {
 		others := m.otherDecodes(first, w)
 		if f.kv && len(others) == 0 {
@@ -574,7 +575,7 @@ func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path 
 				defer p.buffers.Put(request)
 				retry = local(request)
 			}
-			served, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, into)
+			served, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, 0, into)
 		}
 	}
 	if f != nil && !f.final { // decode_once answers what no replica could serve as a 502
@@ -603,6 +604,12 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	body []byte, id, auth string, s *served) fallback {
 	e.inflight.Add(1)
 	defer e.inflight.Add(-1)
+	owed := s.promptTokens // it prefills the prompt itself unless prefill's KV comes with it
+	if s.kvToDecode {
+		owed = 0
+	}
+	prefilled := e.owe(owed)
+	defer prefilled()
 	response, f := p.openStream(ctx, e, r.URL.Path, body, id, auth)
 	if f != nil {
 		if f.answered != "" {
@@ -642,6 +649,7 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 			data, isData := bytes.CutPrefix(bytes.TrimSuffix(line, []byte("\r")), []byte("data: "))
 			if isData {
 				first = false
+				prefilled()
 				timer.Reset(p.timeouts.idle)
 				if string(data) != "[DONE]" {
 					s.event(e)
@@ -866,7 +874,9 @@ func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
+// getStats: ?after=N leaves out the Auto-mode observations up to N, which the caller folded.
+func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
+	after, _ := strconv.ParseInt(r.URL.Query().Get("after"), 10, 64)
 	out := map[string]any{
 		// Served by route: the Python gateway's metric labels, named here only.
 		"routes": map[string]int64{routePD: p.stats.pd.Load(), routeDecode: p.stats.decode.Load(),
@@ -880,7 +890,7 @@ func (p *plane) getStats(w http.ResponseWriter, _ *http.Request) {
 		"intake":       p.stats.intake.Load(),
 		"inflight":     p.inflight.Load(),
 		"runtime":      runtimeStats(),
-		"auto":         p.auto.snapshot(),
+		"auto":         p.auto.snapshot(after),
 	}
 	if p.requestLog != nil {
 		out["requestLog"] = p.requestLog.snapshot() // entries written, and dropped

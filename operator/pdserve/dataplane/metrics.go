@@ -126,7 +126,7 @@ type served struct {
 	lastChunk time.Time // zero until the first token went out
 	// Routing mode Auto: what this request teaches (nil in the other modes).
 	learn        *autoRuntime
-	promptTokens int64
+	promptTokens int64     // as routing counted them: what prefill owes until it answers
 	prefillDone  time.Time // when prefill answered with the KV's whereabouts
 	prefilledOn  string
 	prefillOnly  []string // Auto's P/D only through these prefill servers (admission, retries)

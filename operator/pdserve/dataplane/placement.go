@@ -25,6 +25,9 @@ type placementJSON struct {
 	ConversationBonus int     `json:"conversationBonus"`
 	MaxBlocks         int     `json:"maxBlocksPerEngine"`
 	MaxConversations  int     `json:"maxConversations"`
+	// One unit of an engine's load per this many prompt tokens sent to it and not prefilled
+	// yet (endpoints.PREFILL_TOKENS_PER_LOAD_UNIT); 0: that backlog is not weighed.
+	TokensPerLoadUnit float64 `json:"prefillTokensPerLoadUnit"`
 }
 
 // validPlacement: absent (an older gateway) picks by load alone; present, every number sane.
@@ -32,9 +35,10 @@ func validPlacement(p *placementJSON) error {
 	if p == nil {
 		return nil
 	}
-	if p.Slack < 0 || math.IsNaN(p.Slack) || math.IsInf(p.Slack, 0) || p.ConversationBonus < 0 ||
+	finite := func(x float64) bool { return x >= 0 && !math.IsInf(x, 0) }
+	if !finite(p.Slack) || !finite(p.TokensPerLoadUnit) || p.ConversationBonus < 0 ||
 		p.MaxBlocks < 0 || p.MaxConversations < 0 {
-		return fmt.Errorf("routing table: placement: affinitySlack, conversationBonus, maxBlocksPerEngine and maxConversations must be finite and not negative")
+		return fmt.Errorf("routing table: placement: affinitySlack, conversationBonus, maxBlocksPerEngine, maxConversations and prefillTokensPerLoadUnit must be finite and not negative")
 	}
 	return nil
 }

@@ -28,6 +28,13 @@ type placementCases struct {
 		Header         *string `json:"header"`
 		Want           *string `json:"conversation"`
 	} `json:"conversation"`
+	Load []struct {
+		Name     string  `json:"name"`
+		Base     float64 `json:"base"`
+		Inflight int64   `json:"inflight"`
+		Backlog  int64   `json:"backlog"`
+		Load     float64 `json:"load"`
+	} `json:"load"`
 	Prefix []struct {
 		Name         string    `json:"name"`
 		BlockSize    int       `json:"blockSize"`
@@ -72,6 +79,34 @@ func TestAnEngineIsPickedAsTheSharedCaseSays(t *testing.T) {
 			}
 			if !slices.Equal(order, c.Rank) {
 				t.Errorf("ranked %v, want %v", order, c.Rank)
+			}
+		})
+	}
+}
+
+// An engine's load as the table sets it (the pushed view, the rule's tokens per unit), with
+// this data plane's own requests in flight and prompt tokens owed.
+func TestAnEngineWeighsAsTheSharedCaseSays(t *testing.T) {
+	cases := sharedCases[placementCases](t, "placement_cases.json")
+	for _, c := range cases.Load {
+		t.Run(c.Name, func(t *testing.T) {
+			in, _ := json.Marshal(tableJSON{Version: 1, Placement: &cases.Placement,
+				Load:   map[string]float64{"http://a:8000": c.Base},
+				Models: map[string]modelJSON{"m": {Route: routeDecode, Groups: []groupJSON{{Decode: []string{"http://a:8000"}}}}}})
+			built, _, err := build(in, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e := built.models["m"].decodes[0]
+			e.inflight.Add(c.Inflight)
+			prefilled := e.owe(c.Backlog)
+			if got := e.load(); math.Abs(got-c.Load) > 1e-9 {
+				t.Errorf("load %v, want %v", got, c.Load)
+			}
+			prefilled()
+			prefilled() // owed once, given back once
+			if got, want := e.load(), c.Base+float64(c.Inflight); math.Abs(got-want) > 1e-9 {
+				t.Errorf("once prefilled: load %v, want %v", got, want)
 			}
 		})
 	}

@@ -219,7 +219,7 @@ func usageAsked(members []member) bool {
 func (p *plane) renderJSON(ctx context.Context, m *model, stage, path string, body []byte,
 	id, auth string, into *bytes.Buffer) (*endpoint, *failure) {
 	first := least(m.render)
-	served, f := p.callJSON(ctx, stage, []*endpoint{first}, path, body, id, auth, p.timeouts.render, false, into)
+	served, f := p.callJSON(ctx, stage, []*endpoint{first}, path, body, id, auth, p.timeouts.render, false, 0, into)
 	if f != nil && !f.final && len(m.render) > 1 {
 		others := make([]*endpoint, 0, len(m.render)-1)
 		for _, e := range m.render {
@@ -227,7 +227,7 @@ func (p *plane) renderJSON(ctx context.Context, m *model, stage, path string, bo
 				others = append(others, e)
 			}
 		}
-		served, f = p.callJSON(ctx, stage, others, path, body, id, auth, p.timeouts.render, false, into)
+		served, f = p.callJSON(ctx, stage, others, path, body, id, auth, p.timeouts.render, false, 0, into)
 	}
 	return served, f
 }

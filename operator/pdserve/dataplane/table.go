@@ -80,6 +80,10 @@ type endpoint struct {
 	at       endpointURL
 	base     atomic.Uint64 // float64 bits: the Python gateway's view of its load (scraped)
 	inflight atomic.Int64
+	// Prompt tokens this data plane sent it that have no first token yet: prefill work queued
+	// there, which a request count alone hides (upstream.counted).
+	backlog  atomic.Int64
+	perUnit  atomic.Uint64 // float64 bits: placementJSON.TokensPerLoadUnit (0: not weighed)
 	served   atomic.Int64
 	steps    stepMeter   // routing mode Auto: its streams' time between tokens
 	prefixes prefixCache // the block hashes of the prompts it prefilled lately
@@ -163,6 +167,9 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		}
 		next[key] = e
 		e.base.Store(math.Float64bits(in.Load[key]))
+		if in.Placement != nil {
+			e.perUnit.Store(math.Float64bits(in.Placement.TokensPerLoadUnit))
+		}
 		return e, nil
 	}
 	for name, m := range in.Models {
@@ -246,10 +253,25 @@ func (t *table) authorized(header string) bool {
 	return matched == 1
 }
 
-// load ranks engines as the Python gateway does: its scraped view plus this data plane's own
-// requests in flight (which move at once, between scrapes).
+// load ranks engines as the Python gateway does (Endpoint.load): its scraped view plus this
+// data plane's own requests in flight and prompt tokens not prefilled yet (which move at once,
+// between scrapes).
 func (e *endpoint) load() float64 {
-	return math.Float64frombits(e.base.Load()) + float64(e.inflight.Load())
+	load := math.Float64frombits(e.base.Load()) + float64(e.inflight.Load())
+	if perUnit := math.Float64frombits(e.perUnit.Load()); perUnit > 0 {
+		load += float64(e.backlog.Load()) / perUnit
+	}
+	return load
+}
+
+// owe counts `tokens` of prompt to prefill on e until the returned prefilled is called (again:
+// nothing), as upstream.counted does for the Python gateway's picks.
+func (e *endpoint) owe(tokens int64) (prefilled func()) {
+	if tokens <= 0 {
+		return func() {}
+	}
+	e.backlog.Add(tokens)
+	return func() { e.backlog.Add(-tokens); tokens = 0 }
 }
 
 // least is the least loaded engine.

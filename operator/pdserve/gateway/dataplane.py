@@ -17,7 +17,7 @@ import math
 import os
 import secrets
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -232,7 +232,11 @@ class DataPlane:
 
     async def fold_stats(self, session: aiohttp.ClientSession) -> None:
         """The data plane's counters since the last poll, into this gateway's metrics."""
-        async with session.get(f"{self.control}/stats", headers=self.control_headers) as answer:
+        async with session.get(
+            f"{self.control}/stats",
+            params={"after": str(self.auto_seq)},  # the observations not folded yet
+            headers=self.control_headers,
+        ) as answer:
             stats = await answer.json()
         self.admission.fold_state(stats)
         # Render servers by pod, as this gateway labels its own calls (kept for one that left).
@@ -295,22 +299,37 @@ class DataPlane:
                 policy.observe_output(tokens)
         self.metrics.pd_degraded.set(int(policy.health.degraded))
 
+    def awaiting_first_handoff(self) -> bool:
+        """Routing mode Auto holds P/D back until a first handoff is measured, and the data
+        plane measures it: what it reports is folded at every push until then, not a second
+        late."""
+        policy = self.planner.policy
+        return (
+            self.config.routing.mode == "Auto"
+            and policy.health.learning(self.planner.ttft_budget()) is not None
+        )
+
     async def run(self, session: aiohttp.ClientSession) -> None:
         since_stats = 0.0
         while True:
             await asyncio.sleep(self.push_seconds)
-            try:
-                await self.push(session)
-                since_stats += self.push_seconds
-                if since_stats >= self.stats_seconds:
-                    since_stats = 0.0
-                    await self.fold_stats(session)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-                log.warning("data plane control call failed: %s", error)
-            except Exception:
-                # This loop is what keeps the data plane's table current: it must outlive a
-                # defect in one pass, never end with it and leave a stale table serving.
-                log.exception("data plane table push or stats poll failed")
+            since_stats += self.push_seconds
+            # Stats first: what the data plane learned goes out in the same pass's table.
+            if since_stats >= self.stats_seconds or self.awaiting_first_handoff():
+                since_stats = 0.0
+                await self.survive("stats poll", self.fold_stats(session))
+            await self.survive("table push", self.push(session))
+
+    @staticmethod
+    async def survive(call: str, work: Awaitable[None]) -> None:
+        """This loop is what keeps the data plane's table current: it must outlive a defect in
+        one call, never end with it and leave a stale table serving."""
+        try:
+            await work
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            log.warning("data plane %s failed: %s", call, error)
+        except Exception:
+            log.exception("data plane %s failed", call)
 
     def status(self) -> dict[str, Any]:
         """What `/status` shows of the data plane: the route of the table it serves by, the

@@ -25,7 +25,14 @@ from typing import Any
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import CONVERSATION_BONUS, MAX_BLOCKS_PER_ENGINE, MAX_CONVERSATIONS
 from pdserve.gateway.dataplane_metrics import ROUTES
-from pdserve.gateway.endpoints import AFFINITY_SLACK, Endpoint, Endpoints, NoEndpoints, Selection
+from pdserve.gateway.endpoints import (
+    AFFINITY_SLACK,
+    PREFILL_TOKENS_PER_LOAD_UNIT,
+    Endpoint,
+    Endpoints,
+    NoEndpoints,
+    Selection,
+)
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
@@ -39,8 +46,9 @@ PLACEMENT = {
     "conversationBonus": CONVERSATION_BONUS,
     "maxBlocksPerEngine": MAX_BLOCKS_PER_ENGINE,
     "maxConversations": MAX_CONVERSATIONS,
+    "prefillTokensPerLoadUnit": PREFILL_TOKENS_PER_LOAD_UNIT,
 }
-"""How the data plane picks among engines by where a request's KV probably is, as
+"""How the data plane picks among engines by where a request's KV probably is and by load, as
 Placement and Endpoints.pick do (the shared cases: dataplane/testdata/placement_cases.json)."""
 
 

@@ -62,6 +62,43 @@ async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: 
     assert status["handoffSecondsPerToken"] > 0
 
 
+async def test_behind_the_data_plane_auto_learns_its_first_handoff_at_the_next_table_push(
+    stack: Stack,
+) -> None:
+    """The data plane measures the first handoff; until one is known the Python gateway folds
+    what it reports at every table push, not at its stats poll (an hour apart here), so the
+    next long prompt is already decided by it: the KV path is too slow for the TTFT budget."""
+    slow = engine("decode")
+    slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
+    client = await pd_stack(
+        stack,
+        decode_config=slow,
+        mode="Auto",
+        slo={"ttftMs": 100},
+        load_scrape_seconds=None,
+        data_plane=True,
+    )
+    front = stack.gateway_server.data_plane
+    assert front is not None
+    front.stats_seconds = 3600.0
+    busy_decode(stack)
+    await stack.push_table()
+    assert (await sse_events(client, LONG))[-1] == "[DONE]"  # P/D: it measures the handoff
+
+    async def learnt() -> float:
+        while True:  # what a user would read on the gateway's status
+            estimate = (await client.get("/status")).json()["handoffSecondsPerToken"]
+            if estimate is not None:
+                return float(estimate)
+            await asyncio.sleep(0.02)
+
+    assert await asyncio.wait_for(learnt(), timeout=10) > 0
+    await stack.push_table()  # the table that carries it (the gateway pushes it within 0.25 s)
+    assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    decisions = (await stack.data_plane_stats())["auto"]["decisions"]
+    assert decisions == {"long_prompt": 1, "handoff_over_ttft_budget": 1}
+
+
 async def test_auto_learns_the_kv_path_from_decodes_transfer_metrics_without_streams(
     stack: Stack,
 ) -> None:

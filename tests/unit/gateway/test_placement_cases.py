@@ -44,6 +44,19 @@ def test_cached_blocks_are_counted_as_the_shared_case_says(case: dict[str, Any])
     assert index.cached_blocks("engine", hashes) == case["cachedBlocks"]
 
 
+@pytest.mark.parametrize("case", CASES["load"], ids=lambda case: case["name"])
+def test_an_engine_weighs_as_the_shared_case_says(case: dict[str, Any]) -> None:
+    """`base` is what this gateway pushes for the scraped view; the data plane adds its own
+    requests in flight and prompt tokens not prefilled yet, as this gateway does for its own."""
+    scraped = case["scraped"]
+    view = dict(waiting=scraped["waiting"], running=scraped["running"], kv_usage=scraped["kvUsage"])
+    assert Endpoint("http://a:8000", **view).load() == pytest.approx(case["base"])
+    own = Endpoint(
+        "http://a:8000", **view, inflight=case["inflight"], prefill_backlog=case["backlog"]
+    )
+    assert own.load() == pytest.approx(case["load"])
+
+
 @pytest.mark.parametrize("case", CASES["conversation"], ids=lambda case: case["name"])
 def test_a_conversation_is_named_as_the_shared_case_says(case: dict[str, Any]) -> None:
     assert conversation_of(case["conversationId"], case["header"]) == case["conversation"]

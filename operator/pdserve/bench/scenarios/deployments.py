@@ -122,7 +122,7 @@ class Deployment:
             extra.append("--no-fair-queue")
         if self.data_plane:
             extra += ["--data-plane", str(build_binary())]
-        elif request_log is not None:
+        if request_log is not None:  # behind the data plane, the data plane writes it
             extra += ["--request-log", str(request_log)]
         return procs.gateway(config, *extra, module=SIMGATEWAY).url
 
