@@ -143,6 +143,14 @@ class Stack:
         if (front := self.gateway_server.data_plane) is not None:
             await front.push(self.gateway_server.upstream.session)
 
+    async def fold_stats(self) -> None:
+        """Behind the data plane, what it served and learned folded into the gateway's metrics,
+        /status and Auto mode's model now (its poll does so each second), and the table that
+        follows pushed; without one, nothing to do."""
+        if (front := self.gateway_server.data_plane) is not None:
+            await front.fold_stats(self.gateway_server.upstream.session)
+            await front.push(self.gateway_server.upstream.session)
+
 
 def routing(
     engine_api: str = "tokens",
@@ -208,10 +216,12 @@ async def sse_events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[An
     ]
 
 
-def busy_decode(stack: Stack) -> None:
-    """Streams of other clients on the decode replica, as its scraped metrics would say."""
+async def busy_decode(stack: Stack) -> None:
+    """Streams of other clients on the decode replica, as its scraped metrics would say (and
+    the routing table the data plane decides by)."""
     for endpoint in stack.gateway_server.endpoints.pools["decode"]:
         endpoint.running = 3
+    await stack.push_table()
 
 
 def finished(server: Any) -> float:

@@ -1,6 +1,9 @@
 """Auto mode against simulated engines: short prompts prefilled locally, long ones on the prefill
 pool, and what it learns from streams and the engines' metrics (the KV path's handoff time, per
-slice, the decode step time, answer lengths) to keep P/D only where it pays."""
+slice, the decode step time, answer lengths) to keep P/D only where it pays. The decisions run
+on both request paths (REQUEST_PATHS): behind the data plane, which decides each request from
+the table the Python gateway pushes and reports what it measured, state a test sets is pushed
+(`stack.push_table`) and what it reports folded (`stack.fold_stats`) before anything is read."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
 from pdserve.sim.engine_config import TransferConfig
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import (
     LONG,
     PLAIN,
@@ -25,18 +29,22 @@ from tests.support.sim_gateway import (
 )
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
-    client = await pd_stack(stack, mode="Auto", load_scrape_seconds=None)
+    client = await pd_stack(
+        stack, mode="Auto", load_scrape_seconds=None, data_plane=request_path == "dataplane"
+    )
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert stack.engines["prefill"].core.prefix_queries == 0  # short: prefilled on decode
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
     # Nothing else runs on decode: a local prefill stalls no stream, and skips the handoff.
     assert stack.engines["prefill"].core.prefix_queries == 0
-    busy_decode(stack)
+    await busy_decode(stack)
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
     assert stack.engines["prefill"].core.prefix_queries > 0  # long, decode busy: prefill pool
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     for reason in ("short_prompt", "decode_idle", "long_prompt"):
         assert f'pdserve_gateway_auto_decisions_total{{reason="{reason}"}} 1.0' in metrics
@@ -45,17 +53,27 @@ async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill
     assert 'pdserve_gateway_requests_total{outcome="ok",route="render_pd"} 1.0' in metrics
 
 
-async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(stack: Stack) -> None:
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(
+    stack: Stack, request_path: str
+) -> None:
     slow = engine("decode")
     slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
     client = await pd_stack(
-        stack, decode_config=slow, mode="Auto", slo={"ttftMs": 100}, load_scrape_seconds=None
+        stack,
+        decode_config=slow,
+        mode="Auto",
+        slo={"ttftMs": 100},
+        load_scrape_seconds=None,
+        data_plane=request_path == "dataplane",
     )
-    busy_decode(stack)
+    await busy_decode(stack)
     first = await sse_events(client, LONG)
     assert first[-1] == "[DONE]"
+    await stack.fold_stats()  # behind the data plane: what it measured, in the next table
     second = await client.post("/v1/chat/completions", json=LONG)
     assert second.status_code == 200
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
     status = (await client.get("/status")).json()
@@ -81,7 +99,7 @@ async def test_behind_the_data_plane_auto_learns_its_first_handoff_at_the_next_t
     front = stack.gateway_server.data_plane
     assert front is not None
     front.stats_seconds = 3600.0
-    busy_decode(stack)
+    await busy_decode(stack)
     await stack.push_table()
     assert (await sse_events(client, LONG))[-1] == "[DONE]"  # P/D: it measures the handoff
 
@@ -174,8 +192,9 @@ async def test_streams_teach_auto_the_decode_step_time_and_answer_length(
     assert 10 <= gateway.policy.output_tokens <= 21
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     """Two slices; slice 1's decode pulls KV slowly (a TCP fallback, say): once Auto has seen a
     handoff through each prefill replica, P/D goes through slice 0 only, even while its prefill
@@ -194,7 +213,9 @@ async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one
         "prefill": [sliced("p0", "0"), sliced("p1", "1")],
         "decode": [sliced("d0", "0"), sliced("d1", "1")],
     })  # fmt: skip
-    client = await stack.gateway(config, load_scrape_seconds=None)
+    client = await stack.gateway(
+        config, load_scrape_seconds=None, data_plane=request_path == "dataplane"
+    )
     pools = stack.gateway_server.endpoints.pools
     for endpoint in pools["decode"]:
         endpoint.running = 3  # other streams: no idle decode to prefill on
@@ -205,7 +226,9 @@ async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one
 
     for n, busy in enumerate((p1, p0)):  # one handoff through each slice
         busy.running = 2
+        await stack.push_table()
         assert (await sse_events(client, document(n)))[-1] == "[DONE]"  # streams time handoffs
+        await stack.fold_stats()
         busy.running = 0
     assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [1, 1, 1, 1]
     estimates = (await client.get("/status")).json()["handoffSecondsPerTokenByPrefill"]
@@ -225,23 +248,29 @@ async def test_auto_mode_learns_each_slices_kv_path_and_avoids_only_the_slow_one
     # one at which local prefill would miss the budget too, so the decision turns on the KV
     # paths alone, as this test means it to.
     health.prefill_seconds_per_token = 1.0 / max(1, tokens)
+    await stack.push_table()
     assert (await sse_events(client, document(2)))[-1] == "[DONE]"
     assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [2, 1, 2, 1]
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 3.0' in metrics
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_auto_mode_may_run_a_local_request_whole_on_an_idle_prefill_replica(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     """While the P/D path is unusable (here: degraded by failures), local requests may run on the
     least loaded engine of both pools: a prefill engine answers a request without KV params.
     Otherwise local requests stay on decode, keeping the prefill pool for P/D."""
-    client = await pd_stack(stack, mode="Auto", load_scrape_seconds=None)
-    busy_decode(stack)
+    client = await pd_stack(
+        stack, mode="Auto", load_scrape_seconds=None, data_plane=request_path == "dataplane"
+    )
+    await busy_decode(stack)
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert (finished(stack.engines["prefill"]), finished(stack.engines["decode"])) == (0, 1)
     stack.gateway_server.policy.health.degraded = True
+    await stack.push_table()
     answer = await client.post("/v1/chat/completions", json=LONG)
     assert answer.status_code == 200
     message = answer.json()["choices"][0]["message"]
