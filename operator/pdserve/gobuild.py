@@ -4,10 +4,12 @@ their source, so a changed source is rebuilt and an unchanged one never is."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 
@@ -43,16 +45,26 @@ def built(source: Path, programs: list[str], cache: str, go: str | None = None) 
             f"{', '.join(names)} are built with Go (>= 1.22), which is not on PATH: install Go "
             "or pass --go PATH"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside, then renamed into place: another process finding `out` (this check, at
+    # the same time) must find the programs whole, never half written.
+    building = Path(tempfile.mkdtemp(prefix=f"{out.name}.building-", dir=out.parent))
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
-    done = subprocess.run(
-        [command, "build", "-o", str(out), *(p if p == "." else f"./{p}" for p in programs)],
-        cwd=source,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise GoUnavailable(f"building {source} with {command} failed:\n{done.stderr[-2000:]}")
+    try:
+        done = subprocess.run(
+            [command, "build", "-o", str(building)]
+            + [p if p == "." else f"./{p}" for p in programs],
+            cwd=source,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise GoUnavailable(f"building {source} with {command} failed:\n{done.stderr[-2000:]}")
+        building.chmod(0o755)  # mkdtemp's 0700 would hide the programs from other users
+        with contextlib.suppress(OSError):  # another process put the same build there first
+            building.rename(out)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return out
