@@ -104,8 +104,7 @@ class GatewaySpec(ApiModel):
     plane), OpenAI engines or engines behind a render pool, the request log included; a body it
     cannot prove valid cheaply is judged by the Python gateway in the same pod and then served
     by it. A model with bidirectional KV goes on to the Python gateway, as it would without
-    it. Off by default: past saturation, routing mode Auto decided there meets fewer SLOs than
-    the Python gateway's."""
+    it. Off by default until every gateway test runs on it (docs/gateway.md)."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)
