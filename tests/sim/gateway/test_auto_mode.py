@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import pytest
 
 from pdserve.gateway.policy import AutoPolicy, PolicySettings
@@ -53,20 +54,26 @@ async def test_auto_mode_prefills_short_prompts_locally_and_long_ones_on_prefill
     assert 'pdserve_gateway_requests_total{outcome="ok",route="render_pd"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("request_path", REQUEST_PATHS)
-async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(
-    stack: Stack, request_path: str
-) -> None:
+async def slow_kv_path(stack: Stack, *, data_plane: bool) -> httpx.AsyncClient:
+    """Auto with a 100 ms TTFT budget over a decode engine whose KV pulls take 0.2 s (real, at
+    this time scale): a measured handoff says the KV path alone misses the budget."""
     slow = engine("decode")
-    slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
-    client = await pd_stack(
+    slow.transfer = TransferConfig(overhead_ms=20_000)
+    return await pd_stack(
         stack,
         decode_config=slow,
         mode="Auto",
         slo={"ttftMs": 100},
         load_scrape_seconds=None,
-        data_plane=request_path == "dataplane",
+        data_plane=data_plane,
     )
+
+
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_auto_mode_stops_using_a_kv_path_too_slow_for_the_ttft_slo(
+    stack: Stack, request_path: str
+) -> None:
+    client = await slow_kv_path(stack, data_plane=request_path == "dataplane")
     await busy_decode(stack)
     first = await sse_events(client, LONG)
     assert first[-1] == "[DONE]"
@@ -86,16 +93,7 @@ async def test_behind_the_data_plane_auto_learns_its_first_handoff_at_the_next_t
     """The data plane measures the first handoff; until one is known the Python gateway folds
     what it reports at every table push, not at its stats poll (an hour apart here), so the
     next long prompt is already decided by it: the KV path is too slow for the TTFT budget."""
-    slow = engine("decode")
-    slow.transfer = TransferConfig(overhead_ms=20_000)  # 0.2 s real at this time scale
-    client = await pd_stack(
-        stack,
-        decode_config=slow,
-        mode="Auto",
-        slo={"ttftMs": 100},
-        load_scrape_seconds=None,
-        data_plane=True,
-    )
+    client = await slow_kv_path(stack, data_plane=True)
     front = stack.gateway_server.data_plane
     assert front is not None
     front.stats_seconds = 3600.0
