@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"os"
@@ -89,11 +90,23 @@ func errorBody(status int, kind, message, param string) []byte {
 // answerFailure ends a request whose answer has not begun with its failure, counted by s.
 func answerFailure(w http.ResponseWriter, s *served, f *failure) {
 	s.outcome = "error_" + strconv.Itoa(f.status)
+	if f.status >= 500 {
+		// The addresses the client is not told stay in the gateway's log, as the Python
+		// gateway keeps them (app.py _log_failure); a client's own mistakes are not logged.
+		id := s.id
+		if id == "" {
+			id = "-"
+		}
+		log.Printf("pdserve-dataplane: %s: answered %d: %s", id, f.status, f.message)
+	}
+	header := w.Header()
+	if s.id != "" {
+		nameAnswer(header, s.id, s.clientID)
+	}
 	if s.log != nil {
 		s.log.failed = true
 	}
 	body := f.body()
-	header := w.Header()
 	header.Set("Content-Type", "application/json")
 	header.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(f.status)

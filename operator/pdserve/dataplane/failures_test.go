@@ -2,9 +2,11 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"os"
@@ -105,6 +107,38 @@ func TestAFailedDecodeIsAnsweredHereInThePythonGatewaysWords(t *testing.T) {
 				t.Fatalf("decode/%s counted %d", c.outcome, n)
 			}
 		})
+	}
+}
+
+// What the client is not told (the engine's address) stays in the gateway's log, under the id
+// the answer names (every answer names its request, an error too), as the Python gateway logs
+// it; a client's own mistake (4xx) is not logged.
+func TestAFailureAnsweredHereIsLoggedWithWhereItFailed(t *testing.T) {
+	var logged bytes.Buffer
+	log.SetOutput(&logged)
+	t.Cleanup(func() { log.SetOutput(os.Stderr) })
+	status := 500
+	u := newPlaneUnderTest(t, decodeTable, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(status)
+		io.WriteString(w, `{"error":{"message":"boom at http://10.0.0.9:8000"}}`)
+	}, nil)
+	response, text := u.post(t, chatBody, "X-Request-Id", "client-7")
+	if response.StatusCode != 502 || strings.Contains(text, "10.0.0.9") {
+		t.Fatalf("%d %s", response.StatusCode, text)
+	}
+	if echoed := response.Header.Get("X-Request-Id"); echoed != "client-7" { // echo_request_id
+		t.Fatalf("the error answer echoed X-Request-Id %q", echoed)
+	}
+	id := response.Header.Get("X-PDServe-Request-Id")
+	want := fmt.Sprintf("pdserve-dataplane: %s: answered 502: decode at http://", id)
+	if id == "" || !strings.Contains(logged.String(), want) ||
+		!strings.Contains(logged.String(), "HTTP 500: boom at http://10.0.0.9:8000") {
+		t.Fatalf("logged %q, want a line with %q and the engine's words", logged.String(), want)
+	}
+	logged.Reset()
+	status = 400
+	if response, _ := u.post(t, chatBody); response.StatusCode != 400 || logged.Len() != 0 {
+		t.Fatalf("a 4xx (%d) logged %q", response.StatusCode, logged.String())
 	}
 }
 

@@ -119,6 +119,8 @@ func (m *servedMetrics) snapshot() map[string]any {
 // served is one request the data plane serves: its route is known once it is chosen, its
 // outcome once it ends (ok unless a stream broke or the client left).
 type served struct {
+	id        string // the gateway's own id of the request, once engines may be called
+	clientID  string // the client's X-Request-Id, echoed with the gateway's own
 	metrics   *servedMetrics
 	started   time.Time
 	route     string

@@ -582,8 +582,14 @@ func cutString(raw []byte, stop string) ([]byte, bool) {
 // nameResponse: the gateway's own id of the request (X-PDServe-Request-Id, what the engines
 // were told) and the client's X-Request-Id back, as the Python gateway names every answer.
 func nameResponse(h http.Header, r *http.Request, id string) {
+	nameAnswer(h, id, r.Header.Get("X-Request-Id"))
+}
+
+// nameAnswer is nameResponse from the ids alone (echo_request_id: every answer names its
+// request, an error answer too).
+func nameAnswer(h http.Header, id, client string) {
 	h.Set("X-PDServe-Request-Id", id)
-	if client := r.Header.Get("X-Request-Id"); client != "" && len(client) <= 256 && printable(client) {
+	if client != "" && len(client) <= 256 && printable(client) {
 		h.Set("X-Request-Id", client)
 	}
 }

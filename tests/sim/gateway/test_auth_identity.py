@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from devtools.localplane import free_port
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import (
     LONG,
     PLAIN,
@@ -173,14 +174,20 @@ async def test_a_hold_ends_at_its_deadline(stack: Stack) -> None:
     assert gateway.admission.in_flight == {}
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_client_errors_do_not_name_engine_addresses(
-    stack: Stack, caplog: pytest.LogCaptureFixture
+    stack: Stack,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+    request_path: str,
 ) -> None:
     render = await stack.render()
     gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     endpoints = {"render": [ep(render)], "decode": [ep(gone)]}
     client = await stack.gateway(
-        routing(prefill=False, endpoints=endpoints), load_scrape_seconds=None
+        routing(prefill=False, endpoints=endpoints),
+        load_scrape_seconds=None,
+        data_plane=request_path == "dataplane",
     )
     caplog.set_level(logging.WARNING, "pdserve.gateway")
     for stream in (False, True):
@@ -190,7 +197,9 @@ async def test_client_errors_do_not_name_engine_addresses(
         message = failed.json()["error"]["message"]
         assert "127.0.0.1" not in message, message
         assert message.startswith("decode at a replica")
-    assert gone in caplog.text  # the log keeps where it failed
+    # The log keeps where it failed: the Python gateway's, or the data plane's (its stderr,
+    # the gateway container's log beside the Python gateway's).
+    assert gone in (caplog.text if request_path == "python" else capfd.readouterr().err)
 
 
 # ---- request ids -------------------------------------------------------------------------------
