@@ -310,7 +310,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	id := "pdserve-" + requestID()
 	s.id, s.clientID = id, r.Header.Get("X-Request-Id")
 	if s.log != nil {
-		s.log.id, s.log.parity = id, m.parity
+		s.log.parity = m.parity
 		requested := lookup(members, "max_completion_tokens")
 		if requested == nil {
 			requested = lookup(members, "max_tokens")

@@ -202,7 +202,7 @@ func (s *served) end() {
 	s.metrics.e2e.observe(s.route, time.Since(s.started))
 	// Logged as the Python gateway logs its own: an answer, a stream (whole or ended by an
 	// error event), or a client that left once the engines had the request.
-	if l := s.log; l != nil && l.id != "" && !l.failed {
+	if l := s.log; l != nil && s.id != "" && !l.failed {
 		if line := l.line(s); line != nil {
 			l.sink.record(line)
 		}

@@ -118,7 +118,6 @@ type requestLogJSON struct {
 type logged struct {
 	sink      *requestLog
 	names     *requestLogJSON
-	id        string
 	clientID  string
 	class     string
 	requested []byte // the client's max_completion_tokens, else max_tokens, as sent (JSON)
@@ -207,7 +206,7 @@ func (l *logged) line(s *served) []byte {
 		requested = l.requested
 	}
 	entry := logEntry{
-		RequestID: l.id, ClientRequestID: optional(l.clientID), Class: l.class,
+		RequestID: s.id, ClientRequestID: optional(l.clientID), Class: l.class,
 		Route: l.names.Routes[s.route], PromptTokens: known(l.promptTokens), Requested: requested,
 		SentAtMs: sentAt, FirstTokenAtMs: sentAt + first.Sub(s.started).Milliseconds(),
 		FinishedAtMs: sentAt + now.Sub(s.started).Milliseconds(), OutputTokens: known(l.outputTokens),

@@ -24,9 +24,8 @@ func TestTheRequestLogEntryHasThePythonGatewaysKeysInOrder(t *testing.T) {
 	if err := json.Unmarshal(raw, &want); err != nil {
 		t.Fatal(err)
 	}
-	s := &served{started: time.Now(), route: routeDecode}
+	s := &served{id: "pdserve-1", started: time.Now(), route: routeDecode}
 	l := newLogged(nil, &requestLogJSON{Routes: map[string]string{routeDecode: "aggregated"}}, "chat", "")
-	l.id = "pdserve-1"
 	if got := entryKeys(t, l.line(s)); !slices.Equal(got, want.Keys) {
 		t.Fatalf("keys %v, want %v", got, want.Keys)
 	}
