@@ -223,17 +223,21 @@ async def test_auto_mode_on_the_data_plane_disaggregates_over_real_nixl(
         operator_config=auto, data_plane=build_binary(),
     ) as gateway:  # fmt: skip
         await table_routes(gateway, "auto")
+        # Counted before decode is busy: its 2,000 tokens take seconds, a scrape of a busy
+        # engine's /metrics as long (the long prompt must be decided while it runs).
+        transfers = engine_counts(pair.decode).get("kv_transfers", 0.0)
         # A short prompt prefills on decode (short_prompt), and keeps it busy with its answer.
         held = await gateway.client.chat.completions.create(**{**long_answer(), "stream": True})
         await anext(aiter(held))
-        transfers = engine_counts(pair.decode).get("kv_transfers", 0.0)
         got = chat_answer(await gateway.client.chat.completions.create(**document))
         await held.close()  # the client leaves: its work is aborted
         assert got == expected, f"Auto P/D:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
-        assert engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers, (
-            "decode pulled no KV from prefill: Auto did not disaggregate the long prompt"
-        )
         stats = await data_plane_stats(gateway)
+        seen = {key: stats.get(key) for key in ("routes", "fallbacks", "localPrefill")}
+        assert engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers, (
+            "decode pulled no KV from prefill: Auto did not disaggregate the long prompt: "
+            f"{seen}, decisions {stats['auto']['decisions']}"
+        )
         assert stats["fallbacks"] == {}, stats
         assert (stats["routes"]["pd"], stats["routes"]["decode"]) == (1, 1), stats["routes"]
         assert stats["auto"]["decisions"] == {"short_prompt": 1, "long_prompt": 1}, stats["auto"]
