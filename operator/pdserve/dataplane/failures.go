@@ -229,6 +229,7 @@ func (p *plane) callJSON(ctx context.Context, stage string, candidates []*endpoi
 		default:
 			last = upstreamFailed(stage+" at "+e.url+": "+callFailure(err), false)
 		}
+		p.stats.retry(stage, "upstream_error") // post_json's, whether or not a replica is left
 	}
 	if last == nil {
 		return nil, upstreamFailed("no endpoint", false)

@@ -307,3 +307,59 @@ func TestAnEnginesLoadCountsThePromptItWasSentUntilItIsPrefilled(t *testing.T) {
 		})
 	}
 }
+
+// Past prefill's lease (the table's kvStartWithinSeconds after prefill answered) decode is not
+// sent prefill's KV, which would be gone: it prefills the client's body itself, counted under
+// the Python gateway's reason (lease_expiring); within it, decode pulls the KV. Streamed or not.
+func TestADecodePastPrefillsLeaseIsSentNoKV(t *testing.T) {
+	for _, c := range []struct {
+		within     string
+		stream     bool
+		wantKV     bool
+		wantLocals map[string]int64
+	}{
+		{"-0.5", false, false, map[string]int64{"lease_expiring": 1}},
+		{"-0.5", true, false, map[string]int64{"lease_expiring": 1}},
+		{"60", false, true, map[string]int64{}},
+		{"60", true, true, map[string]int64{}},
+	} {
+		var mu sync.Mutex
+		var decodeBodies []map[string]any
+		table := strings.Replace(pdTable, `"route":"pd"`, `"route":"pd","kvStartWithinSeconds":`+c.within, 1)
+		u := newPlaneUnderTest(t, table, func(w http.ResponseWriter, r *http.Request) {
+			var body map[string]any
+			json.NewDecoder(r.Body).Decode(&body)
+			if body["max_tokens"] == 1.0 { // prefill
+				io.WriteString(w, `{"choices":[{"index":0,"message":{"content":""},"finish_reason":"length"}],`+
+					`"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[1]}}`)
+				return
+			}
+			mu.Lock()
+			decodeBodies = append(decodeBodies, body)
+			mu.Unlock()
+			if body["stream"] == true {
+				w.Header().Set("Content-Type", "text/event-stream")
+				io.WriteString(w, `data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
+				return
+			}
+			io.WriteString(w, `{"choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}]}`)
+		}, nil)
+		body := chatBody
+		if c.stream {
+			body = strings.Replace(chatBody, `{"model"`, `{"stream":true,"model"`, 1)
+		}
+		response, text := u.post(t, body)
+		if response.StatusCode != 200 || !strings.Contains(text, "hi") {
+			t.Fatalf("within %s, stream %v: %d %s", c.within, c.stream, response.StatusCode, text)
+		}
+		if len(decodeBodies) != 1 || (decodeBodies[0]["kv_transfer_params"] != nil) != c.wantKV {
+			t.Fatalf("within %s, stream %v: decode was sent %v, want prefill's KV: %v", c.within, c.stream, decodeBodies, c.wantKV)
+		}
+		if got := snapshot(&u.p.stats.localPrefills); fmt.Sprint(got) != fmt.Sprint(c.wantLocals) {
+			t.Fatalf("within %s, stream %v: local prefills %v, want %v", c.within, c.stream, got, c.wantLocals)
+		}
+		if len(u.python.seen()) != 0 {
+			t.Fatal("handed over")
+		}
+	}
+}

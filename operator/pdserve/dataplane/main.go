@@ -79,8 +79,11 @@ type counters struct {
 	// reason -> *atomic.Int64: served by local prefill on decode instead of P/D (the Python
 	// gateway's pdserve_gateway_fallbacks_total, its reasons)
 	localPrefills sync.Map
-	unreadable    atomic.Int64
-	intake        atomic.Int64 // requests the Python gateway's intake checked (intake.go)
+	// "stage/reason" -> *atomic.Int64: failed upstream calls that another may follow (the
+	// Python gateway's pdserve_gateway_retries_total, its labels and its counting)
+	retries    sync.Map
+	unreadable atomic.Int64
+	intake     atomic.Int64 // requests the Python gateway's intake checked (intake.go)
 }
 
 func (c *counters) fallback(reason string) {
@@ -91,6 +94,25 @@ func (c *counters) fallback(reason string) {
 func (c *counters) localPrefill(reason string) {
 	value, _ := c.localPrefills.LoadOrStore(reason, new(atomic.Int64))
 	value.(*atomic.Int64).Add(1)
+}
+
+func (c *counters) retry(stage, reason string) {
+	value, _ := c.retries.LoadOrStore(stage+"/"+reason, new(atomic.Int64))
+	value.(*atomic.Int64).Add(1)
+}
+
+// streamRetried counts a decode stream that did not open as open_decode_stream does, by why;
+// not one the client ended, nor one prefill's KV failed (a local-prefill fallback instead).
+func (c *counters) streamRetried(f *failure) {
+	switch {
+	case f == nil || f.final || f.kv:
+	case f.timedOut:
+		c.retry("decode", "timeout")
+	case f.answered != "":
+		c.retry("decode", "upstream_error")
+	default:
+		c.retry("decode", "connect")
+	}
 }
 
 func snapshot(counts *sync.Map) map[string]int64 {
@@ -359,16 +381,20 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		p.stats.decode.Add(1)
 		s.route = routeDecode
 	}
-	if stream {
-		return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, s)
-	}
-	answer := p.buffers.Get().(*bytes.Buffer)
-	defer p.buffers.Put(answer)
 	local := func(into *bytes.Buffer) []byte { // without prefill's KV: decode prefills itself
 		into.Reset()
 		splice(into, body, members, decodeDrops, nil)
 		return into.Bytes()
 	}
+	if kv != nil && p.leaseRanOut(m, s, false, id, auth) {
+		local(decodeBody)
+		kv = nil
+	}
+	if stream {
+		return p.decode(ctx, w, r, decode, decodeBody.Bytes(), id, auth, s)
+	}
+	answer := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(answer)
 	if kv == nil {
 		local = nil
 	}
@@ -539,9 +565,9 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 		return nil, decode, nil
 	}
 	p.metrics.stage.observe("prefill", time.Since(started))
-	if served != first {
-		decode = m.decodeFor(served, s.where)
-	}
+	// Decode is picked now, by the engines' loads after prefill (as the Python gateway picks
+	// it), not those when the request arrived: a burst's decodes would all go to one engine.
+	decode = m.decodeFor(served, s.where)
 	fields, err := topLevel(answer.Bytes())
 	kv := lookup(fields, "kv_transfer_params")
 	if err != nil || len(kv) == 0 || kv[0] != '{' {
@@ -551,6 +577,22 @@ func (p *plane) prefillCall(ctx context.Context, m *model, first, decode *endpoi
 	s.prefilled(served, time.Since(started))
 	s.ran("prefill", served)
 	return append([]byte(nil), kv...), decode, nil
+}
+
+// leaseRanOut is hops.lease_ran_out: whether a decode sent now would find prefill's KV gone
+// (the routing config's lease from prefill's answer on, less the gateway's margin). Then the
+// request prefills locally on decode: counted, and a tokens engine's prefill (`tokens`) lets
+// its blocks go at once (an OpenAI engine has no abort endpoint).
+func (p *plane) leaseRanOut(m *model, s *served, tokens bool, id, auth string) bool {
+	if !m.bounded || s.prefillDone.IsZero() || time.Since(s.prefillDone) < m.kvStartWithin {
+		return false
+	}
+	p.stats.localPrefill("lease_expiring")
+	if tokens && s.prefillServer != nil {
+		p.abort(s.prefillServer, id, auth)
+	}
+	s.kvToDecode = false
+	return true
 }
 
 // decodeOnce is hops.py decode_once: the decode call whose answer comes whole, on `first`, then
@@ -570,6 +612,9 @@ func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path 
 			p.stats.localPrefill("kv_load_failed")
 		}
 		if len(others) > 0 && (local != nil || !f.kv) {
+			if local != nil && !f.kv {
+				p.stats.retry("decode", "upstream_error") // decode_once's: on, with local prefill
+			}
 			retry := body
 			if local != nil {
 				request := p.buffers.Get().(*bytes.Buffer)
@@ -887,6 +932,7 @@ func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
 		"fallbacks": snapshot(&p.stats.fallbacks),
 		// Requests served by local prefill, by the Python gateway's reason: its own fallbacks.
 		"localPrefill": snapshot(&p.stats.localPrefills),
+		"retries":      snapshot(&p.stats.retries),
 		"unreadable":   p.stats.unreadable.Load(),
 		"intake":       p.stats.intake.Load(),
 		"inflight":     p.inflight.Load(),

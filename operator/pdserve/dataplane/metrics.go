@@ -127,17 +127,18 @@ type served struct {
 	outcome   string
 	lastChunk time.Time // zero until the first token went out
 	// Routing mode Auto: what this request teaches (nil in the other modes).
-	learn        *autoRuntime
-	promptTokens int64     // as routing counted them: what prefill owes until it answers
-	prefillDone  time.Time // when prefill answered with the KV's whereabouts
-	prefilledOn  string
-	prefillOnly  []string // Auto's P/D only through these prefill servers (admission, retries)
-	stepWindow   time.Duration
-	events       int64     // decode's events of a stream (one per engine step and choice)
-	lastEvent    time.Time // zero until decode's first event
-	log          *logged   // nil unless the request log is kept
-	where        *placing  // what its engines are picked by, beside load (nil: load alone)
-	kvToDecode   bool      // decode is sent prefill's KV: its own prefix cache is not filled
+	learn         *autoRuntime
+	promptTokens  int64     // as routing counted them: what prefill owes until it answers
+	prefillDone   time.Time // when prefill answered with the KV's whereabouts
+	prefilledOn   string
+	prefillServer *endpoint // where that KV waits (to let it go when decode cannot be sent it)
+	prefillOnly   []string  // Auto's P/D only through these prefill servers (admission, retries)
+	stepWindow    time.Duration
+	events        int64     // decode's events of a stream (one per engine step and choice)
+	lastEvent     time.Time // zero until decode's first event
+	log           *logged   // nil unless the request log is kept
+	where         *placing  // what its engines are picked by, beside load (nil: load alone)
+	kvToDecode    bool      // decode is sent prefill's KV: its own prefix cache is not filled
 }
 
 // event: decode sent a stream event; in routing mode Auto the gap since its last one feeds the
@@ -156,12 +157,15 @@ func (s *served) event(decode *endpoint) {
 
 // prefilled: prefill on `on` answered with the KV's whereabouts after `took`.
 func (s *served) prefilled(on *endpoint, took time.Duration) {
-	if s == nil || s.learn == nil {
+	if s == nil {
+		return
+	}
+	s.prefillDone, s.prefilledOn, s.prefillServer = time.Now(), on.url, on
+	if s.learn == nil {
 		return
 	}
 	s.learn.observe("prefill", took.Seconds(), s.promptTokens, "")
 	s.learn.observe("pdPrompt", 0, s.promptTokens, "")
-	s.prefillDone, s.prefilledOn = time.Now(), on.url
 }
 
 // chunk: a piece of the answer went to the client (the first one is its first token).

@@ -113,16 +113,22 @@ func TestAFailedPrefillIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
 	if got := snapshot(&u.p.stats.localPrefills); len(got) != 0 {
 		t.Fatalf("local prefills %v: the other server's prefill should have served", got)
 	}
+	if got := snapshot(&u.p.stats.retries); len(got) != 1 || got["prefill/upstream_error"] != 1 {
+		t.Fatalf("retries %v, want the Python gateway's one prefill/upstream_error", got)
+	}
 }
 
 // The same for decode: a decode server that failed is not asked again on another rank.
 func TestAFailedDecodeIsRetriedOnAnotherServerNotOnItsOtherRank(t *testing.T) {
-	broken, healthy, _ := retriedElsewhere(t, `{"version":1,"models":{"m":{"route":"decode","groups":[
+	broken, healthy, u := retriedElsewhere(t, `{"version":1,"models":{"m":{"route":"decode","groups":[
 		{"prefill":[],"decode":["URL#dp0","URL#dp1","OTHER"]}]}},"load":{"OTHER":3}}`, "decode")
 	_, failed := broken.seen()
 	_, retried := healthy.seen()
 	if len(failed) != 1 || len(retried) != 1 {
 		t.Fatalf("broken server's decodes %q, the other's %q: want one each", failed, retried)
+	}
+	if got := snapshot(&u.p.stats.retries); len(got) != 1 || got["decode/upstream_error"] != 1 {
+		t.Fatalf("retries %v, want the Python gateway's one decode/upstream_error", got)
 	}
 }
 

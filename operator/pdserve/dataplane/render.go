@@ -135,6 +135,9 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	if kv == nil {
 		local = nil
+	} else if !stream && p.leaseRanOut(m, s, true, id, auth) {
+		local(request)
+		local = nil
 	}
 	if stream {
 		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,

@@ -282,23 +282,36 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	rs *rendering, decode *endpoint, body []byte, local func(*bytes.Buffer) []byte, usageAsked bool) fallback {
 	decode.inflight.Add(1)
 	defer decode.inflight.Add(-1)
+	request := p.buffers.Get().(*bytes.Buffer)
+	defer p.buffers.Put(request)
+	// Each attempt that would send prefill's KV checks its lease first (open_decode_stream).
+	withKV := local != nil
+	withoutKV := func() {
+		body, withKV = local(request), false
+	}
+	if withKV && p.leaseRanOut(rs.routed, rs.served, true, rs.id, rs.auth) {
+		withoutKV()
+	}
 	response, f := p.openStream(ctx, decode, generatePath, body, rs.id, rs.auth)
+	p.stats.streamRetried(f)
 	if f != nil && !f.final {
 		// open_decode_stream: the next decode replica; one that could not load prefill's KV
 		// is retried with local prefill, itself last (it answered, so it may serve that).
 		others := rs.routed.otherDecodes(decode, rs.served.where)
-		if f.kv && local != nil {
+		if f.kv && withKV {
 			p.stats.localPrefill("kv_load_failed")
-			request := p.buffers.Get().(*bytes.Buffer)
-			defer p.buffers.Put(request)
-			body = local(request)
+			withoutKV()
 			others = append(others, decode)
 		}
 		for _, e := range others {
 			if f == nil || f.final || (f.kv && local == nil) {
 				break
 			}
+			if withKV && p.leaseRanOut(rs.routed, rs.served, true, rs.id, rs.auth) {
+				withoutKV()
+			}
 			response, f = p.openStream(ctx, e, generatePath, body, rs.id, rs.auth)
+			p.stats.streamRetried(f)
 			decode = e
 		}
 	}

@@ -64,6 +64,9 @@ type modelJSON struct {
 	ParityHash string `json:"parityHash"`
 	// Token ids per block of the prefix index (placement.go): the engines' KV block size.
 	BlockSize int `json:"blockSize"`
+	// How long after prefill's answer a decode may still be sent its KV (the routing config's
+	// prefill lease less the gateway's margin; may be negative); absent: no bound.
+	KVStartWithinSeconds *float64 `json:"kvStartWithinSeconds"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -100,6 +103,10 @@ type model struct {
 	auto      *autoJSON // route auto only
 	parity    string
 	blockSize int
+	// kvStartWithin: a decode is sent prefill's KV only this long after prefill answered
+	// (hops.kv_start_by); bounded false: no bound.
+	kvStartWithin time.Duration
+	bounded       bool
 	// Every prefill and every decode engine of the groups, each once, in the table's order.
 	prefills, decodes []*endpoint
 }
@@ -186,6 +193,9 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 			return nil, nil, fmt.Errorf("routing table: models.%s.blockSize %d is negative", name, m.BlockSize)
 		}
 		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash, blockSize: m.BlockSize}
+		if within := m.KVStartWithinSeconds; within != nil { // JSON has no NaN nor infinity
+			out.kvStartWithin, out.bounded = time.Duration(*within*float64(time.Second)), true
+		}
 		if m.Route != routePython {
 			for _, url := range m.Render {
 				e, err := engine(url)

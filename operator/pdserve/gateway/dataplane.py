@@ -250,6 +250,8 @@ class DataPlane:
         # Served by local prefill on decode: this gateway's own fallbacks, by its reasons.
         local = stats.get("localPrefill") or {}
         totals |= {f"local_prefill:{k}": float(v) for k, v in local.items()}
+        # Failed upstream calls another may follow, by "stage/reason": this gateway's retries.
+        totals |= {f"retry:{k}": float(v) for k, v in (stats.get("retries") or {}).items()}
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
         auto = stats.get("auto") or {}
         totals |= {f"auto:{k}": float(v) for k, v in (auto.get("decisions") or {}).items()}
@@ -271,6 +273,9 @@ class DataPlane:
                     for _ in range(int(delta)):
                         self.planner.policy.health.failure()
                     self.metrics.pd_degraded.set(int(self.planner.policy.health.degraded))
+            elif kind == "retry":
+                stage, _, reason = name.partition("/")
+                self.metrics.retries.labels(stage, reason).inc(delta)
             elif kind == "auto":
                 self.metrics.auto_decisions.labels(name).inc(delta)
             elif kind == "learning":

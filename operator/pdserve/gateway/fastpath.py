@@ -207,6 +207,8 @@ def routing_table(
     entry: dict[str, Any] = {
         "route": route, "groups": engine_groups, "render": render,
         "blockSize": config.block_size,  # the prefix index's blocks of token ids
+        # A decode is sent prefill's KV only this long after prefill answered (hops.kv_start_by).
+        "kvStartWithinSeconds": settings.kv_start_within(config.kv_transfer.prefill_lease_seconds),
     }  # fmt: skip
     if route == AUTO:
         entry["auto"] = auto_table(

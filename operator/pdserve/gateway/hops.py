@@ -85,13 +85,12 @@ class Hops:
         return endpoint, params
 
     def kv_start_by(self, exchange: Exchange) -> float | None:
-        """The latest moment (monotonic) a decode pulling prefill's KV may be sent: prefill
-        holds it for the routing config's lease from its answer on, less the margin for the
-        way there (once decode has the request, its heartbeats keep the lease alive)."""
+        """The latest moment (monotonic) a decode pulling prefill's KV may be sent
+        (GatewaySettings.kv_start_within of prefill's answer)."""
         if exchange.prefill_done_at is None:
             return None
         lease = self.planner.config.kv_transfer.prefill_lease_seconds
-        return exchange.prefill_done_at + lease - self.settings.lease_margin_seconds
+        return exchange.prefill_done_at + self.settings.kv_start_within(lease)
 
     async def lease_ran_out(self, exchange: Exchange, prefill_endpoint: Endpoint | None) -> bool:
         """Whether a decode sent now would find prefill's KV gone. Then the request prefills

@@ -64,3 +64,9 @@ class GatewaySettings:
     # 1 for real engines; the benchmark's time-scaled simulators report simulated seconds.
     engine_seconds_scale: float = 1.0
     request_log: Path | None = None  # JSON Lines, one entry per finished request
+
+    def kv_start_within(self, lease_seconds: float) -> float:
+        """How long after prefill answered a decode may still be sent its KV: prefill holds it
+        for `lease_seconds` (the routing config's lease), less the margin for the way there
+        (once decode has the request, its heartbeats keep the lease alive)."""
+        return lease_seconds - self.lease_margin_seconds

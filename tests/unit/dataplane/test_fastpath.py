@@ -48,12 +48,12 @@ def test_disaggregated_and_aggregated_are_served_by_the_data_plane() -> None:
     pd = model(table_for("Disaggregated"))
     assert pd == {
         "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}], "render": [],
-        "blockSize": 16,
+        "blockSize": 16, "kvStartWithinSeconds": 29.0,
     }  # fmt: skip
     aggregated = model(table_for("Aggregated"))
     assert aggregated == {
         "route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}], "render": [],
-        "blockSize": 16,
+        "blockSize": 16, "kvStartWithinSeconds": 29.0,
     }  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     pd = model(table_for("Disaggregated", engine_api="tokens"))
     assert pd == {
         "route": "pd", "groups": [{"prefill": ["http://p"], "decode": ["http://d"]}],
-        "render": ["http://r"], "blockSize": 16,
+        "render": ["http://r"], "blockSize": 16, "kvStartWithinSeconds": 29.0,
     }  # fmt: skip
     assert model(table_for("Aggregated", engine_api="tokens"))["route"] == "decode"
     # The render servers of the engines' parity only: never a template the engines disagree with.
@@ -70,6 +70,7 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     # No routable render server: the Python gateway waits for one or answers 503.
     assert model(table_for(engine_api="tokens", render=[])) == {
         "route": "python", "groups": [], "render": [], "blockSize": 16,
+        "kvStartWithinSeconds": 29.0,
     }  # fmt: skip
     # Long prompts are counted in rendered tokens; what tokens-only engines would refuse, the
     # data plane refuses as intake does (naming the parameter and what to send instead).
@@ -216,6 +217,7 @@ def test_replicas_the_python_gateway_would_not_route_to_are_left_out() -> None:
     # Mode Disaggregated with no prefill to pair: the Python gateway decides (local or 503).
     assert model(table_for(prefill=[unverified], kv_transfer={"verify": "Required"})) == {
         "route": "python", "groups": [], "render": [], "blockSize": 16,
+        "kvStartWithinSeconds": 29.0,
     }  # fmt: skip
 
 
@@ -269,3 +271,11 @@ def test_each_data_parallel_rank_is_a_target_of_its_own_with_its_own_load() -> N
     assert table["load"] == {
         "http://p#dp0": 4.0, "http://p#dp1": 0.0, "http://d#dp0": 0.0, "http://d#dp1": 3.0,
     }  # fmt: skip
+
+
+def test_a_decode_is_sent_prefills_kv_only_within_the_lease_less_the_margin() -> None:
+    """The data plane checks prefill's lease as the Python gateway does (hops.kv_start_by):
+    the routing config's lease, less the gateway's margin for the way to decode."""
+    settings = GatewaySettings(lease_margin_seconds=2.5)
+    table = table_for(kv_transfer={"prefillLeaseSeconds": 20}, settings=settings)
+    assert model(table)["kvStartWithinSeconds"] == 17.5
