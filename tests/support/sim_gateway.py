@@ -18,7 +18,7 @@ from aiohttp import web
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
 from pdserve.gateway.dataplane import build_binary
-from pdserve.gateway.fairqueue import FairQueueSettings
+from pdserve.gateway.fairqueue import FairQueueSettings, QueueState
 from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.sim.engine_config import EngineConfig, TransferConfig
@@ -136,6 +136,24 @@ class Stack:
         async with httpx.AsyncClient() as client:
             answer = await client.get(f"{front.control}/stats", headers=front.control_headers)
         return dict(answer.json())
+
+    async def admission(self) -> QueueState:
+        """The gateway's long-prefill queue now, wherever it runs (behind the data plane, read
+        from the data plane afresh)."""
+        return await self.gateway_server.admission.fresh_state()
+
+    async def admission_until(
+        self, condition: Callable[[QueueState], bool], deadline_seconds: float = 20
+    ) -> QueueState:
+        """The queue once `condition` holds of it (requests in flight change it)."""
+
+        async def poll() -> QueueState:
+            while not condition(state := await self.admission()):  # noqa: ASYNC110 - another
+                # task's (or the data plane's) state, polled with a deadline
+                await asyncio.sleep(0.01)
+            return state
+
+        return await asyncio.wait_for(poll(), deadline_seconds)
 
     async def push_table(self) -> None:
         """Behind the data plane, the routing table as the gateway's state is now (as its

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.serving import serving
 from tests.support.sim_gateway import (
     LONG,
@@ -29,8 +30,9 @@ from tests.support.sim_gateway import (
 )
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_short_prompts_overtake_queued_documents_and_aging_bounds_their_wait(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     from pdserve.gateway.fairqueue import FairQueueSettings
 
@@ -39,30 +41,29 @@ async def test_short_prompts_overtake_queued_documents_and_aging_bounds_their_wa
         fair_queue=FairQueueSettings(
             long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=0.5
         ),
+        data_plane=request_path == "dataplane",
     )
     prefill_port = stack.engines["prefill"].config.port
     async with httpx.AsyncClient() as admin:
         await admin.post(f"http://127.0.0.1:{prefill_port}/sim/faults", json={"hang": 1})
     stuck = asyncio.create_task(client.post("/v1/chat/completions", json=LONG, timeout=30))
-    gateway = stack.gateway_server
-    while gateway.admission.long_in_flight == 0:  # noqa: ASYNC110 - the first document holds the slot
-        await asyncio.sleep(0.01)
+    await stack.admission_until(lambda queue: queue.long_in_flight == 1)  # it holds the slot
     queued = asyncio.create_task(client.post("/v1/chat/completions", json=LONG))
-    while not gateway.admission.queue:  # noqa: ASYNC110
-        await asyncio.sleep(0.01)
+    await stack.admission_until(lambda queue: queue.queued == 1)
     assert (await client.get("/metrics")).text.count("pdserve_gateway_prefill_queue_long 1.0") == 1
     chat = await client.post("/v1/chat/completions", json=PLAIN)  # a chat does not wait
     assert chat.status_code == 200
     assert not queued.done()
     assert (await queued).status_code == 200  # admitted by aging although the slot stays busy
-    assert gateway.admission.aged == 1
+    assert (await stack.admission()).aged == 1
     stuck.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await stuck
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     """Limit 1 per prefill replica: a conversation's documents prefer the replica that served
     it, but while one of them prefills there the next goes to the other replica."""
@@ -74,7 +75,9 @@ async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
     endpoints = {"render": [ep(render)], "prefill": [ep(u) for u in prefills],
                  "decode": [ep(decode)]}  # fmt: skip
     fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1, max_wait_seconds=30)
-    client = await stack.gateway(routing(endpoints=endpoints), fair_queue=fair)
+    client = await stack.gateway(
+        routing(endpoints=endpoints), fair_queue=fair, data_plane=request_path == "dataplane"
+    )
     turn = {**LONG, "conversation_id": "c-1"}
     assert (await client.post("/v1/chat/completions", json=turn)).status_code == 200
     served = [name for name in ("p0", "p1") if stack.engines[name].core.prefix_queries]
@@ -96,8 +99,9 @@ async def test_a_long_prefill_goes_to_a_replica_with_room_even_against_affinity(
     await asyncio.gather(*documents, return_exceptions=True)
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_a_long_prompt_moves_to_another_prefill_replica_when_its_own_fails(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     """The replica a document was granted answers 5xx: its slot goes back and the next replica
     with room prefills it, rather than falling back to local prefill on decode."""
@@ -110,16 +114,19 @@ async def test_a_long_prompt_moves_to_another_prefill_replica_when_its_own_fails
                  "decode": [ep(decode)]}  # fmt: skip
     fair = FairQueueSettings(long_prompt_tokens=500, max_long_per_replica=1)
     client = await stack.gateway(routing(endpoints=endpoints), fair_queue=fair,
-                                 load_scrape_seconds=None)  # fmt: skip
+                                 load_scrape_seconds=None,
+                                 data_plane=request_path == "dataplane")  # fmt: skip
     stack.gateway_server.endpoints.pools["prefill"][1].running = 1  # p0 is the first choice
+    await stack.push_table()
     async with httpx.AsyncClient() as admin:
         await admin.post(f"{prefills[0]}/sim/faults", json={"http_5xx": 1})
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
     assert [finished(stack.engines[n]) for n in ("p0", "p1")] == [0, 1]
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert "prefill_failed" not in metrics
     assert 'pdserve_gateway_retries_total{reason="upstream_error",stage="prefill"} 1.0' in metrics
-    assert stack.gateway_server.admission.in_flight == {}
+    assert (await stack.admission()).replicas == {}
 
 
 async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
@@ -172,15 +179,18 @@ async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
     await until(lambda: leader.admission.long_in_flight == 0 and not leader.admission.queue)
 
 
-async def test_a_malformed_hold_request_is_refused_naming_the_field(stack: Stack) -> None:
-    client = await pd_stack(stack, peer_keys=(PEER_KEY,))
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_a_malformed_hold_request_is_refused_naming_the_field(
+    stack: Stack, request_path: str
+) -> None:
+    client = await pd_stack(stack, peer_keys=(PEER_KEY,), data_plane=request_path == "dataplane")
     peer = {"Authorization": f"Bearer {PEER_KEY}"}
     bodies: list[Any] = [{}, {"replicas": "http://p0"}, {"replicas": []}, {"replicas": [3]}, [1]]
     for body in bodies:
         answer = await client.post("/admission/hold", json=body, headers=peer)
         assert answer.status_code == 400, body
         assert answer.json()["error"]["param"] == "replicas"
-    assert stack.gateway_server.admission.long_in_flight == 0
+    assert (await stack.admission()).long_in_flight == 0
 
 
 @pytest.mark.parametrize("leader", ["without /admission/hold", "stuck"])
@@ -217,9 +227,8 @@ async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(
     assert "pdserve_gateway_admission_leader_errors 1.0" in state
 
 
-async def test_only_the_leader_grants_holds_and_only_to_its_own_replicas(stack: Stack) -> None:
-    """A follower refuses holds (two queues at once would break the limit); with API keys set,
-    a hold needs one (a slot held blocks every replica's documents)."""
+async def test_only_the_leader_grants_holds(stack: Stack) -> None:
+    """A follower refuses holds: two queues at once would break the limit."""
     replicas = await gateway_replicas(stack, hang=0)
     follower = replicas.clients[replicas.follower]
     body = {"replicas": ["http://p0"]}
@@ -228,11 +237,17 @@ async def test_only_the_leader_grants_holds_and_only_to_its_own_replicas(stack: 
     assert refused.status_code == 409
     assert replicas.urls[replicas.leader] in refused.json()["error"]["message"]
 
-    keyed = await pd_stack(stack, api_keys=("secret",))
+
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_with_api_keys_a_hold_needs_one(stack: Stack, request_path: str) -> None:
+    """A slot held blocks every replica's documents: with API keys set, holding one takes a
+    key; closing the hold releases the slot."""
+    body = {"replicas": ["http://p0"]}
+    keyed = await pd_stack(stack, api_keys=("secret",), data_plane=request_path == "dataplane")
     assert (await keyed.post("/admission/hold", json=body)).status_code == 401
     auth = {"Authorization": "Bearer secret"}
     async with keyed.stream("POST", "/admission/hold", json=body, headers=auth) as granted:
         assert granted.status_code == 200
         assert await granted.aiter_lines().__anext__() == "granted http://p0"
-        assert stack.gateway_server.admission.in_flight == {"http://p0": 1}
-    await until(lambda: not stack.gateway_server.admission.in_flight)  # closed: released
+        assert (await stack.admission()).replicas == {"http://p0": 1}
+    await stack.admission_until(lambda queue: not queue.replicas)  # closed: released

@@ -137,10 +137,13 @@ async def test_keyed_replicas_find_each_other_and_admit_through_the_leader(stack
     await until(lambda: leader.admission.long_in_flight == 0)
 
 
-async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack) -> None:
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack, request_path: str) -> None:
     """A peer has at most max_inflight holds open (queued or granted): more would be admitted
     anyway once they age, overrunning the limit for every replica's documents."""
-    client = await pd_stack(stack, max_inflight=2, peer_keys=("peer-key",))
+    client = await pd_stack(
+        stack, max_inflight=2, peer_keys=("peer-key",), data_plane=request_path == "dataplane"
+    )
     client.headers.update(PEER)
     gateway = stack.gateway_server
     async with contextlib.AsyncExitStack() as holds:
@@ -155,8 +158,9 @@ async def test_one_peer_holds_a_bounded_number_of_slots(stack: Stack) -> None:
         refused = await client.post("/admission/hold", json={"replicas": ["http://p2"]})
         assert refused.status_code == 429
         assert "admission holds open" in refused.json()["error"]["message"]
-        assert gateway.admission.in_flight == {"http://p0": 1, "http://p1": 1}
-    await until(lambda: not gateway.admission.in_flight and not gateway.admission_handlers.holds)
+        assert (await stack.admission()).replicas == {"http://p0": 1, "http://p1": 1}
+    await stack.admission_until(lambda queue: not queue.replicas)
+    await until(lambda: not gateway.admission_handlers.holds)
     async with client.stream("POST", "/admission/hold", json={"replicas": ["http://p2"]}) as again:
         assert again.status_code == 200  # the peer may hold slots again
 
