@@ -294,26 +294,31 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	}
 	response, f := p.openStream(ctx, decode, generatePath, body, rs.id, rs.auth)
 	p.stats.streamRetried(f)
-	if f != nil && !f.final {
-		// open_decode_stream: the next decode replica; one that could not load prefill's KV
-		// is retried with local prefill, itself last (it answered, so it may serve that).
-		others := rs.routed.otherDecodes(decode, rs.served.where)
-		if f.kv && withKV {
+	// open_decode_stream: the next decode replica; once one could not load prefill's KV (the
+	// first, or one tried after a replica that hung having pulled it), local prefill, that
+	// replica last (it answered, so it may serve that).
+	others := rs.routed.otherDecodes(decode, rs.served.where)
+	for f != nil && !f.final {
+		if f.kv && !withKV {
+			break
+		}
+		if f.kv {
 			p.stats.localPrefill("kv_load_failed")
+			if rs.served.prefillServer != nil {
+				p.abort(rs.served.prefillServer, rs.id, rs.auth) // what prefill still holds
+			}
 			withoutKV()
 			others = append(others, decode)
 		}
-		for _, e := range others {
-			if f == nil || f.final || (f.kv && local == nil) {
-				break
-			}
-			if withKV && p.leaseRanOut(rs.routed, rs.served, true, rs.id, rs.auth) {
-				withoutKV()
-			}
-			response, f = p.openStream(ctx, e, generatePath, body, rs.id, rs.auth)
-			p.stats.streamRetried(f)
-			decode = e
+		if len(others) == 0 {
+			break
 		}
+		if withKV && p.leaseRanOut(rs.routed, rs.served, true, rs.id, rs.auth) {
+			withoutKV()
+		}
+		decode, others = others[0], others[1:]
+		response, f = p.openStream(ctx, decode, generatePath, body, rs.id, rs.auth)
+		p.stats.streamRetried(f)
 	}
 	if f != nil {
 		return p.failed(w, rs.served, f)

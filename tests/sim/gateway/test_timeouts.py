@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import (
     PLAIN,
     Stack,
@@ -86,11 +87,19 @@ async def two_decodes(stack: Stack, **settings: Any) -> tuple[httpx.AsyncClient,
     }
     client = await stack.gateway(routing(endpoints=endpoints), load_scrape_seconds=None, **settings)
     stack.gateway_server.endpoints.pools["decode"][1].running = 3
+    await stack.push_table()
     return client, decodes
 
 
-async def test_a_streamed_decode_that_hangs_is_retried_on_the_other_replica(stack: Stack) -> None:
-    client, _ = await two_decodes(stack, first_byte_timeout=0.5)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_a_streamed_decode_that_hangs_is_retried_on_the_other_replica(
+    stack: Stack, request_path: str
+) -> None:
+    """The hung replica may have pulled prefill's KV before it hung: then the other one cannot,
+    and prefills the request itself."""
+    client, _ = await two_decodes(
+        stack, first_byte_timeout=0.5, data_plane=request_path == "dataplane"
+    )
     await fault(stack, "d0", hang=1)
     events = await asyncio.wait_for(sse_events(client, PLAIN), HANG)
     assert events[-1] == "[DONE]"
@@ -99,17 +108,19 @@ async def test_a_streamed_decode_that_hangs_is_retried_on_the_other_replica(stac
     assert (finished(stack.engines["d0"]), finished(stack.engines["d1"])) == (0, 1)
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_local_prefill_retry_after_a_kv_load_failure_uses_another_decode(
-    stack: Stack, stream: bool
+    stack: Stack, stream: bool, request_path: str
 ) -> None:
-    client, _ = await two_decodes(stack)
+    client, _ = await two_decodes(stack, data_plane=request_path == "dataplane")
     await fault(stack, "d0", fail_transfers=1)
     response = await asyncio.wait_for(
         client.post("/v1/chat/completions", json={**PLAIN, "stream": stream}), HANG
     )
     assert response.status_code == 200, response.text
     assert (finished(stack.engines["d0"]), finished(stack.engines["d1"])) == (0, 1)
+    await stack.fold_stats()
     assert (
         'pdserve_gateway_fallbacks_total{reason="kv_load_failed"} 1.0'
         in (await client.get("/metrics")).text
