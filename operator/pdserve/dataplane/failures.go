@@ -300,6 +300,7 @@ func jsonValue(answer []byte) bool {
 // UpstreamClient.abort posts): an engine behind a proxy that keeps a call going when its
 // client leaves stops only when told. Best effort, bounded.
 func (p *plane) abort(e *endpoint, id, auth string) {
+	p.stats.aborts.Add(1) // posted, answered or not: pdserve_gateway_upstream_aborts_total
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	body := []byte(`{"request_ids":[` + string(strconv.AppendQuote(nil, "generate-tokens-"+id)) + `]}`)

@@ -214,6 +214,9 @@ func TestAClientLeavingMidStreamIsClientGoneAndItsTokensDecodeAborted(t *testing
 	if want := `{"request_ids":["generate-tokens-` + id + `"]}`; aborted.Load() != want {
 		t.Fatalf("aborted %v, want %s", aborted.Load(), want)
 	}
+	if n := u.p.stats.aborts.Load(); n != 1 { // pdserve_gateway_upstream_aborts_total
+		t.Fatalf("aborts counted %d, want 1", n)
+	}
 }
 
 // outOfTimeCase is one of testdata/out_of_time.json, which the Python gateway's tests read

@@ -82,6 +82,7 @@ type counters struct {
 	// "stage/reason" -> *atomic.Int64: failed upstream calls that another may follow (the
 	// Python gateway's pdserve_gateway_retries_total, its labels and its counting)
 	retries    sync.Map
+	aborts     atomic.Int64 // aborts posted to tokens engines
 	unreadable atomic.Int64
 	intake     atomic.Int64 // requests the Python gateway's intake checked (intake.go)
 }
@@ -933,6 +934,7 @@ func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
 		// Requests served by local prefill, by the Python gateway's reason: its own fallbacks.
 		"localPrefill": snapshot(&p.stats.localPrefills),
 		"retries":      snapshot(&p.stats.retries),
+		"aborts":       p.stats.aborts.Load(),
 		"unreadable":   p.stats.unreadable.Load(),
 		"intake":       p.stats.intake.Load(),
 		"inflight":     p.inflight.Load(),

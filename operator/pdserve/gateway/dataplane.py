@@ -252,6 +252,7 @@ class DataPlane:
         totals |= {f"local_prefill:{k}": float(v) for k, v in local.items()}
         # Failed upstream calls another may follow, by "stage/reason": this gateway's retries.
         totals |= {f"retry:{k}": float(v) for k, v in (stats.get("retries") or {}).items()}
+        totals["abort:"] = float(stats.get("aborts", 0))  # posted to tokens engines
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
         auto = stats.get("auto") or {}
         totals |= {f"auto:{k}": float(v) for k, v in (auto.get("decisions") or {}).items()}
@@ -273,6 +274,8 @@ class DataPlane:
                     for _ in range(int(delta)):
                         self.planner.policy.health.failure()
                     self.metrics.pd_degraded.set(int(self.planner.policy.health.degraded))
+            elif kind == "abort":
+                self.metrics.aborts.inc(delta)
             elif kind == "retry":
                 stage, _, reason = name.partition("/")
                 self.metrics.retries.labels(stage, reason).inc(delta)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from pdserve.gateway.settings import GatewaySettings
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import CHAT, MODEL, PLAIN, Stack, pd_stack, sse_events
 
 
@@ -47,8 +50,9 @@ async def test_streamed_tool_call_arrives_whole(stack: Stack) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-async def test_client_disconnect_aborts_the_engine_work(stack: Stack) -> None:
-    client = await pd_stack(stack)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_client_disconnect_aborts_the_engine_work(stack: Stack, request_path: str) -> None:
+    client = await pd_stack(stack, data_plane=request_path == "dataplane")
     decode = stack.engines["decode"]
     body = {**PLAIN, "stream": True, "max_tokens": 5000, "ignore_eos": True}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -61,6 +65,7 @@ async def test_client_disconnect_aborts_the_engine_work(stack: Stack) -> None:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(idle(), timeout=10)
+    await stack.fold_stats()
     assert "pdserve_gateway_upstream_aborts_total 1.0" in (await client.get("/metrics")).text
 
 
