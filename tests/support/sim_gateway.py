@@ -155,6 +155,15 @@ class Stack:
 
         return await asyncio.wait_for(poll(), deadline_seconds)
 
+    async def at_its_limit(self) -> bool:
+        """Whether the gateway serves as many completions as `max_inflight` allows (behind the
+        data plane, which admits them, by the data plane's count)."""
+        gateway = self.gateway_server
+        if gateway.data_plane is not None:
+            inflight = int((await self.data_plane_stats())["inflight"])
+            return inflight >= gateway.settings.max_inflight
+        return gateway._slots.locked()
+
     async def push_table(self) -> None:
         """Behind the data plane, the routing table as the gateway's state is now (as its
         scrapes and discovery push it); without one, nothing to do."""

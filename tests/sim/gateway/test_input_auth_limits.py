@@ -9,6 +9,7 @@ import json
 import pytest
 
 from devtools.localplane import free_port
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import PLAIN, Stack, engine, ep, finished, routing
 
 
@@ -103,18 +104,19 @@ async def test_api_keys_are_required_when_configured(stack: Stack) -> None:
     assert ok.status_code == 200
 
 
-async def test_full_gateway_answers_429_with_retry_after(stack: Stack) -> None:
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_full_gateway_answers_429_with_retry_after(stack: Stack, request_path: str) -> None:
     render = await stack.render()
     decode = await stack.engine("both", engine("both"))
     client = await stack.gateway(
         routing(prefill=False, endpoints={"render": [ep(render)], "decode": [ep(decode)]}),
         max_inflight=1,
+        data_plane=request_path == "dataplane",
     )
     slow = asyncio.create_task(
         client.post("/v1/chat/completions", json={**PLAIN, "max_tokens": 3000, "ignore_eos": True})
     )
-    gateway = stack.gateway_server
-    while not gateway._slots.locked():  # noqa: ASYNC110 - polling another task's state
+    while not await stack.at_its_limit():  # noqa: ASYNC110 - polling another task's state
         await asyncio.sleep(0.005)
     response = await client.post("/v1/chat/completions", json=PLAIN)
     assert response.status_code == 429
