@@ -470,14 +470,16 @@ func (p *plane) refuseTooLarge(w http.ResponseWriter, r *http.Request) {
 }
 
 // route: the engines for one request, P/D or not as the model's route says, or as Auto mode
-// decides for a prompt of `promptTokens` (then what the request teaches is reported).
+// decides for a prompt of `promptTokens`. What it teaches (its handoff, prefill's speed, its
+// answer's length) is reported in every mode, as the Python gateway's requests teach its
+// model (and fill the kv_handoff stage) whatever the mode.
 func (p *plane) route(m *model, promptTokens int64, s *served) (prefill, decode *endpoint) {
-	s.promptTokens = promptTokens
+	s.promptTokens, s.learn = promptTokens, &p.auto
 	if m.route != routeAuto {
 		return m.pick(s.where)
 	}
 	d := p.auto.decide(m.auto, m, promptTokens, p.queue.waiting())
-	s.learn, s.prefillOnly = &p.auto, d.Prefill
+	s.prefillOnly = d.Prefill
 	if s.log != nil {
 		s.log.autoReason = d.Reason
 	}

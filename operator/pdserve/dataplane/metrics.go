@@ -148,7 +148,7 @@ func (s *served) event(decode *endpoint) {
 		return
 	}
 	now := time.Now()
-	if !s.lastEvent.IsZero() {
+	if !s.lastEvent.IsZero() && s.stepWindow > 0 { // the window: Auto's alone
 		decode.steps.observe(now.Sub(s.lastEvent), now, s.stepWindow)
 	}
 	s.lastEvent = now

@@ -4,6 +4,9 @@ aggregated over the OpenAI API, the same answers either way, n choices."""
 
 from __future__ import annotations
 
+import pytest
+
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import (
     CHAT,
     MODEL,
@@ -54,13 +57,16 @@ async def test_route3_render_and_one_pool(stack: Stack) -> None:
     assert events[-1] == "[DONE]"
 
 
-async def test_route2_openai_pd_and_route4_aggregated(stack: Stack) -> None:
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_route2_openai_pd_and_route4_aggregated(stack: Stack, request_path: str) -> None:
     prefill = await stack.engine("prefill", engine("prefill", api="openai"))
     decode = await stack.engine("decode", engine("decode", api="openai"))
+    data_plane = request_path == "dataplane"
     client = await stack.gateway(
         routing(
             "openai", render=False, endpoints={"prefill": [ep(prefill)], "decode": [ep(decode)]}
-        )
+        ),
+        data_plane=data_plane,
     )
     answer = (await client.post("/v1/chat/completions", json=CHAT)).json()
     assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -69,8 +75,13 @@ async def test_route2_openai_pd_and_route4_aggregated(stack: Stack) -> None:
     events = await sse_events(client, PLAIN)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
-    # The streamed P/D request taught Auto mode this KV path's handoff time.
+    # The streamed P/D request taught Auto mode this KV path's handoff time, in any mode.
+    await stack.fold_stats()
     assert (await client.get("/status")).json()["handoffSecondsPerToken"] > 0
+    assert (
+        'pdserve_gateway_stage_seconds_count{stage="kv_handoff"} 1.0'
+        in (await client.get("/metrics")).text
+    )
 
     aggregated = await stack.gateway(
         routing(
@@ -78,7 +89,8 @@ async def test_route2_openai_pd_and_route4_aggregated(stack: Stack) -> None:
             render=False,
             mode="Aggregated",
             endpoints={"prefill": [ep(prefill)], "decode": [ep(decode)]},
-        )
+        ),
+        data_plane=data_plane,
     )
     before = stack.engines["decode"].core.prefix_queries
     assert (await aggregated.post("/v1/chat/completions", json=PLAIN)).status_code == 200
