@@ -9,14 +9,17 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from pdserve.controller.health import HealthVerdict, TransportMonitor
 from pdserve.sim.engine_config import EngineConfig, TransferConfig
+from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import PLAIN, Stack, engine, ep, finished, pd_stack, routing
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_same_slice(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     render = await stack.render()
     urls = {
@@ -33,7 +36,9 @@ async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_sam
         "decode": [sliced("d0", "0", "Failed"), sliced("d1", "1", "Verified")],
     })  # fmt: skip
     config["kvTransfer"] = {"verify": "Required"}
-    client = await stack.gateway(config, load_scrape_seconds=None)
+    client = await stack.gateway(
+        config, load_scrape_seconds=None, data_plane=request_path == "dataplane"
+    )
     for _ in range(3):
         assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert [finished(stack.engines[n]) for n in ("p0", "p1", "d0", "d1")] == [0, 3, 0, 3]
@@ -41,8 +46,10 @@ async def test_verify_required_keeps_pd_on_verified_slices_and_decode_in_the_sam
     # The operator marks slice 1 failed too: no verified KV path is left, so requests prefill
     # locally on decode instead of failing (even in Disaggregated mode).
     stack.gateway_server.endpoints.pools["prefill"][1].kv_transport = "Failed"
+    await stack.push_table()
     assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
     assert finished(stack.engines["p1"]) == 3
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_fallbacks_total{reason="transport_unverified"} 1.0' in metrics
 
