@@ -68,7 +68,7 @@ type servedMetrics struct {
 	ttft     histograms
 	itl      histograms
 	render   histograms // "render server URL\tstage"
-	stage    histograms // render, prefill, derender
+	stage    histograms // render, prefill, decode_first_token (a rendered stream's), derender
 }
 
 func newServedMetrics(bounds []float64) *servedMetrics {

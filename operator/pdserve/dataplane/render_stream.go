@@ -350,6 +350,7 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 	byIndex := map[string]*derenderPipeline{}
 	var usage []byte
 	done, broke := false, ""
+	opened, firstEvent := time.Now(), true // decode_first_token: from the stream's head on
 	reader := bufio.NewReaderSize(response, 32*1024)
 	var line []byte
 	for !done && broke == "" {
@@ -387,6 +388,10 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		if choices != nil && string(choices) != "null" && err != nil {
 			broke = "decode sent a malformed event (choices)"
 			break
+		}
+		if firstEvent && len(elements) > 0 {
+			firstEvent = false
+			p.metrics.stage.observe("decode_first_token", time.Since(opened))
 		}
 		for _, at := range elements {
 			choice, err := topLevel(choices[at.start:at.end])

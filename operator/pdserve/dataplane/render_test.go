@@ -341,7 +341,8 @@ func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T
 	for _, h := range measured["stages"].([]histogramJSON) {
 		stages[h.Labels[0]] += observed([]histogramJSON{h})
 	}
-	if len(stages) != 2 || stages["render"] != 1 || stages["derender"] != 2 { // no prefill: decode route
+	if len(stages) != 3 || stages["render"] != 1 || stages["derender"] != 2 || // no prefill: decode route
+		stages["decode_first_token"] != 1 {
 		t.Fatalf("stages %v", stages)
 	}
 }
