@@ -130,7 +130,6 @@ type served struct {
 	learn         *autoRuntime
 	promptTokens  int64     // as routing counted them: what prefill owes until it answers
 	prefillDone   time.Time // when prefill answered with the KV's whereabouts
-	prefilledOn   string
 	prefillServer *endpoint // where that KV waits (to let it go when decode cannot be sent it)
 	prefillOnly   []string  // Auto's P/D only through these prefill servers (admission, retries)
 	stepWindow    time.Duration
@@ -160,7 +159,7 @@ func (s *served) prefilled(on *endpoint, took time.Duration) {
 	if s == nil {
 		return
 	}
-	s.prefillDone, s.prefilledOn, s.prefillServer = time.Now(), on.url, on
+	s.prefillDone, s.prefillServer = time.Now(), on
 	if s.learn == nil {
 		return
 	}
@@ -175,7 +174,7 @@ func (s *served) chunk() {
 		s.metrics.ttft.observe(s.route, now.Sub(s.started))
 		if s.learn != nil && !s.prefillDone.IsZero() {
 			// Prefill answered -> decode's first token: the KV pull plus one decode step.
-			s.learn.observe("handoff", now.Sub(s.prefillDone).Seconds(), s.promptTokens, s.prefilledOn)
+			s.learn.observe("handoff", now.Sub(s.prefillDone).Seconds(), s.promptTokens, s.prefillServer.url)
 		}
 	} else {
 		s.metrics.itl.observe(s.route, now.Sub(s.lastChunk))
