@@ -130,7 +130,7 @@ func newPlaneUnderTest(t *testing.T, table string, engine http.HandlerFunc, conf
 		maxBody:  1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
 		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second, body: 10 * time.Second,
 			render: 5 * time.Second},
-		queue: newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
+		queue: newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1}, []float64{1, 2, 4})}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }
 	if configure != nil {

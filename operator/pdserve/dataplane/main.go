@@ -953,12 +953,20 @@ func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
 	}
 	out["admission"] = admission
 	p.tableMu.Lock()
-	served := map[string]int64{}
-	for url, e := range p.engines {
-		served[url] = e.served.Load()
+	// By engine as the table names it: requests served; calls in flight now (render servers'
+	// are the render autoscaler's gauge), where any are; the step time its streams measured.
+	served, inflight, steps := map[string]int64{}, map[string]int64{}, map[string]float64{}
+	for key, e := range p.engines {
+		served[key] = e.served.Load()
+		if n := e.inflight.Load(); n > 0 {
+			inflight[key] = n
+		}
+		if seconds, known := e.steps.read(); known {
+			steps[key] = seconds
+		}
 	}
 	p.tableMu.Unlock()
-	out["served"] = served
+	out["served"], out["engineInflight"], out["stepSeconds"] = served, inflight, steps
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(out)
 }
@@ -989,6 +997,7 @@ func main() {
 	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: -memory-limit-share of the container's memory limit)")
 	memoryShare := flag.Int64("memory-limit-share", 40, "without -memory-limit-mib, the heap's soft limit in percent of the container's memory limit (cgroup), which the Python gateway in the same container shares (0: none)")
 	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
+	countBuckets := flag.String("count-buckets", "1,2,4,8,16,32,64,128,256,512,1024", "the derender count histograms' bucket bounds, comma-separated (the Python gateway passes its own)")
 	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
 	logFD := flag.Int("request-log-fd", -1, "an open file descriptor the request log's entries of the requests served here are written to, a line per write (the Python gateway passes its own --request-log)")
@@ -1019,12 +1028,17 @@ func main() {
 	if *admission != "" {
 		go p.admission.keepConnected(100 * time.Millisecond)
 	}
-	bounds, err := parseBounds(*buckets)
+	bounds, err := parseBounds("latency-buckets", *buckets)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "pdserve-dataplane:", err)
 		os.Exit(2)
 	}
-	p.metrics = newServedMetrics(bounds)
+	counts, err := parseBounds("count-buckets", *countBuckets)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pdserve-dataplane:", err)
+		os.Exit(2)
+	}
+	p.metrics = newServedMetrics(bounds, counts)
 	if p.requestLog, err = openRequestLog(*logFD); err != nil {
 		fmt.Fprintln(os.Stderr, "pdserve-dataplane:", err)
 		os.Exit(2)

@@ -10,6 +10,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"sort"
 	"strconv"
 	"strings"
@@ -20,7 +21,7 @@ import (
 
 type histogram struct {
 	counts []atomic.Int64 // per bucket (not cumulative), the last one past every bound
-	nanos  atomic.Int64   // the sum of the observations
+	sum    atomic.Uint64  // float64 bits: the sum of the observations
 }
 
 // histograms are keyed by their label values (joined with a tab).
@@ -29,16 +30,22 @@ type histograms struct {
 	by     sync.Map  // key -> *histogram
 }
 
-func (h *histograms) observe(key string, d time.Duration) {
+func (h *histograms) observe(key string, d time.Duration) { h.observeValue(key, d.Seconds()) }
+
+func (h *histograms) observeValue(key string, value float64) {
 	found, ok := h.by.Load(key)
 	if !ok {
 		found, _ = h.by.LoadOrStore(key, &histogram{counts: make([]atomic.Int64, len(h.bounds)+1)})
 	}
 	each := found.(*histogram)
-	seconds := d.Seconds()
-	bucket := sort.SearchFloat64s(h.bounds, seconds) // the first bound >= seconds: "le"
+	bucket := sort.SearchFloat64s(h.bounds, value) // the first bound >= value: "le"
 	each.counts[bucket].Add(1)
-	each.nanos.Add(int64(d))
+	for {
+		old := each.sum.Load()
+		if each.sum.CompareAndSwap(old, math.Float64bits(math.Float64frombits(old)+value)) {
+			return
+		}
+	}
 }
 
 type histogramJSON struct {
@@ -55,8 +62,12 @@ func (h *histograms) snapshot() []histogramJSON {
 		for i := range each.counts {
 			counts[i] = each.counts[i].Load()
 		}
-		out = append(out, histogramJSON{Labels: strings.Split(key.(string), "\t"), Counts: counts,
-			Sum: time.Duration(each.nanos.Load()).Seconds()})
+		labels := []string{} // a histogram without labels is observed under ""
+		if key.(string) != "" {
+			labels = strings.Split(key.(string), "\t")
+		}
+		out = append(out, histogramJSON{Labels: labels, Counts: counts,
+			Sum: math.Float64frombits(each.sum.Load())})
 		return true
 	})
 	return out
@@ -69,21 +80,28 @@ type servedMetrics struct {
 	itl      histograms
 	render   histograms // "render server URL\tstage"
 	stage    histograms // render, prefill, decode_first_token (a rendered stream's), derender
+	// A rendered stream's derender calls per choice, and the tokens merged into each (with
+	// derender pipelining, those that arrived while the call before was in flight). No labels.
+	derenderCalls  histograms
+	derenderTokens histograms
 }
 
-func newServedMetrics(bounds []float64) *servedMetrics {
-	return &servedMetrics{e2e: histograms{bounds: bounds}, ttft: histograms{bounds: bounds},
-		itl: histograms{bounds: bounds}, render: histograms{bounds: bounds},
-		stage: histograms{bounds: bounds}}
+// newServedMetrics: `latency` the bounds of the histograms of seconds, `counts` those of the
+// derender counts.
+func newServedMetrics(latency, counts []float64) *servedMetrics {
+	return &servedMetrics{e2e: histograms{bounds: latency}, ttft: histograms{bounds: latency},
+		itl: histograms{bounds: latency}, render: histograms{bounds: latency},
+		stage: histograms{bounds: latency}, derenderCalls: histograms{bounds: counts},
+		derenderTokens: histograms{bounds: counts}}
 }
 
-// parseBounds reads -latency-buckets: ascending positive seconds, comma-separated.
-func parseBounds(raw string) ([]float64, error) {
+// parseBounds reads a buckets flag (`name`): ascending positive numbers, comma-separated.
+func parseBounds(name, raw string) ([]float64, error) {
 	bounds := []float64{}
 	for _, field := range strings.Split(raw, ",") {
 		value, err := strconv.ParseFloat(strings.TrimSpace(field), 64)
 		if err != nil || value <= 0 || (len(bounds) > 0 && value <= bounds[len(bounds)-1]) {
-			return nil, fmt.Errorf("-latency-buckets %q: expected ascending positive seconds, e.g. 0.005,0.01,0.1", raw)
+			return nil, fmt.Errorf("-%s %q: expected ascending positive numbers, e.g. 0.005,0.01,0.1", name, raw)
 		}
 		bounds = append(bounds, value)
 	}
@@ -113,7 +131,8 @@ func (m *servedMetrics) snapshot() map[string]any {
 		return true
 	})
 	return map[string]any{"requests": requests, "e2e": m.e2e.snapshot(), "ttft": m.ttft.snapshot(),
-		"itl": m.itl.snapshot(), "renderCalls": m.render.snapshot(), "stages": m.stage.snapshot()}
+		"itl": m.itl.snapshot(), "renderCalls": m.render.snapshot(), "stages": m.stage.snapshot(),
+		"derenderCalls": m.derenderCalls.snapshot(), "derenderTokens": m.derenderTokens.snapshot()}
 }
 
 // served is one request the data plane serves: its route is known once it is chosen, its

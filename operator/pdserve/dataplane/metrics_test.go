@@ -24,11 +24,11 @@ func TestObservationsLandInTheBucketOfTheirFirstBoundAtOrAbove(t *testing.T) {
 }
 
 func TestLatencyBucketsMustBeAscendingPositiveSeconds(t *testing.T) {
-	if bounds, err := parseBounds("0.005, 0.5,2"); err != nil || len(bounds) != 3 {
+	if bounds, err := parseBounds("latency-buckets", "0.005, 0.5,2"); err != nil || len(bounds) != 3 {
 		t.Fatalf("%v %v", bounds, err)
 	}
 	for _, bad := range []string{"", "0.5,0.1", "0,1", "a"} {
-		if _, err := parseBounds(bad); err == nil {
+		if _, err := parseBounds("latency-buckets", bad); err == nil {
 			t.Fatalf("%q accepted", bad)
 		}
 	}

@@ -146,6 +146,14 @@ func joinIDs(a, b []byte) []byte {
 	return append(append(append([]byte(nil), a...), ','), b...)
 }
 
+// idCount: how many token ids a piece's list holds ("1,2": 2).
+func idCount(ids []byte) int {
+	if len(bytes.TrimSpace(ids)) == 0 {
+		return 0
+	}
+	return bytes.Count(ids, []byte(",")) + 1
+}
+
 // close ends the choice: what is queued is derendered; a choice decode never finished ends
 // without a finish reason (the stream is then reported broken).
 func (d *derenderPipeline) close() error {
@@ -155,6 +163,9 @@ func (d *derenderPipeline) close() error {
 }
 
 func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipeline, out *streamWriter) error {
+	calls := 0
+	// Per choice, as the Python gateway's pipeline counts them (streaming.py), however it ends.
+	defer func() { p.metrics.derenderCalls.observeValue("", float64(calls)) }()
 	var state []byte = []byte("null")
 	// Pooled: every call's body carries the prompt's token ids and the client's request again.
 	body, answer := p.buffers.Get().(*bytes.Buffer), p.buffers.Get().(*bytes.Buffer)
@@ -177,6 +188,8 @@ func (p *plane) runPipeline(ctx context.Context, rs *rendering, d *derenderPipel
 		if finish == nil {
 			finish = []byte("null")
 		}
+		calls++
+		p.metrics.derenderTokens.observeValue("", float64(idCount(next.ids)))
 		body.Reset()
 		derenderChunkBody(body, rs, state, d.index, next.ids, finish)
 		if _, f := p.renderJSON(ctx, rs.routed, "derender", derenderPath(rs.chat), body.Bytes(), rs.id, rs.auth, answer); f != nil {

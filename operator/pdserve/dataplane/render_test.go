@@ -212,7 +212,7 @@ func renderPlane(t *testing.T, table string) (*renderStack, *plane, *table) {
 	p := &plane{upstream: newUpstreamPool(time.Second, 5*time.Second, 4*time.Second),
 		maxBody: 1 << 20, maxInflight: 16, engines: map[string]*endpoint{},
 		timeouts: timeouts{idle: 5 * time.Second, request: 10 * time.Second, render: 5 * time.Second},
-		queue:    newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
+		queue:    newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1}, []float64{1, 2, 4})}
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	built, engines, err := build([]byte(strings.ReplaceAll(table, "URL", server.URL)), nil)
 	if err != nil {
@@ -337,6 +337,13 @@ func TestARenderedStreamIsDerenderedChunkByChunkWithItsStateCarried(t *testing.T
 	if byStage["render"] != 1 || byStage["derender"] != 2 {
 		t.Fatalf("render calls %v", byStage)
 	}
+	// One choice of two derender calls, one token each (the stop token dropped), unlabelled.
+	for name, want := range map[string]string{"derenderCalls": "[{[] [0 1 0 0] 2}]",
+		"derenderTokens": "[{[] [2 0 0 0] 2}]"} {
+		if got := fmt.Sprint(measured[name]); got != want {
+			t.Fatalf("%s %s, want %s", name, got, want)
+		}
+	}
 	stages := map[string]int64{}
 	for _, h := range measured["stages"].([]histogramJSON) {
 		stages[h.Labels[0]] += observed([]histogramJSON{h})
@@ -355,4 +362,65 @@ func observed(hs []histogramJSON) int64 {
 		}
 	}
 	return n
+}
+
+// statsOf: the data plane's GET /stats, decoded.
+func statsOf(t *testing.T, p *plane) map[string]any {
+	t.Helper()
+	recorder := httptest.NewRecorder()
+	p.getStats(recorder, httptest.NewRequest("GET", "/stats", nil))
+	var out map[string]any
+	if err := json.Unmarshal(recorder.Body.Bytes(), &out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestStatsSayWhichRenderServersHaveCallsInFlightAndEachDecodesStepTime(t *testing.T) {
+	release := make(chan struct{})
+	entered := make(chan struct{}, 1)
+	engines := &renderStack{sent: map[string][]any{}}
+	slowRender := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		entered <- struct{}{}
+		<-release // the render call stays in flight until the test has read the stats
+		engines.handler(t).ServeHTTP(w, r)
+	}))
+	t.Cleanup(slowRender.Close)
+	_, p, _ := renderPlane(t, `{"version":1,"models":{"qwen":{"route":"pd","render":["`+slowRender.URL+`"],
+		"groups":[{"prefill":["URL"],"decode":["URL"]}]}}}`)
+	done := make(chan int)
+	go func() {
+		recorder := httptest.NewRecorder()
+		p.serveCompletion(recorder, httptest.NewRequest("POST", "/v1/chat/completions",
+			strings.NewReader(`{"model":"qwen","messages":[{"role":"user","content":"hi"}]}`)))
+		done <- recorder.Code
+	}()
+	<-entered
+	inflight := statsOf(t, p)["engineInflight"].(map[string]any)
+	if len(inflight) != 1 || inflight[slowRender.URL] != 1.0 {
+		t.Fatalf("engineInflight during the render call: %v, want %s: 1", inflight, slowRender.URL)
+	}
+	close(release)
+	if code := <-done; code != 200 {
+		t.Fatalf("answered %d", code)
+	}
+	stats := statsOf(t, p)
+	if inflight := stats["engineInflight"].(map[string]any); len(inflight) != 0 {
+		t.Fatalf("engineInflight after the request: %v", inflight)
+	}
+	if steps := stats["stepSeconds"].(map[string]any); len(steps) != 0 {
+		t.Fatalf("stepSeconds before any stream was measured: %v", steps)
+	}
+	var decode *endpoint
+	for _, e := range p.engines {
+		if e.url != slowRender.URL {
+			decode = e
+		}
+	}
+	now := time.Now()
+	decode.steps.observe(20*time.Millisecond, now, time.Millisecond)
+	decode.steps.observe(20*time.Millisecond, now.Add(time.Millisecond), time.Millisecond)
+	if steps := statsOf(t, p)["stepSeconds"].(map[string]any); steps[decode.key] != 0.02 {
+		t.Fatalf("stepSeconds %v, want %s: 0.02", steps, decode.key)
+	}
 }

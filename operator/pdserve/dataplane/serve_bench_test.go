@@ -17,7 +17,7 @@ func benchServing(b *testing.B, table, body string, engine http.HandlerFunc) {
 	b.Cleanup(server.Close)
 	p := &plane{upstream: newUpstreamPool(time.Second, 10*time.Second, time.Minute),
 		maxBody: 1 << 20, maxInflight: 1 << 20, engines: map[string]*endpoint{},
-		queue: newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1})}
+		queue: newFairQueue(), metrics: newServedMetrics([]float64{0.01, 1}, []float64{1, 2, 4})}
 	p.timeouts.idle, p.timeouts.request, p.timeouts.body = 5*time.Second, 10*time.Second, 10*time.Second
 	p.buffers.New = func() any { return new(bytes.Buffer) }
 	p.chunks.New = func() any { chunk := make([]byte, 32*1024); return &chunk }

@@ -34,7 +34,7 @@ from pdserve.gateway.fastpath import (
     same_table,
     served_route,
 )
-from pdserve.gateway.metrics import LATENCY, GatewayMetrics
+from pdserve.gateway.metrics import COUNTS, LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.planner import PD_FAILURES, RoutePlanner
 from pdserve.gateway.request_log import RequestLog
@@ -146,6 +146,7 @@ class DataPlane:
             "-body-timeout-seconds", str(self.settings.body_timeout),
             "-keepalive-timeout-seconds", str(self.settings.keepalive_timeout),
             "-latency-buckets", ",".join(map(str, LATENCY)),
+            "-count-buckets", ",".join(map(str, COUNTS)),
         ]  # fmt: skip
         if self.settings.api_keys:
             argv.append("-require-api-keys")  # a table without the keys' digests is refused
@@ -242,6 +243,7 @@ class DataPlane:
         # Render servers by pod, as this gateway labels its own calls (kept for one that left).
         self.render_pods |= {e.url: e.label for e in self.endpoints.pools.get("render", [])}
         self.metrics.fold_data_plane(stats.get("metrics") or {}, self.render_pods)
+        self.fold_engines(stats.get("engineInflight") or {}, stats.get("stepSeconds") or {})
         # By route as the data plane names them: the labels of dataplane_requests_total.
         routes = stats.get("routes") or {}
         totals = {f"route:{route}": float(count) for route, count in routes.items()}
@@ -286,6 +288,15 @@ class DataPlane:
             else:
                 self.metrics.dataplane_fallbacks.labels(name).inc(delta)
             self.seen[key] = total
+
+    def fold_engines(self, inflight: Mapping[str, Any], steps: Mapping[str, Any]) -> None:
+        """Per engine, what the data plane reports as it is now: its render calls in flight
+        (into `render_inflight`), and the step time its streams measured, which Auto mode's
+        decisions here read too."""
+        self.metrics.fold_render_inflight(inflight, self.render_pods)
+        for endpoint in self.endpoints.pools.get("decode", []):
+            if (seconds := steps.get(endpoint.key)) is not None:
+                endpoint.steps.seconds = float(seconds)
 
     def learn(self, observations: Iterable[Mapping[str, Any]]) -> None:
         """What the data plane's Auto-mode requests taught, each folded once (by `seq`) into

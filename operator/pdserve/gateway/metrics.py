@@ -102,27 +102,31 @@ class GatewayMetrics:
             buckets=LATENCY,
             registry=None,
         )
-        self.with_data_plane = {
-            name: WithDataPlane(histogram, labels, LATENCY, r)
-            for name, histogram, labels in (
-                ("e2e", self.e2e, BY_ROUTE), ("ttft", self.ttft, BY_ROUTE),
-                ("itl", self.itl, BY_ROUTE), ("renderCalls", self.render_call, BY_RENDER_CALL),
-                ("stages", self.stage, BY_STAGE),
-            )
-        }  # fmt: skip
-        self._data_plane_requests = DataPlaneCounts(self.requests)
         self.derender_calls = Histogram(
             "pdserve_gateway_derender_calls_per_stream",
             "Derender calls per streamed choice",
             buckets=COUNTS,
-            registry=r,
+            registry=None,
         )
         self.tokens_per_derender = Histogram(
             "pdserve_gateway_tokens_per_derender_call",
             "Tokens merged into one derender call",
             buckets=COUNTS,
-            registry=r,
+            registry=None,
         )
+        self.with_data_plane = {
+            name: WithDataPlane(histogram, labels, bounds, r)
+            for name, histogram, labels, bounds in (
+                ("e2e", self.e2e, BY_ROUTE, LATENCY), ("ttft", self.ttft, BY_ROUTE, LATENCY),
+                ("itl", self.itl, BY_ROUTE, LATENCY),
+                ("renderCalls", self.render_call, BY_RENDER_CALL, LATENCY),
+                ("stages", self.stage, BY_STAGE, LATENCY),
+                ("derenderCalls", self.derender_calls, (), COUNTS),
+                ("derenderTokens", self.tokens_per_derender, (), COUNTS),
+            )
+        }  # fmt: skip
+        self._data_plane_requests = DataPlaneCounts(self.requests)
+        self._data_plane_render_inflight: dict[str, float] = {}  # by URL, as last reported
         self.retries = Counter(
             "pdserve_gateway_retries", "Retries on another replica", ["stage", "reason"], registry=r
         )
@@ -213,3 +217,19 @@ class GatewayMetrics:
         for name, series in self.with_data_plane.items():
             series.fold(measured.get(name) or [], named.get(name, ROUTES))
         self._data_plane_requests.fold(measured.get("requests") or [])
+
+    def fold_render_inflight(
+        self, reported: Mapping[str, Any], render_pods: Mapping[str, str]
+    ) -> None:
+        """The data plane's render calls in flight now (by render URL; none listed: 0), added
+        to this gateway's own in `render_inflight`: the gauge counts every call, whoever made
+        it, and each render pod's series exists from the first poll on."""
+        for url, pod in render_pods.items():
+            now, before = (
+                float(reported.get(url, 0)),
+                self._data_plane_render_inflight.get(url, 0.0),
+            )
+            gauge = self.render_inflight.labels(pod)
+            if now != before:
+                gauge.inc(now - before)
+                self._data_plane_render_inflight[url] = now

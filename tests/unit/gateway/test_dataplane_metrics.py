@@ -56,3 +56,34 @@ def test_a_histogram_of_other_buckets_is_left_out() -> None:
     metrics = GatewayMetrics()
     metrics.fold_data_plane({"ttft": [reported("pd", [1, 2], 0.1)]}, {})
     assert sample(metrics, "pdserve_gateway_ttft_seconds_count", route="openai_pd") is None
+
+
+def test_render_calls_in_flight_are_the_gateways_own_plus_the_data_planes_now() -> None:
+    metrics = GatewayMetrics()
+    pods = {"http://10.0.0.7:8000": "model-render-0", "http://10.0.0.8:8000": "model-render-1"}
+    metrics.render_inflight.labels("model-render-0").inc()  # one call of the Python gateway
+
+    def inflight(pod: str) -> float | None:
+        return sample(metrics, "pdserve_gateway_render_inflight", render_pod=pod)
+
+    metrics.fold_render_inflight({"http://10.0.0.7:8000": 2}, pods)
+    assert (inflight("model-render-0"), inflight("model-render-1")) == (3, 0)
+    metrics.fold_render_inflight({"http://10.0.0.7:8000": 2}, pods)  # read again: still now
+    assert inflight("model-render-0") == 3
+    metrics.fold_render_inflight({"http://10.0.0.8:8000": 1}, pods)  # pod 0's calls answered
+    assert (inflight("model-render-0"), inflight("model-render-1")) == (1, 1)
+
+
+def test_the_data_planes_derender_counts_are_added_to_the_gateways_own() -> None:
+    metrics = GatewayMetrics()
+    metrics.derender_calls.observe(3)  # a choice the Python gateway relayed
+    # One choice of two calls, and its calls of one token each (bounds 1, 2, 4, ..., 1024).
+    calls = {"labels": [], "counts": [0, 1] + [0] * 10, "sum": 2}
+    tokens = {"labels": [], "counts": [2] + [0] * 11, "sum": 2}
+    for _ in range(2):  # cumulative: read twice, added once
+        metrics.fold_data_plane({"derenderCalls": [calls], "derenderTokens": [tokens]}, {})
+    name = "pdserve_gateway_derender_calls_per_stream"
+    assert sample(metrics, f"{name}_bucket", le="2.0") == 1
+    assert sample(metrics, f"{name}_bucket", le="4.0") == 2
+    assert sample(metrics, f"{name}_sum") == 5
+    assert sample(metrics, "pdserve_gateway_tokens_per_derender_call_count") == 2
