@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from pdserve.contract.routing import GatewayConfig
@@ -82,10 +83,12 @@ def engine(role: str, *, api: str = "tokens", policy: str = "fail") -> EngineCon
 
 
 class Stack:
-    """Simulators plus a gateway, all on loopback ports."""
+    """Simulators plus a gateway, all on loopback ports; `data_plane`: the request path of the
+    gateways it starts unless one is named."""
 
-    def __init__(self, exits: AsyncExitStack) -> None:
+    def __init__(self, exits: AsyncExitStack, *, data_plane: bool = False) -> None:
         self.exits = exits
+        self.data_plane = data_plane
         self.engines: dict[str, EngineServer] = {}
         self.renders: list[RenderServer] = []
 
@@ -109,13 +112,14 @@ class Stack:
         return await self.start(server)
 
     async def gateway(
-        self, config: dict[str, Any], *, data_plane: bool = False, **settings: Any
+        self, config: dict[str, Any], *, data_plane: bool | None = None, **settings: Any
     ) -> httpx.AsyncClient:
-        """A gateway over `config`; with `data_plane`, behind the compiled data plane (as
-        `pdserve gateway --data-plane` runs it): the client is the data plane's."""
+        """A gateway over `config`; with `data_plane` (None: the stack's), behind the compiled
+        data plane (as `pdserve gateway --data-plane` runs it): the client is the data
+        plane's."""
         gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
         self.gateway_server = gateway
-        if data_plane:
+        if self.data_plane if data_plane is None else data_plane:
             # Listening before the data plane is told where the Python gateway is.
             sock = listening_socket()
             python_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -304,6 +308,12 @@ def local_listener(above: str = "", below: str | None = None) -> tuple[socket.so
     finally:
         for each in passed:
             each.close()
+
+
+python_gateways_only = pytest.mark.parametrize("stack", ["python"], indirect=True)
+"""For a test on `gateway_replicas`, which reads the Python gateways' own admission state: its
+data-plane variant runs gateway processes behind their data planes, as pods run them
+(test_dataplane.py)."""
 
 
 async def gateway_replicas(

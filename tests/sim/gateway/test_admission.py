@@ -25,6 +25,7 @@ from tests.support.sim_gateway import (
     gateway_replicas,
     local_listener,
     pd_stack,
+    python_gateways_only,
     routing,
     until,
 )
@@ -129,6 +130,7 @@ async def test_a_long_prompt_moves_to_another_prefill_replica_when_its_own_fails
     assert (await stack.admission()).replicas == {}
 
 
+@python_gateways_only
 async def test_gateway_replicas_admit_long_prefills_through_one_leader_exactly(
     stack: Stack,
 ) -> None:
@@ -193,6 +195,7 @@ async def test_a_malformed_hold_request_is_refused_naming_the_field(
     assert (await stack.admission()).long_in_flight == 0
 
 
+@python_gateways_only
 @pytest.mark.parametrize("leader", ["without /admission/hold", "stuck"])
 async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(
     stack: Stack, leader: str
@@ -227,6 +230,7 @@ async def test_a_replica_that_cannot_ask_the_leader_admits_on_its_own(
     assert "pdserve_gateway_admission_leader_errors 1.0" in state
 
 
+@python_gateways_only
 async def test_only_the_leader_grants_holds(stack: Stack) -> None:
     """A follower refuses holds: two queues at once would break the limit."""
     replicas = await gateway_replicas(stack, hang=0)

@@ -26,6 +26,7 @@ from tests.support.sim_gateway import (
     ep,
     gateway_replicas,
     pd_stack,
+    python_gateways_only,
     routing,
     until,
 )
@@ -115,6 +116,7 @@ async def test_a_peer_key_alone_guards_the_hold_only(stack: Stack) -> None:
         assert held.status_code == 200
 
 
+@python_gateways_only
 async def test_keyed_replicas_find_each_other_and_admit_through_the_leader(stack: Stack) -> None:
     """With keys set the replicas' polls and holds carry the peer key: they still elect one
     leader, and a follower's document holds its slot there."""

@@ -115,8 +115,9 @@ async def test_behind_the_data_plane_auto_learns_its_first_handoff_at_the_next_t
     assert decisions == {"long_prompt": 1, "handoff_over_ttft_budget": 1}
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_auto_learns_the_kv_path_from_decodes_transfer_metrics_without_streams(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
     """Non-streamed requests give the gateway no first-token time to measure the handoff by:
     the decode engine's vllm:nixl_xfer_time_seconds does (read in the engine's simulated
@@ -131,18 +132,22 @@ async def test_auto_learns_the_kv_path_from_decodes_transfer_metrics_without_str
         slo={"ttftMs": 100},
         load_scrape_seconds=0.05,
         engine_seconds_scale=0.01,
+        data_plane=request_path == "dataplane",
     )
-    # No other streams here: keep Auto from prefilling on the idle decode replica. The policy's
-    # clock stands still: the learning request's window (two TTFT budgets, 0.2 s) cannot run
-    # out while a busy machine is slow to bring the second request to its decision.
+    # No other streams here: keep Auto from prefilling on the idle decode replica. The learning
+    # request's window is set past any test's length (it is two TTFT budgets, 0.2 s, by
+    # default): it cannot run out while a busy machine is slow to bring the second request to
+    # its decision. Behind the data plane, which keeps that window, the settings are pushed.
     stack.gateway_server.policy = AutoPolicy(
-        PolicySettings(local_when_decode_idle=False), clock=lambda: 0.0
+        PolicySettings(local_when_decode_idle=False, learning_timeout_budgets=1e6)
     )
+    await stack.push_table()
     first, second = await asyncio.gather(
         client.post("/v1/chat/completions", json=LONG),
         client.post("/v1/chat/completions", json={**LONG, "max_tokens": 21}),
     )
     assert (first.status_code, second.status_code) == (200, 200)
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_auto_decisions_total{reason="long_prompt"} 1.0' in metrics
     assert 'pdserve_gateway_auto_decisions_total{reason="handoff_unknown"} 1.0' in metrics
@@ -162,26 +167,33 @@ async def test_auto_learns_the_kv_path_from_decodes_transfer_metrics_without_str
     # Read in the engine's seconds, scaled: at least the transfer's 20 simulated seconds (0.2 s),
     # and nowhere near the unscaled 20 s however long a busy machine stretches the transfer.
     assert 0.2 * 0.99 <= per_token * tokens < 2.0
+    await stack.push_table()  # behind the data plane: the table that carries what was learnt
     assert (await client.post("/v1/chat/completions", json=LONG)).status_code == 200
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_auto_decisions_total{reason="handoff_over_ttft_budget"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 @pytest.mark.parametrize("engine_api", ["tokens", "openai"])
 async def test_streams_teach_auto_the_decode_step_time_and_answer_length(
-    stack: Stack, engine_api: str
+    stack: Stack, engine_api: str, request_path: str
 ) -> None:
     """What Auto's ITL rule reads: each decode engine's recent time between tokens, and how
-    long answers run, from the streams the gateway relays (both engine APIs)."""
+    long answers run, from the streams the gateway relays (both engine APIs; behind the data
+    plane, which measures the streams it relays, as it reports them)."""
     prefill = await stack.engine("prefill", engine("prefill", api=engine_api))
     decode_url = await stack.engine("decode", engine("decode", api=engine_api))
     endpoints: dict[str, Any] = {"prefill": [ep(prefill)], "decode": [ep(decode_url)]}
     if engine_api == "tokens":
         endpoints["render"] = [ep(await stack.render())]
-    config = routing(engine_api, render=engine_api == "tokens", endpoints=endpoints)
-    client = await stack.gateway(config, step_window_seconds=0.001)
+    config = routing(engine_api, render=engine_api == "tokens", mode="Auto", endpoints=endpoints)
+    client = await stack.gateway(
+        config, step_window_seconds=0.001, data_plane=request_path == "dataplane"
+    )
     events = await sse_events(client, {**PLAIN, "max_tokens": 20})
     assert events[-1] == "[DONE]"
+    await stack.fold_stats()
     gateway = stack.gateway_server
     [decode] = gateway.endpoints.pools["decode"]
     assert decode.steps.seconds is not None

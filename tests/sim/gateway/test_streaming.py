@@ -14,8 +14,11 @@ from tests.support.served_gateway import REQUEST_PATHS
 from tests.support.sim_gateway import CHAT, MODEL, PLAIN, Stack, pd_stack, sse_events
 
 
-async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: Stack) -> None:
-    client = await pd_stack(stack)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(
+    stack: Stack, request_path: str
+) -> None:
+    client = await pd_stack(stack, data_plane=request_path == "dataplane")
     whole = (await client.post("/v1/chat/completions", json=PLAIN)).json()["choices"][0]["message"]
     events = await sse_events(client, {**PLAIN, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
@@ -29,6 +32,7 @@ async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: St
     assert "".join(d.get("reasoning") or "" for d in deltas) == whole["reasoning"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    await stack.fold_stats()
     metrics = (await client.get("/metrics")).text
     for stage in ("render", "prefill", "derender", "decode_first_token", "kv_handoff"):
         assert f'pdserve_gateway_stage_seconds_count{{stage="{stage}"}}' in metrics, stage
@@ -40,10 +44,19 @@ async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(stack: St
     assert float(derenders[0].split()[-1]) >= 2  # the whole answer, then the stream's calls
     assert calls + '"render"} 2.0' in metrics
     assert f'pdserve_gateway_render_inflight{{render_pod="{render_url}"}} 0.0' in metrics
+    # The streamed answer's one choice, derendered in calls of at least one token each.
+    assert "pdserve_gateway_derender_calls_per_stream_count 1.0" in metrics
+    [stream_calls] = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pdserve_gateway_tokens_per_derender_call_count ")
+    ]
+    assert stream_calls == float(derenders[0].split()[-1]) - 1  # the stream's, not the whole answer's
 
 
-async def test_streamed_tool_call_arrives_whole(stack: Stack) -> None:
-    client = await pd_stack(stack)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_streamed_tool_call_arrives_whole(stack: Stack, request_path: str) -> None:
+    client = await pd_stack(stack, data_plane=request_path == "dataplane")
     events = await sse_events(client, CHAT)
     calls = [t for e in events[:-1] for t in e["choices"][0]["delta"].get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls] == ["get_weather"]

@@ -35,8 +35,10 @@ async def fault(stack: Stack, name: str, **faults: Any) -> None:
         response.raise_for_status()
 
 
-async def outcomes(client: httpx.AsyncClient) -> dict[str, float]:
-    """pdserve_gateway_requests_total by outcome."""
+async def outcomes(stack: Stack, client: httpx.AsyncClient) -> dict[str, float]:
+    """pdserve_gateway_requests_total by outcome (behind the data plane, what it served
+    folded in first)."""
+    await stack.fold_stats()
     text = (await client.get("/metrics")).text
     counts: dict[str, float] = {}
     for line in text.splitlines():
@@ -47,22 +49,29 @@ async def outcomes(client: httpx.AsyncClient) -> dict[str, float]:
     return counts
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 async def test_a_hung_prefill_falls_back_to_local_prefill_after_the_first_byte_timeout(
-    stack: Stack,
+    stack: Stack, request_path: str
 ) -> None:
-    client = await pd_stack(stack, first_byte_timeout=0.5)
+    client = await pd_stack(stack, first_byte_timeout=0.5, data_plane=request_path == "dataplane")
     await fault(stack, "prefill", hang=1)
     response = await asyncio.wait_for(client.post("/v1/chat/completions", json=PLAIN), HANG)
     assert response.status_code == 200, response.text
     assert stack.engines["prefill"].faults.hang == 0  # it was sent there, and hung
+    await stack.fold_stats()
     assert 'reason="prefill_failed"' in (await client.get("/metrics")).text
 
 
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_hung_decode_is_a_504_never_a_retry_on_it(stack: Stack, stream: bool) -> None:
+async def test_a_hung_decode_is_a_504_never_a_retry_on_it(
+    stack: Stack, stream: bool, request_path: str
+) -> None:
     """One decode replica, hung for one request: the local-prefill retry must not go back to
     it (it would answer now), so the client gets a clean 504."""
-    client = await pd_stack(stack, first_byte_timeout=0.5, request_timeout=1.0)
+    client = await pd_stack(
+        stack, first_byte_timeout=0.5, request_timeout=1.0, data_plane=request_path == "dataplane"
+    )
     await fault(stack, "decode", hang=1)
     response = await asyncio.wait_for(
         client.post("/v1/chat/completions", json={**PLAIN, "stream": stream}), HANG
@@ -71,7 +80,7 @@ async def test_a_hung_decode_is_a_504_never_a_retry_on_it(stack: Stack, stream: 
     error = response.json()["error"]
     assert (error["code"], error["type"]) == (504, "GatewayTimeout")
     assert finished(stack.engines["decode"]) == 0  # no retry was served by the hung replica
-    assert (await outcomes(client)).get("error_504") == 1
+    assert (await outcomes(stack, client)).get("error_504") == 1
 
 
 async def two_decodes(stack: Stack, **settings: Any) -> tuple[httpx.AsyncClient, list[str]]:
@@ -127,17 +136,25 @@ async def test_the_local_prefill_retry_after_a_kv_load_failure_uses_another_deco
     )
 
 
-async def test_a_stream_decode_drops_is_counted_as_failed_not_ok(stack: Stack) -> None:
-    client = await pd_stack(stack)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_a_stream_decode_drops_is_counted_as_failed_not_ok(
+    stack: Stack, request_path: str
+) -> None:
+    client = await pd_stack(stack, data_plane=request_path == "dataplane")
     await fault(stack, "decode", drop_stream_after=3)
     events = await asyncio.wait_for(sse_events(client, {**PLAIN, "max_tokens": 100}), HANG)
     assert events[-1] == "[DONE]"
     assert "ended before the answer was complete" in events[-2]["error"]["message"]
-    assert await outcomes(client) == {"error_502": 1}
+    assert await outcomes(stack, client) == {"error_502": 1}
 
 
-async def test_a_slow_body_gets_408_and_holds_no_in_flight_slot(stack: Stack) -> None:
-    client = await pd_stack(stack, max_inflight=1, body_timeout=0.5)
+@pytest.mark.parametrize("request_path", REQUEST_PATHS)
+async def test_a_slow_body_gets_408_and_holds_no_in_flight_slot(
+    stack: Stack, request_path: str
+) -> None:
+    client = await pd_stack(
+        stack, max_inflight=1, body_timeout=0.5, data_plane=request_path == "dataplane"
+    )
     host, port = client.base_url.host, client.base_url.port
     assert port is not None
     body = json.dumps(PLAIN).encode()
