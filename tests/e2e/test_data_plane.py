@@ -49,13 +49,25 @@ def fast_model(engines: str) -> dict[str, Any]:
     return model
 
 
+@pytest.fixture(scope="module")
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """The module's namespace, one for both models in turn: deleting a namespace lasts as long
+    as the longest grace period of the pods it had (the namespace controller waits that long
+    before it looks again, about a minute here), deleting the model only until its pods are
+    gone."""
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    try:
+        yield NAMESPACE
+    finally:
+        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+
+
 @pytest.fixture(params=list(ROUTE))
 def fast(
-    request: pytest.FixtureRequest, cluster: Cluster, operator: None
+    request: pytest.FixtureRequest, cluster: Cluster, operator: None, namespace: str
 ) -> Iterator[tuple[str, str, str]]:
     """The gateway Service's URL, the route the data plane serves this test's requests by, and
     its routing table's route."""
-    cluster.kubectl("create", "namespace", NAMESPACE)
     manifest = json.dumps(fast_model(request.param))
     cluster.kubectl("apply", "-f", "-", stdin=manifest)
     try:
@@ -70,7 +82,12 @@ def fast(
         base = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
         yield base, ROUTE[request.param], TABLE_ROUTE[request.param]
     finally:
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait", check=False, timeout=300)
+        # The model's objects go with it (owner references), its pods last: none left for the
+        # next model to share the node with.
+        cluster.kubectl("delete", "dm", NAME, "-n", namespace, "--wait", check=False, timeout=300)
+        wait_until(f"the pods of namespace {namespace} to go",
+                   lambda: not pods(cluster, namespace),
+                   timeout=120)  # fmt: skip
 
 
 def metrics_of(base: str) -> str:
