@@ -41,7 +41,7 @@ func runDataPlane(t *testing.T, python string, flags ...string) runningPlane {
 	t.Helper()
 	token := "test-token-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	args := append([]string{"-listen", "127.0.0.1:0", "-python", python, "-control", "127.0.0.1:0",
-		"-latency-buckets", "0.1,1"}, flags...)
+		"-latency-buckets", "0.1,1", "-count-buckets", "1,2"}, flags...)
 	command := exec.Command(os.Args[0], args...)
 	command.Env = append(os.Environ(), "PDSERVE_DATAPLANE_TEST_AS_MAIN=1", tokenVariable+"="+token)
 	command.Stderr = os.Stderr

@@ -997,7 +997,7 @@ func main() {
 	memoryLimit := flag.Int64("memory-limit-mib", 0, "a soft limit the heap is collected at however -gc-percent is set (0: -memory-limit-share of the container's memory limit)")
 	memoryShare := flag.Int64("memory-limit-share", 40, "without -memory-limit-mib, the heap's soft limit in percent of the container's memory limit (cgroup), which the Python gateway in the same container shares (0: none)")
 	buckets := flag.String("latency-buckets", "", "the latency histograms' bucket bounds in seconds, comma-separated (the Python gateway passes its own)")
-	countBuckets := flag.String("count-buckets", "1,2,4,8,16,32,64,128,256,512,1024", "the derender count histograms' bucket bounds, comma-separated (the Python gateway passes its own)")
+	countBuckets := flag.String("count-buckets", "", "the derender count histograms' bucket bounds, comma-separated (the Python gateway passes its own)")
 	admission := flag.String("admission", "", "the Python gateway's admission channel (loopback host:port) for long prompts' prefill slots")
 	withParent := flag.Bool("exit-with-stdin", false, "stop when standard input closes (the Python gateway that started it is gone)")
 	logFD := flag.Int("request-log-fd", -1, "an open file descriptor the request log's entries of the requests served here are written to, a line per write (the Python gateway passes its own --request-log)")

@@ -76,7 +76,7 @@ async def plane(binary: Path) -> AsyncIterator[Plane]:
     process = await asyncio.create_subprocess_exec(
         str(binary), "-listen", "127.0.0.1:0", "-python", "http://127.0.0.1:9",
         "-control", "127.0.0.1:0", "-admission", address, "-exit-with-stdin",
-        "-latency-buckets", "0.1,1",
+        "-latency-buckets", "0.1,1", "-count-buckets", "1,2",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PDSERVE_DATAPLANE_TOKEN": TOKEN},
     )  # fmt: skip
