@@ -51,7 +51,8 @@ async def test_route1_stream_deltas_add_up_and_end_with_usage_and_done(
         for line in metrics.splitlines()
         if line.startswith("pdserve_gateway_tokens_per_derender_call_count ")
     ]
-    assert stream_calls == float(derenders[0].split()[-1]) - 1  # the stream's, not the whole answer's
+    # The stream's calls, not the whole answer's.
+    assert stream_calls == float(derenders[0].split()[-1]) - 1
 
 
 @pytest.mark.parametrize("request_path", REQUEST_PATHS)
