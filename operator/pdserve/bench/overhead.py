@@ -9,7 +9,9 @@ others, so engines never starve the proxy. The engines are stubs that answer in 
 - requests per proxy core, closed loop at each --concurrency: completed requests / CPU seconds
   the proxy's process tree used (fair when the proxy does not have a core of its own either);
 - streamed tokens per proxy core (--stream-tokens per request, concurrency 32);
-- p50 / p99 at half of the target's own maximum rate, open loop (Poisson arrivals);
+- p50 / p99 at half of the target's own maximum rate, open loop (Poisson arrivals) over at
+  most as many connections as the largest --concurrency (a client's pool: unbounded, a pause
+  of a few milliseconds makes the load generator open thousands);
 - CPU ms per request and the proxy's RSS after the run.
 
 pdserve's render route (render -> P/D -> derender) runs on the same stubs, which also answer
@@ -198,12 +200,13 @@ class Driver:
         *,
         concurrency: int = 1,
         rate: float | None = None,
+        max_conns: int = 0,
         stream: bool = False,
     ) -> Load:
         argv = [str(self.tools.loadgen), "-url", target.url, "-body", str(body)]
         argv += ["-seconds", f"{seconds:g}", "-concurrency", str(concurrency)]
         if rate:
-            argv += ["-rate", f"{rate:.1f}"]
+            argv += ["-rate", f"{rate:.1f}", "-max-conns", str(max_conns)]
         if stream:
             argv.append("-stream")
         before = tree_cpu_seconds(target.pid) if target.pid else None
@@ -279,7 +282,12 @@ def measure(driver: Driver, target: Target, prompt: str, settings: Settings) -> 
     # engines' own core, and half of it measures that core, not a proxy.
     if top > 0 and target.pid is not None:
         point.half_rate = top / 2
-        half = run(body=plain, seconds=settings.seconds, rate=point.half_rate)
+        half = run(
+            body=plain,
+            seconds=settings.seconds,
+            rate=point.half_rate,
+            max_conns=max(settings.concurrency),
+        )
         point.half_p50_ms, point.half_p99_ms = (
             half.latency_ms.get("p50"),
             half.latency_ms.get("p99"),

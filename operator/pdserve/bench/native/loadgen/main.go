@@ -98,13 +98,17 @@ func main() {
 	rate := flag.Float64("rate", 0, "open loop: requests a second, Poisson arrivals")
 	seconds := flag.Float64("seconds", 5, "how long to send")
 	stream := flag.Bool("stream", false, "the body asks for a stream: count its events")
+	maxConns := flag.Int("max-conns", 0, "connections to the target at most, as a client's pool bounds them; requests beyond wait for one, the wait counted in their latency (0: no bound)")
 	flag.Parse()
 	body, err := os.ReadFile(*bodyPath)
 	if err != nil || *url == "" {
 		fmt.Fprintln(os.Stderr, "loadgen: -url and a readable -body are required:", err)
 		os.Exit(2)
 	}
-	transport := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, DisableCompression: true}
+	// Unbounded, an open loop opens a connection for every request sent while none is idle: a
+	// pause of a few milliseconds turns into thousands of new connections (docs/benchmarks.md).
+	transport := &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096,
+		MaxConnsPerHost: *maxConns, DisableCompression: true}
 	client := &http.Client{Transport: transport, Timeout: 120 * time.Second}
 	var mu sync.Mutex
 	var samples []sample
