@@ -35,6 +35,12 @@ class GatewayUnderTest:
     url: str
     client: AsyncOpenAI
 
+    async def folded(self) -> None:
+        """Behind the data plane, what it served folded into the gateway's metrics now (its
+        poll does so each second); without one, nothing to do."""
+        if (front := self.gateway.data_plane) is not None:
+            await front.fold_stats(self.gateway.upstream.session)
+
 
 @asynccontextmanager
 async def gateway_over(

@@ -4,7 +4,8 @@ With a small decode cache (31 blocks of 128 tokens) and a TTL far past the test'
 answers' holds used to fill it: decode sat at ~97% KV usage with 0 running and requests waiting
 until the holds expired, streams broke with 504 after 60 s without events, new requests waited
 out the TTL. The gateway now keeps the holds within a share of decode's cache (held_kv.py):
-every answer completes, and new requests are admitted at once.
+every answer completes, and new requests are admitted at once. Served through the compiled
+data plane (the gateway's default request path), which keeps that budget itself.
 
 Its own render, prefill and decode (the operator's command lines for tiny_held_model), not the
 package's engine: the cache must be small."""
@@ -22,6 +23,7 @@ import pytest
 from devtools.tiny_model import ensure_tiny_model
 from devtools.vllm_cpu import ensure_vllm_cpu
 from pdserve.api import DisaggregatedModel
+from pdserve.gateway.dataplane import build_binary
 from tests.support.operator_commands import pod_commands, routing_config
 from tests.support.real_stack import GatewayUnderTest, gateway_over
 from tests.support.real_vllm import (
@@ -77,7 +79,7 @@ async def route(
     config, servers = held_pair
     async with gateway_over(
         render=servers["render"].url, prefill=[servers["prefill"].url],
-        decode=[servers["decode"].url], operator_config=config,
+        decode=[servers["decode"].url], operator_config=config, data_plane=build_binary(),
     ) as gateway:  # fmt: skip
         yield gateway
 
@@ -110,14 +112,18 @@ def decode_state(decode: VllmServer) -> dict[str, float]:
 
 
 async def until_capacity_known(gateway: GatewayUnderTest) -> None:
-    """Until the gateway scraped decode's KV capacity (its first scrape, within a second)."""
+    """Until the gateway scraped decode's KV capacity (its first scrape, within a second) and
+    its data plane, which serves the requests, was pushed it."""
+    front = gateway.gateway.data_plane
+    assert front is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        decode = gateway.gateway.endpoints.pools["decode"]
-        if decode and all(getattr(e, "kv_blocks", None) != 0 for e in decode):
+        table = front.pushed or {}
+        entry = next(iter((table.get("models") or {}).values()), {})
+        if (entry.get("bidirectional") or {}).get("capacity"):
             return
-        await asyncio.sleep(0.2)  # polling the scrape's result, not synchronising with it
-    raise AssertionError("the gateway never learnt decode's KV capacity")
+        await asyncio.sleep(0.2)  # polling another task's push, not synchronising with it
+    raise AssertionError("the data plane was never told decode's KV capacity")
 
 
 async def test_held_kv_never_stalls_decode(
@@ -143,6 +149,7 @@ async def test_held_kv_never_stalls_decode(
         )
         assert new == [None] * 3, f"new requests failed: {new}"
     waited = time.monotonic() - started
+    await route.folded()
     registry = route.gateway.metrics.registry
     local = registry.get_sample_value(
         "pdserve_gateway_fallbacks_total", {"reason": "decode_kv_held"}

@@ -87,6 +87,22 @@ async def pd_render_route(pair: Pair) -> AsyncIterator[GatewayUnderTest]:
         yield gateway
 
 
+@pytest.fixture(params=["python", "dataplane"])
+async def bidirectional_route(
+    request: pytest.FixtureRequest, pair: Pair
+) -> AsyncIterator[GatewayUnderTest]:
+    """The render route on either request path: the Python gateway's, or the compiled data
+    plane's (the default), which keeps bidirectional KV itself."""
+    async with gateway_over(
+        render=pair.render.url, prefill=[pair.prefill.url], decode=[pair.decode.url],
+        operator_config=pair.config,
+        data_plane=build_binary() if request.param == "dataplane" else None,
+    ) as gateway:  # fmt: skip
+        if request.param == "dataplane":
+            await table_routes(gateway, "pd")
+        yield gateway
+
+
 @pytest.fixture
 async def local_prefill_route(pair: Pair) -> AsyncIterator[GatewayUnderTest]:
     """The same decode engine prefilling for itself (no prefill pool)."""
@@ -156,22 +172,23 @@ SYSTEM = " ".join(["You answer questions about the weather in a city, briefly an
 
 
 async def test_a_second_turn_reuses_decodes_kv_of_the_first(
-    pd_render_route: GatewayUnderTest, reference: AsyncOpenAI
+    bidirectional_route: GatewayUnderTest, reference: AsyncOpenAI
 ) -> None:
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     turn = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": "What is the answer?"}]  # fmt: skip
     headers = {"X-Conversation-Id": "conversation-1"}
-    first = await pd_render_route.client.chat.completions.create(
+    first = await bidirectional_route.client.chat.completions.create(
         **request({"messages": turn, **no_thinking}), extra_headers=headers
     )
     turn += [{"role": "assistant", "content": first.choices[0].message.content or ""},
              {"role": "user", "content": "What is the weather in Paris?"}]  # fmt: skip
     body = request({"messages": turn, **no_thinking})
     expected = chat_answer(await reference.chat.completions.create(**body))
-    second = await pd_render_route.client.chat.completions.create(**body, extra_headers=headers)
+    second = await bidirectional_route.client.chat.completions.create(**body, extra_headers=headers)
     got = chat_answer(second)
-    registry = pd_render_route.gateway.metrics.registry
+    await bidirectional_route.folded()
+    registry = bidirectional_route.gateway.metrics.registry
     outcome = {
         sample.labels["outcome"]: sample.value
         for metric in registry.collect()
@@ -183,7 +200,7 @@ async def test_a_second_turn_reuses_decodes_kv_of_the_first(
     assert reused is not None
     assert reused >= 128
     assert got == expected, f"second turn:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
-    assert fallbacks(pd_render_route) == 0
+    assert fallbacks(bidirectional_route) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

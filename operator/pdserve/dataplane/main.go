@@ -61,6 +61,10 @@ type plane struct {
 	intake      *intakeClient
 	// conversation id -> its engines, per stage (placement.go)
 	conversations conversations
+	// Bidirectional KV (bidirectional.go): what decode holds per server, and per conversation
+	// what its last turn left there.
+	holds holdStore
+	turns turnStore
 }
 
 // Every wait is bounded, as in the Python gateway (docs/gateway.md#timeouts); the first byte's
@@ -76,6 +80,10 @@ type counters struct {
 	renderPD, renderDecode atomic.Int64
 	streams                atomic.Int64
 	fallbacks              sync.Map // reason -> *atomic.Int64: handed to the Python gateway
+	// outcome -> *atomic.Int64: bidirectional KV's reuse decisions (bidirectional.go), and the
+	// prompt tokens prefill was pointed to on decode
+	reuse        sync.Map
+	reusedTokens atomic.Int64
 	// reason -> *atomic.Int64: served by local prefill on decode instead of P/D (the Python
 	// gateway's pdserve_gateway_fallbacks_total, its reasons)
 	localPrefills sync.Map
@@ -89,6 +97,11 @@ type counters struct {
 
 func (c *counters) fallback(reason string) {
 	value, _ := c.fallbacks.LoadOrStore(reason, new(atomic.Int64))
+	value.(*atomic.Int64).Add(1)
+}
+
+func (c *counters) reused(outcome string) {
+	value, _ := c.reuse.LoadOrStore(outcome, new(atomic.Int64))
 	value.(*atomic.Int64).Add(1)
 }
 
@@ -399,7 +412,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	if kv == nil {
 		local = nil
 	}
-	decoded, f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer, s.where)
+	decoded, f := p.decodeOnce(ctx, m, decode, r.URL.Path, decodeBody.Bytes(), local, id, auth, answer, s)
 	if f != nil {
 		return p.failed(w, s, f)
 	}
@@ -603,11 +616,11 @@ func (p *plane) leaseRanOut(m *model, s *served, tokens bool, id, auth string) b
 // without it, for the retry when the replicas given the KV failed (or could not load it). The
 // answer is read into `into`, and the replica that gave it comes back; else what the client gets.
 func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path string, body []byte,
-	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer, w *placing) (*endpoint, *failure) {
+	local func(*bytes.Buffer) []byte, id, auth string, into *bytes.Buffer, s *served) (*endpoint, *failure) {
 	limit := p.timeouts.request
 	served, f := p.callJSON(ctx, "decode", []*endpoint{first}, path, body, id, auth, limit, true, 0, into)
 	if f != nil && !f.final {
-		others := m.otherDecodes(first, w)
+		others := m.otherDecodes(first, s.where)
 		if f.kv && len(others) == 0 {
 			others = []*endpoint{first} // it answered: it may prefill the request itself
 		}
@@ -623,6 +636,7 @@ func (p *plane) decodeOnce(ctx context.Context, m *model, first *endpoint, path 
 				request := p.buffers.Get().(*bytes.Buffer)
 				defer p.buffers.Put(request)
 				retry = local(request)
+				s.kvToDecode = false // the retry prefills itself: prefill's KV is not pulled
 			}
 			served, f = p.callJSON(ctx, "decode", others, path, retry, id, auth, limit, true, 0, into)
 		}
@@ -942,6 +956,8 @@ func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
 		"inflight":     p.inflight.Load(),
 		"runtime":      runtimeStats(),
 		"auto":         p.auto.snapshot(after),
+		"bidirectional": map[string]any{"reuse": snapshot(&p.stats.reuse),
+			"reusedTokens": p.stats.reusedTokens.Load(), "held": p.holds.snapshot()},
 	}
 	if p.requestLog != nil {
 		out["requestLog"] = p.requestLog.snapshot() // entries written, and dropped

@@ -127,6 +127,14 @@ func (l *lru[K, V]) get(key K) (V, bool) {
 	return l.nodes[i].value, true
 }
 
+// set changes a key's value where it stands (not made the most recently used); an absent key
+// stays absent.
+func (l *lru[K, V]) set(key K, value V) {
+	if i, ok := l.index[key]; ok {
+		l.nodes[i].value = value
+	}
+}
+
 func (l *lru[K, V]) has(key K) bool {
 	_, ok := l.index[key]
 	return ok

@@ -94,6 +94,20 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		s.where.hashes, _ = blockHashes(tokens, m.blockSize) // none: picked by load alone
 	}
 	prefill, decode := p.route(m, int64(promptTokens), s)
+	var bidi *bidiRequest
+	kvParams := handoff
+	if m.bidi != nil && prefill != nil {
+		conversation := conversationOf(lookup(members, "conversation_id"), r.Header.Get("X-Conversation-Id"))
+		var narrowed *model
+		if narrowed, bidi = p.holdRoom(m, paramFields, promptTokens, id, conversation); bidi == nil {
+			prefill, decode = nil, s.where.pick("decode", m.decodes, true) // holds nothing
+		} else {
+			routed := m
+			defer func() { p.settle(routed, bidi) }()
+			m, kvParams = p.handoff(narrowed, bidi, tokens, s)
+			prefill, decode = m.repick(s)
+		}
+	}
 	release := func() {}
 	if class.long(t.longTokens > 0 && int64(promptTokens) >= t.longTokens) && prefill != nil {
 		var granted *endpoint
@@ -106,9 +120,12 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	quotedID := strconv.AppendQuote(nil, id)
 	var kv []byte
 	if prefill != nil {
-		kv, decode, f = p.prefillTokens(ctx, m, prefill, decode, generate, fields, params, paramFields, quotedID, id, auth, release, s)
+		kv, decode, f = p.prefillTokens(ctx, m, prefill, decode, generate, fields, params, paramFields, kvParams, quotedID, id, auth, release, s)
 		if f != nil {
 			return p.failed(w, s, f)
+		}
+		if kv != nil && bidi != nil {
+			p.prefilled(bidi)
 		}
 	}
 	request := p.buffers.Get().(*bytes.Buffer)
@@ -143,7 +160,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 		rs := &rendering{chat: chat, model: lookup(members, "model"), quotedID: quotedID, id: id,
 			auth: auth, tokens: tokens, count: promptTokens, request: body,
 			pipelining: t.derenderPipelining, renderer: renderer, routed: m, includeStop: includeStop,
-			stopHold: stopHold(members), served: s}
+			stopHold: stopHold(members), served: s, bidi: bidi}
 		reason := p.streamRendered(ctx, w, r, rs, decode, request.Bytes(), local, usageAsked(members))
 		if reason == "" {
 			p.countRendered(prefill != nil)
@@ -152,7 +169,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	decoded := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(decoded)
-	decodedOn, f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded, s.where)
+	decodedOn, f := p.decodeOnce(ctx, m, decode, generatePath, request.Bytes(), local, id, auth, decoded, s)
 	if f != nil {
 		if f == errClientLeft {
 			p.abort(decode, id, auth) // a tokens engine behind a proxy may keep working else
@@ -164,6 +181,10 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	answerFields, err := topLevel(answer)
 	if err != nil || !allObjects(lookup(answerFields, "choices")) {
 		return p.failed(w, s, noChoices)
+	}
+	if bidi != nil {
+		bidi.decodedOn, bidi.pulled = decodedOn, s.kvToDecode
+		p.answered(m, bidi, answerFields, tokens, promptTokens)
 	}
 	trimmed := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(trimmed)
@@ -240,7 +261,7 @@ func (p *plane) renderJSON(ctx context.Context, m *model, stage, path string, bo
 // older engines read). Its kv_transfer_params come back; nil when decode prefills itself
 // (prefillCall).
 func (p *plane) prefillTokens(ctx context.Context, m *model, e, decode *endpoint, generate []byte, fields []member,
-	params []byte, paramFields []member, quotedID []byte, id, auth string, release func(), s *served) ([]byte, *endpoint, *failure) {
+	params []byte, paramFields []member, handoff, quotedID []byte, id, auth string, release func(), s *served) ([]byte, *endpoint, *failure) {
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()

@@ -22,6 +22,7 @@ import (
 
 // rendering is what every derender call of one request shares.
 type rendering struct {
+	bidi        *bidiRequest // nil: decode holds nothing of it for a next turn (bidirectional.go)
 	chat        bool
 	model       []byte // the model's name, a JSON string
 	quotedID    []byte
@@ -337,6 +338,10 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 		return p.failed(w, rs.served, f)
 	}
 	defer response.Close()
+	if rs.bidi != nil {
+		rs.bidi.decodedOn, rs.bidi.pulled = decode, withKV
+	}
+	generated, ended := map[string]int{}, map[string]bool{} // per choice (bidirectional KV)
 	rs.served.ran("decode", decode)
 	p.stats.streams.Add(1)
 	nameResponse(w.Header(), r, rs.id)
@@ -424,6 +429,12 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 			if l := rs.served.log; l != nil { // every token decode sent, the stop token too
 				l.outputTokens = max(l.outputTokens, 0) + tokensSent(choice)
 			}
+			if rs.bidi != nil {
+				generated[string(index)] += int(tokensSent(choice))
+				if reason := lookup(choice, "finish_reason"); truthy(reason) {
+					ended[string(index)] = heldFinishReasons[string(reason)]
+				}
+			}
 			pipeline := byIndex[string(index)]
 			if pipeline == nil {
 				pipeline = p.startPipeline(ctx, rs, index, out)
@@ -431,6 +442,13 @@ func (p *plane) streamRendered(ctx context.Context, w http.ResponseWriter, r *ht
 				pipelines = append(pipelines, pipeline)
 			}
 			pipeline.push(next)
+		}
+	}
+	if done && rs.bidi != nil { // decode finished these: with the KV pulled, it holds them now
+		for index, held := range ended {
+			if held {
+				rs.bidi.held = append(rs.bidi.held, rs.count+generated[index])
+			}
 		}
 	}
 	finished := done && len(pipelines) > 0

@@ -67,6 +67,8 @@ type modelJSON struct {
 	// How long after prefill's answer a decode may still be sent its KV (the routing config's
 	// prefill lease less the gateway's margin; may be negative); absent: no bound.
 	KVStartWithinSeconds *float64 `json:"kvStartWithinSeconds"`
+	// Bidirectional KV (bidirectional.go); absent: decode holds nothing for a next turn.
+	Bidirectional *bidirectionalJSON `json:"bidirectional"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -107,6 +109,7 @@ type model struct {
 	// (hops.kv_start_by); bounded false: no bound.
 	kvStartWithin time.Duration
 	bounded       bool
+	bidi          *bidirectionalJSON // nil: no bidirectional KV
 	// Every prefill and every decode engine of the groups, each once, in the table's order.
 	prefills, decodes []*endpoint
 }
@@ -192,7 +195,11 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		if m.BlockSize < 0 {
 			return nil, nil, fmt.Errorf("routing table: models.%s.blockSize %d is negative", name, m.BlockSize)
 		}
-		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash, blockSize: m.BlockSize}
+		if err := validBidirectional(name, m.Bidirectional, m.BlockSize); err != nil {
+			return nil, nil, err
+		}
+		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash, blockSize: m.BlockSize,
+			bidi: m.Bidirectional}
 		if within := m.KVStartWithinSeconds; within != nil { // JSON has no NaN nor infinity
 			out.kvStartWithin, out.bounded = time.Duration(*within*float64(time.Second)), true
 		}

@@ -132,7 +132,7 @@ class DecodeKv:
 
     def __init__(
         self,
-        max_conversations: int = 100_000,
+        max_conversations: int = MAX_CONVERSATIONS,
         ttl: float = 480.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -158,6 +158,14 @@ class DecodeKv:
         self.held.move_to_end(conversation)
         while len(self.held) > self.max:
             self.held.popitem(last=False)
+
+    def consumed(self, conversation: str, request_id: str | None) -> None:
+        """The turn `request_id` left was read back by a next prefill, which frees its blocks
+        on decode: pointing another prefill at them would load whatever decode put there
+        since."""
+        held = self.held.get(conversation)
+        if held is not None and held.request_id == request_id:
+            del self.held[conversation]
 
     def reuse(
         self, conversation: str, prompt_ids: Sequence[int], min_tokens: int

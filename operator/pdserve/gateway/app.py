@@ -212,7 +212,7 @@ class Gateway:
         `python_url`, loopback) deciding behind it (dataplane.py)."""
         self.data_plane = DataPlane(
             binary, listen, python_url, self.config, self.endpoints, self.settings, self.metrics,
-            self.peers, self.planner, request_log=self.request_log,
+            self.peers, self.planner, request_log=self.request_log, holds=self.decode_holds,
         )  # fmt: skip
         self.admission_handlers.behind_data_plane = True
         # This replica's fair queue runs in the data plane: its long prompts wait with no call.
@@ -331,7 +331,7 @@ class Gateway:
         self.metrics.decode_held_blocks.clear()
         if self.config.kv_transfer.bidirectional:
             for decode in self.endpoints.pools.get("decode", []):
-                held = self.decode_holds.held(decode.url)
+                held = self.decode_holds.total_held(decode.url)
                 self.metrics.decode_held_blocks.labels(decode.label).set(held)
         if self.replica_contract is not None:
             # Rebuilt each scrape: replicas that left take their series with them.

@@ -34,6 +34,7 @@ from pdserve.gateway.fastpath import (
     same_table,
     served_route,
 )
+from pdserve.gateway.held_kv import DecodeHolds
 from pdserve.gateway.metrics import COUNTS, LATENCY, GatewayMetrics
 from pdserve.gateway.peers import PeerAdmission
 from pdserve.gateway.planner import PD_FAILURES, RoutePlanner
@@ -105,6 +106,7 @@ class DataPlane:
         planner: RoutePlanner,
         *,
         request_log: RequestLog | None = None,
+        holds: DecodeHolds | None = None,
         push_seconds: float = 0.25,
         stats_seconds: float = 1.0,
     ) -> None:
@@ -112,6 +114,8 @@ class DataPlane:
         self.config, self.endpoints, self.settings = config, endpoints, settings
         self.metrics, self.peers, self.planner = metrics, peers, planner
         self.request_log = request_log  # the data plane writes its entries to its file too
+        # Bidirectional KV: what decode holds for either process's requests counts in both.
+        self.holds = holds
         self.auto_seq = 0  # the last of the data plane's Auto observations folded
         self.push_seconds, self.stats_seconds = push_seconds, stats_seconds
         self.process: asyncio.subprocess.Process | None = None
@@ -208,6 +212,7 @@ class DataPlane:
         table = routing_table(
             self.config, self.endpoints, self.settings, self.version + 1, admission,
             policy=self.planner.policy, peers_queued=self.peers.queued(),
+            holds=self.holds, gateway_replicas=self.peers.replicas(),
         )  # fmt: skip
         if same_table(self.pushed, table):
             return
@@ -256,6 +261,14 @@ class DataPlane:
         totals |= {f"retry:{k}": float(v) for k, v in (stats.get("retries") or {}).items()}
         totals["abort:"] = float(stats.get("aborts", 0))  # posted to tokens engines
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
+        bidirectional = stats.get("bidirectional") or {}
+        reuse = bidirectional.get("reuse") or {}
+        totals |= {f"reuse:{k}": float(v) for k, v in reuse.items()}
+        totals["reused_tokens:"] = float(bidirectional.get("reusedTokens", 0))
+        if self.holds is not None:
+            self.holds.elsewhere = {
+                url: int(n) for url, n in (bidirectional.get("held") or {}).items()
+            }
         auto = stats.get("auto") or {}
         totals |= {f"auto:{k}": float(v) for k, v in (auto.get("decisions") or {}).items()}
         totals["learning:started"] = float(auto.get("learningStarts", 0))
@@ -276,6 +289,10 @@ class DataPlane:
                     for _ in range(int(delta)):
                         self.planner.policy.health.failure()
                     self.metrics.pd_degraded.set(int(self.planner.policy.health.degraded))
+            elif kind == "reuse":
+                self.metrics.bidirectional.labels(name).inc(delta)
+            elif kind == "reused_tokens":
+                self.metrics.bidirectional_tokens.inc(delta)
             elif kind == "abort":
                 self.metrics.aborts.inc(delta)
             elif kind == "retry":

@@ -9,12 +9,13 @@ plane from the view of Auto mode's model pushed here: `auto_table`), with engine
 OpenAI or behind render servers (render -> P/D -> derender, streamed through the same derender
 pipeline or not), keeping the request log's entries of what it serves when the gateway keeps
 one (`request_log_table`), picking engines by where a request's KV probably is as Placement
-does (`PLACEMENT`, each model's `blockSize`), and serving the bodies it cannot prove valid
-cheaply once this gateway's intake judged them (app.py intake_for_data_plane). Every request
-under bidirectional KV goes to the Python gateway (a conversation's KV on decode is tracked per
-request). Long prompts (by body size, or by rendered token count behind render servers) wait
-for a fair prefill admission slot in this replica's queue, which the data plane runs
-(`admission`), or, while another gateway replica leads admission, ask this gateway."""
+does (`PLACEMENT`, each model's `blockSize`), keeping bidirectional KV as the Python gateway
+does (each conversation's KV on decode pointed at by its next prefill, and the budget of what
+decode holds: `bidirectional_table`), and serving the bodies it cannot prove valid cheaply once
+this gateway's intake judged them (app.py intake_for_data_plane). Long prompts (by body size,
+or by rendered token count behind render servers) wait for a fair prefill admission slot in
+this replica's queue, which the data plane runs (`admission`), or, while another gateway
+replica leads admission, ask this gateway."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pdserve.gateway.endpoints import (
     NoEndpoints,
     Selection,
 )
+from pdserve.gateway.held_kv import MAX_HOLDS, DecodeHolds
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
@@ -54,8 +56,6 @@ Placement and Endpoints.pick do (the shared cases: dataplane/testdata/placement_
 
 def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
     """The route the data plane may take for this model, and why not when it may take none."""
-    if config.engine_api == "tokens" and config.kv_transfer.bidirectional:
-        return PYTHON, "bidirectional KV (each conversation's KV on decode is tracked per request)"
     mode = config.routing.mode
     if mode == "Aggregated" or config.pools.prefill is None:
         return DECODE, None
@@ -199,10 +199,13 @@ def routing_table(
     *,
     policy: AutoPolicy,
     peers_queued: int = 0,
+    holds: DecodeHolds | None = None,
+    gateway_replicas: int = 1,
 ) -> dict[str, Any]:
     """The table the data plane is sent (`version` orders the pushes; `admission`: from
     admission_table, by default this replica alone; `policy`: Auto mode's, which the data
-    plane decides by in that mode; `peers_queued`: long prompts in the peers' queues)."""
+    plane decides by in that mode; `peers_queued`: long prompts in the peers' queues;
+    `holds`: this gateway's reckoning of decode's held KV, shared by `gateway_replicas`)."""
     route, render, engine_groups, _ = served_route(config, endpoints, settings)
     entry: dict[str, Any] = {
         "route": route, "groups": engine_groups, "render": render,
@@ -213,6 +216,10 @@ def routing_table(
     if route == AUTO:
         entry["auto"] = auto_table(
             config, endpoints, policy, peers_queued, settings.step_window_seconds
+        )
+    if config.engine_api == "tokens" and config.kv_transfer.bidirectional:
+        entry["bidirectional"] = bidirectional_table(
+            config, endpoints, settings, holds, gateway_replicas
         )
     logged = settings.request_log is not None
     if logged:
@@ -234,6 +241,36 @@ def routing_table(
         "admission": admission or admission_table(settings, leader_elsewhere=False, others={}),
         "placement": PLACEMENT,
         **({"requestLog": request_log_table(endpoints)} if logged else {}),
+    }
+
+
+def bidirectional_table(
+    config: GatewayConfig,
+    endpoints: Endpoints,
+    settings: GatewaySettings,
+    holds: DecodeHolds | None,
+    gateway_replicas: int,
+) -> dict[str, Any]:
+    """How the data plane keeps bidirectional KV (dataplane/bidirectional.go), as this gateway
+    does (held_kv.py, affinity.DecodeKv): how long decode holds a finished request's blocks,
+    the share of each decode engine's KV blocks the holds may take (its capacity once
+    scraped, by Endpoint.key), split among the gateway replicas, and what decode holds per
+    server for the requests this gateway served itself."""
+    decode = endpoints.pools.get("decode", [])
+    capacity = {
+        e.key: {"blocks": e.kv_blocks, "blockSize": e.kv_block_size or 0}
+        for e in decode
+        if e.kv_blocks
+    }
+    own = {} if holds is None else {e.url: holds.held(e.url) for e in decode}
+    return {
+        "ttlSeconds": config.kv_transfer.decode_blocks_ttl_seconds,
+        "fraction": settings.held_kv_fraction,
+        "gatewayReplicas": gateway_replicas,
+        "maxConversations": MAX_CONVERSATIONS,
+        "maxHolds": MAX_HOLDS,
+        "capacity": dict(sorted(capacity.items())),
+        "heldElsewhere": {url: n for url, n in sorted(own.items()) if n > 0},
     }
 
 

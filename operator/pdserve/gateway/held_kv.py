@@ -37,6 +37,8 @@ from pdserve.gateway.endpoints import Endpoint
 from pdserve.gateway.exchange import Exchange
 
 FALLBACK_REASON = "decode_kv_held"
+MAX_HOLDS = 200_000
+"""Holds remembered per decode replica (the oldest forgotten first)."""
 HELD_FINISH_REASONS = ("stop", "length")
 """Finish reasons after which decode holds a P/D request's blocks (vLLM's
 FINISHED_STOPPED, FINISHED_LENGTH_CAPPED); an aborted or failed one frees them at once."""
@@ -56,7 +58,7 @@ class DecodeHolds:
         block_size: int,
         fraction: float,
         clock: Callable[[], float] = time.monotonic,
-        max_holds: int = 200_000,
+        max_holds: int = MAX_HOLDS,
     ) -> None:
         self.ttl, self.block_size, self.fraction = ttl, block_size, fraction
         self.clock = clock
@@ -65,6 +67,9 @@ class DecodeHolds:
         """Per decode URL, per request id: what the engine holds (oldest first)."""
         self.inflight: dict[str, int] = {}
         """Per P/D request still decoding: the blocks it may hold when it finishes."""
+        self.elsewhere: dict[str, int] = {}
+        """Per decode URL: the blocks held there for requests the data plane served (its
+        `GET /stats`), counted in this gateway's budget as its own are."""
 
     # ---- the arithmetic ------------------------------------------------------------------------
     def blocks(self, tokens: int, endpoint: Endpoint | None = None) -> int:
@@ -82,6 +87,11 @@ class DecodeHolds:
         while holds and next(iter(holds.values())).expires_at <= now:
             holds.popitem(last=False)
         return sum(hold.blocks for hold in holds.values())
+
+    def total_held(self, url: str) -> int:
+        """Blocks decode replica `url` holds now for this gateway's finished requests, whichever
+        process of it served them."""
+        return self.held(url) + self.elsewhere.get(url, 0)
 
     def pending(self) -> int:
         return sum(self.inflight.values())
@@ -103,7 +113,7 @@ class DecodeHolds:
         for endpoint in decode:
             budget = self.budget(endpoint, replicas)
             need = self.blocks(tokens, endpoint)
-            if budget is None or self.held(endpoint.url) + pending + need <= budget:
+            if budget is None or self.total_held(endpoint.url) + pending + need <= budget:
                 fits.append(endpoint)
         return fits
 

@@ -73,6 +73,10 @@ class PeerAdmission:
         self.states = {u: state for u, state in self.states.items() if u in self.urls}
         self.live &= set(self.urls)
 
+    def replicas(self) -> int:
+        """This gateway's replicas: the peers it sees and itself (they share budgets evenly)."""
+        return 1 + len([url for url in self.urls if url != self.self_url])
+
     def total(self, replica: str) -> int:
         """Long prefills on `replica` that this replica's own count misses: those its peers
         admitted on their own, and those anyone holds through a leader that no longer answers

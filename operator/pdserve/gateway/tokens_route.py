@@ -130,8 +130,11 @@ class TokensRoute:
                     prefill_endpoint, kv = prefilled
                     if reused is not None:
                         # Prefill read the last turn's KV back (or found it all cached and
-                        # said so): decode freed it.
+                        # said so): decode freed it, and nothing of it is left to point
+                        # another prefill at.
                         self.holds.released(reused.decode_url, reused.request_id)
+                        if ex.conversation:
+                            self.decode_kv.consumed(ex.conversation, reused.request_id)
             if ex.stream:
                 return await self.stream_generate(ex, generate, kv, prefill_endpoint)
             return await self.generate_once(ex, generate, kv, prefill_endpoint)
@@ -159,9 +162,7 @@ class TokensRoute:
 
     def gateway_replicas(self) -> int:
         """This gateway's replicas (the peers it sees and itself): they share each budget."""
-        if self.peers is None:
-            return 1
-        return 1 + len([url for url in self.peers.urls if url != self.peers.self_url])
+        return 1 if self.peers is None else self.peers.replicas()
 
     def bidirectional_handoff(
         self, ex: Exchange, prompt_ids: list[int]

@@ -165,21 +165,38 @@ async def test_bidirectional_kv_of_the_last_turn_is_reused_by_the_next_turns_pre
     the engine's number on untouched."""
     client = await bidirectional_stack(stack)
     before = time.perf_counter()
-    history, _ = await two_turns(client)
+    history, second = await two_turns(client)
+    await stack.fold_stats()
     gateway_metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_bidirectional_reuse_total{outcome="reused"} 1.0' in gateway_metrics
     assert reused_tokens(stack) >= 150  # the first turn's prompt, at least, came back from decode
-    held = stack.gateway_server.decode_kv.held["c-1"]  # the second turn's, from decode
-    expiry = held.params["remote_blocks_expiry_time"]
-    assert before < expiry < time.perf_counter() + 480 * 0.01  # decode's clock + its TTL
-    assert held.expires_at > time.monotonic() + 400  # the gateway's: routing's 480 s
+    if not stack.data_plane:  # the data plane's own store: dataplane/bidirectional_test.go
+        held = stack.gateway_server.decode_kv.held["c-1"]  # the second turn's, from decode
+        expiry = held.params["remote_blocks_expiry_time"]
+        assert before < expiry < time.perf_counter() + 480 * 0.01  # decode's clock + its TTL
+        assert held.expires_at > time.monotonic() + 400  # the gateway's: routing's 480 s
 
     # Another conversation never gets this one's KV.
     other = await client.post(
         "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-2"}
     )
     assert other.status_code == 200
+    await stack.fold_stats()
     assert 'outcome="reused"} 1.0' in (await client.get("/metrics")).text
+
+    # The third turn reads back what decode holds of the second (the first's is freed: read).
+    pulled = reused_tokens(stack)
+    history += [
+        second.json()["choices"][0]["message"],
+        {"role": "user", "content": "and the day after?"},
+    ]
+    third = await client.post(
+        "/v1/chat/completions", json={**PLAIN, "messages": history, "conversation_id": "c-1"}
+    )
+    assert third.status_code == 200, third.text
+    await stack.fold_stats()
+    assert 'outcome="reused"} 2.0' in (await client.get("/metrics")).text
+    assert reused_tokens(stack) > pulled + 150
 
 
 async def test_a_turn_held_past_the_decode_ttl_is_not_handed_to_the_next_prefill(
@@ -187,6 +204,7 @@ async def test_a_turn_held_past_the_decode_ttl_is_not_handed_to_the_next_prefill
 ) -> None:
     client = await bidirectional_stack(stack, decodeBlocksTtlSeconds=0.2)
     await two_turns(client, between=0.4)
+    await stack.fold_stats()
     gateway_metrics = (await client.get("/metrics")).text
     assert 'pdserve_gateway_bidirectional_reuse_total{outcome="expired"} 1.0' in gateway_metrics
     assert 'outcome="reused"' not in gateway_metrics

@@ -8,9 +8,11 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from pdserve.gateway.affinity import MAX_CONVERSATIONS
 from pdserve.gateway.endpoints import Endpoint, Endpoints, rank_targets
 from pdserve.gateway.fairqueue import FairQueueSettings
 from pdserve.gateway.fastpath import admission_table, routing_table, same_table, served_route
+from pdserve.gateway.held_kv import MAX_HOLDS, DecodeHolds
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 from tests.support.gateway_fakes import MODEL, config
@@ -116,10 +118,40 @@ def test_auto_mode_is_decided_in_the_data_plane_from_the_view_pushed_to_it() -> 
     assert "auto" not in model(table_for("Disaggregated"))
 
 
-def test_what_is_decided_per_request_or_needs_the_python_gateway_is_handed_over() -> None:
-    # A conversation's KV left on decode is tracked per request (bidirectional KV).
-    bidirectional = {"bidirectional": True}
-    assert model(table_for(engine_api="tokens", kv_transfer=bidirectional))["route"] == "python"
+def test_bidirectional_kv_is_kept_by_the_data_plane_with_this_gateways_budget() -> None:
+    """A conversation's KV left on decode is the data plane's to point the next prefill at:
+    the table says how long decode holds it, each decode engine's KV capacity once scraped
+    (by its key), the budget's share split among the gateway replicas, and what decode holds
+    for the requests this gateway served itself (counted in the data plane's budget too)."""
+    bidirectional = {"bidirectional": True, "decodeBlocksTtlSeconds": 120}
+    scraped = Endpoint("http://d", "p1", rank=1)
+    scraped.kv_blocks, scraped.kv_block_size = 1000, 32
+    unknown = Endpoint("http://d2", "p1")
+    cfg = config("tokens", "Disaggregated", bidirectional, "scale_out")
+    endpoints = Endpoints(cfg)
+    endpoints.replace("prefill", [Endpoint("http://p", "p1")])
+    endpoints.replace("decode", [scraped, unknown])
+    endpoints.replace("render", [Endpoint("http://r", "p1")])
+    holds = DecodeHolds(ttl=120, block_size=16, fraction=0.5)
+    holds.finished("own-1", scraped, [100])
+    table = routing_table(
+        cfg, endpoints, GatewaySettings(held_kv_fraction=0.25), 1, policy=AutoPolicy(),
+        holds=holds, gateway_replicas=3,
+    )  # fmt: skip
+    entry = model(table)
+    assert entry["route"] == "pd"
+    assert entry["bidirectional"] == {
+        "ttlSeconds": 120, "fraction": 0.25, "gatewayReplicas": 3,
+        "maxConversations": MAX_CONVERSATIONS, "maxHolds": MAX_HOLDS,
+        "capacity": {"http://d#dp1": {"blocks": 1000, "blockSize": 32}},
+        "heldElsewhere": {"http://d": 4},  # 100 tokens at its 32 a block
+    }  # fmt: skip
+    # Without bidirectional KV, or with OpenAI engines (no token ids to match), none.
+    assert "bidirectional" not in model(table_for(engine_api="tokens"))
+    assert "bidirectional" not in model(table_for(kv_transfer=bidirectional))
+
+
+def test_what_needs_the_python_gateway_is_handed_over() -> None:
     # No routable decode: the Python gateway waits for one or answers 503.
     assert model(table_for(decode=[]))["route"] == "python"
     # Engines behind TLS: the data plane's client speaks plain HTTP only.
