@@ -119,7 +119,7 @@ async def until_capacity_known(gateway: GatewayUnderTest) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         table = front.pushed or {}
-        entry = next(iter((table.get("models") or {}).values()), {})
+        entry: dict[str, Any] = next(iter((table.get("models") or {}).values()), {})
         if (entry.get("bidirectional") or {}).get("capacity"):
             return
         await asyncio.sleep(0.2)  # polling another task's push, not synchronising with it

@@ -61,6 +61,8 @@ type plane struct {
 	intake      *intakeClient
 	// conversation id -> its engines, per stage (placement.go)
 	conversations conversations
+	// Closed when the next routing table arrives (guarded by tableMu; nil: none made yet).
+	tableMoved chan struct{}
 	// Bidirectional KV (bidirectional.go): what decode holds per server, and per conversation
 	// what its last turn left there.
 	holds holdStore
@@ -228,6 +230,41 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// awaitEngines holds a request of model `name`, which has no complete set of engines, until a
+// table gives it one, for the table's wait at most (the request's context ending first).
+func (p *plane) awaitEngines(ctx context.Context, name string, t *table, m *model) (*table, *model) {
+	timer := time.NewTimer(m.wait)
+	defer timer.Stop()
+	for {
+		moved := p.nextTable()
+		if now := p.current.Load(); now != t {
+			if next := now.models[name]; next != nil {
+				t, m = now, next
+			}
+		}
+		if m.route != routeUnavailable {
+			return t, m
+		}
+		select {
+		case <-moved:
+		case <-timer.C:
+			return t, m
+		case <-ctx.Done():
+			return t, m
+		}
+	}
+}
+
+// nextTable: a channel closed when the next routing table arrives.
+func (p *plane) nextTable() <-chan struct{} {
+	p.tableMu.Lock()
+	defer p.tableMu.Unlock()
+	if p.tableMoved == nil {
+		p.tableMoved = make(chan struct{})
+	}
+	return p.tableMoved
+}
+
 // receive reads the request body into `into` (at most maxBody+1 bytes) within the body
 // timeout; os.ErrDeadlineExceeded when it did not arrive in time.
 func (p *plane) receive(w http.ResponseWriter, r *http.Request, into *bytes.Buffer) error {
@@ -294,6 +331,21 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		answerFailure(w, s, unknown)
 		return ""
 	}
+	if m.route == routeUnavailable {
+		// Held for a table with engines as the Python gateway holds it (planner.plan), then
+		// answered as it answers (app.py fail: 503, counted no_endpoints).
+		if t, m = p.awaitEngines(ctx, asked, t, m); m.route == routeUnavailable {
+			s.route = "unknown"
+			if r.Context().Err() != nil {
+				s.outcome = "client_gone"
+				return ""
+			}
+			w.Header().Set("Retry-After", "1")
+			answerFailure(w, s, gatewayError(http.StatusServiceUnavailable, "ServiceUnavailableError", m.unavailable))
+			s.outcome = "no_endpoints"
+			return ""
+		}
+	}
 	if m.route == routePython {
 		return "python_route"
 	}
@@ -335,6 +387,9 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		}
 	}
 	stream := string(lookup(members, "stream")) == "true"
+	if m.localReason != "" {
+		p.stats.localPrefill(m.localReason) // as planner.settle counts each such request
+	}
 	s.route = planned(m)
 	s.where = p.placing(t, m, members, r.Header.Get("X-Conversation-Id"))
 	if stream && len(m.render) > 0 {
@@ -933,6 +988,10 @@ func (p *plane) putTable(w http.ResponseWriter, r *http.Request) {
 	}
 	p.engines = engines
 	p.current.Store(t)
+	if p.tableMoved != nil {
+		close(p.tableMoved) // the requests waiting for engines look again
+		p.tableMoved = nil
+	}
 	p.queue.configure(t.admission)
 	w.WriteHeader(http.StatusNoContent)
 }

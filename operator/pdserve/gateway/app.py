@@ -408,8 +408,11 @@ class Gateway:
                     "flight; retry shortly",
                 )
             )
+        # A request the data plane handed over is in its count of requests in flight already.
+        counted = not from_data_plane(request.headers, self.data_plane)
         async with self._slots:
-            self.metrics.inflight.inc()
+            if counted:
+                self.metrics.inflight.inc()
             exchange: Exchange | None = None
             try:
                 body = self.intake.read_body(request, data)
@@ -450,7 +453,8 @@ class Gateway:
                     raise
                 return await self.fail(request, exchange, route, error)
             finally:
-                self.metrics.inflight.dec()
+                if counted:
+                    self.metrics.inflight.dec()
 
     async def intake_for_data_plane(self, request: web.Request, *, chat: bool) -> web.Response:
         """This gateway's intake on a completion its data plane could not prove valid cheaply

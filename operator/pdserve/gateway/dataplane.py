@@ -28,6 +28,8 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fastpath import (
+    PYTHON,
+    UNAVAILABLE,
     admission_table,
     route_of,
     routing_table,
@@ -179,11 +181,7 @@ class DataPlane:
                 f"--data-plane {self.binary} did not start within {STARTUP_SECONDS:g} s "
                 f"(exit status {code}; its error is above): is the address {self.listen} free?"
             ) from None
-        route, why = route_of(self.config, self.settings)
-        if why:
-            log.info("data plane at %s hands every request to this gateway: %s", self.listen, why)
-        else:
-            log.info("data plane at %s serves route %s itself", self.listen, route)
+        log.info("data plane at %s serves route %s", self.listen, route_of(self.config))
         await self.push(session)
         self.admission.refresh = partial(self.queue_state, session)
         await self.queue_state(session)  # where its long prompts wait, known from the start
@@ -249,6 +247,7 @@ class DataPlane:
         self.render_pods |= {e.url: e.label for e in self.endpoints.pools.get("render", [])}
         self.metrics.fold_data_plane(stats.get("metrics") or {}, self.render_pods)
         self.fold_engines(stats.get("engineInflight") or {}, stats.get("stepSeconds") or {})
+        self.metrics.fold_inflight(float(stats.get("inflight", 0)))
         # By route as the data plane names them: the labels of dataplane_requests_total.
         routes = stats.get("routes") or {}
         totals = {f"route:{route}": float(count) for route, count in routes.items()}
@@ -369,12 +368,15 @@ class DataPlane:
 
     def status(self) -> dict[str, Any]:
         """What `/status` shows of the data plane: the route of the table it serves by, the
-        table's version and, while it hands every request to this gateway, why."""
+        table's version and why, while it hands every request to this gateway
+        (`handsOverBecause`), holds them for want of engines (`unavailableBecause`) or
+        prefills them on decode (`localPrefillBecause`)."""
         pushed = (self.pushed or {}).get("models", {}).get(self.config.model, {})
         shown: dict[str, Any] = {"route": pushed.get("route"), "tableVersion": self.version}
-        why = served_route(self.config, self.endpoints, self.settings)[3]
-        if why is not None:
-            shown["handsOverBecause"] = why
+        served = served_route(self.config, self.endpoints)
+        if served.why is not None:
+            key = {PYTHON: "handsOverBecause", UNAVAILABLE: "unavailableBecause"}
+            shown[key.get(served.route, "localPrefillBecause")] = served.why
         return shown
 
     async def drain(self) -> None:

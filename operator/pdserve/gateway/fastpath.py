@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.affinity import CONVERSATION_BONUS, MAX_BLOCKS_PER_ENGINE, MAX_CONVERSATIONS
@@ -38,7 +38,7 @@ from pdserve.gateway.held_kv import MAX_HOLDS, DecodeHolds
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
-PYTHON, PD, DECODE, AUTO = "python", "pd", "decode", "auto"
+PYTHON, PD, DECODE, AUTO, UNAVAILABLE = "python", "pd", "decode", "auto", "unavailable"
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""
@@ -54,55 +54,65 @@ PLACEMENT = {
 Placement and Endpoints.pick do (the shared cases: dataplane/testdata/placement_cases.json)."""
 
 
-def route_of(config: GatewayConfig, settings: GatewaySettings) -> tuple[str, str | None]:
-    """The route the data plane may take for this model, and why not when it may take none."""
+def route_of(config: GatewayConfig) -> str:
+    """The route the data plane takes for this model's requests, its engines permitting."""
     mode = config.routing.mode
     if mode == "Aggregated" or config.pools.prefill is None:
-        return DECODE, None
-    return (PD if mode == "Disaggregated" else AUTO), None
+        return DECODE
+    return PD if mode == "Disaggregated" else AUTO
 
 
-def engines(
-    config: GatewayConfig, endpoints: Endpoints, route: str
-) -> tuple[list[str], list[dict[str, list[str]]], str | None]:
+class Engines(NamedTuple):
     """The render servers (behind which the engines take token ids; none for OpenAI engines)
-    and the engines the data plane may pair: per KV-compatibility digest and slice, the prefill
+    and the engine groups the data plane may pair; no groups when no complete set is routable,
+    and then why; with `local_prefill`, every request prefills on decode for that reason
+    (planner.settle's fallbacks: the P/D pair is missing, the pools are not broken)."""
+
+    render: list[str]
+    groups: list[dict[str, list[str]]]
+    why: str | None = None
+    local_prefill: str | None = None
+
+
+def engines(config: GatewayConfig, endpoints: Endpoints, route: str) -> Engines:
+    """The engines the data plane may pair: per KV-compatibility digest and slice, the prefill
     replicas and the decode replicas that can pull their KV, as the Python gateway would choose
     them (one parity-consistent set of every pool, healthy, replica-checked,
-    transport-verified when Required); no groups when no complete set is routable (the Python
-    gateway then waits, falls back or answers 503), and then why."""
+    transport-verified when Required)."""
     needed = ["render", "decode"] if config.engine_api == "tokens" else ["decode"]
     try:
         selection = endpoints.select(needed, ["prefill"])
     except NoEndpoints as error:
-        return [], [], str(error)
+        return Engines([], [], str(error))
     render = urls(selection.pools.get("render", []))
     decode = selection.pools["decode"]
     if route == DECODE:
-        return render, [{"prefill": [], "decode": urls(decode)}], None
-    groups, why = pd_groups(config, selection)
-    if route == AUTO:
+        return Engines(render, [{"prefill": [], "decode": urls(decode)}])
+    groups, why, local = pd_groups(config, selection)
+    if route == AUTO or local is not None:
         # Local prefill runs on any decode replica: those no prefill replica pairs with too.
         paired = {url for g in groups for url in g["decode"]}
         if unpaired := [url for url in urls(decode) if url not in paired]:
             groups.append({"prefill": [], "decode": unpaired})
-        return render, groups, None
-    return render, groups, why
+        return Engines(render, groups, why if route != AUTO else None, local)
+    return Engines(render, groups, why)
 
 
 def pd_groups(
     config: GatewayConfig, selection: Selection
-) -> tuple[list[dict[str, list[str]]], str | None]:
+) -> tuple[list[dict[str, list[str]]], str | None, str | None]:
     """Per KV-compatibility digest and slice, the prefill replicas that may take P/D traffic and
-    the decode replicas that can pull their KV; none, and why, when no pair is routable."""
+    the decode replicas that can pull their KV; none, and why, when no pair is routable, and
+    the fallback reason when the Python gateway then prefills locally rather than wait."""
     decode = selection.pools["decode"]
     prefill = selection.pools.get("prefill", [])
     if not prefill:
-        return [], "no healthy prefill endpoint (down after a failure, or held: /status)"
+        return [], "routing mode Disaggregated but no healthy prefill endpoint", None
     if config.kv_transfer.verify == "Required":
         prefill = [e for e in prefill if e.kv_transport == "Verified"]
         if not prefill:
-            return [], "no prefill replica whose KV transport is Verified"
+            why = "no prefill replica whose KV transport is Verified"
+            return [], why, "transport_unverified"
     keyed: dict[tuple[str | None, str | None], list[Endpoint]] = {}
     for each in prefill:
         keyed.setdefault((each.kv_compat, each.slice), []).append(each)
@@ -112,26 +122,36 @@ def pd_groups(
         if pullers:
             found.append({"prefill": urls(members), "decode": urls(pullers)})
     if not found:
-        return [], "no decode replica with a prefill replica's KV-compatibility digest"
-    return found, None
+        why = "no decode replica with a prefill replica's KV-compatibility digest"
+        return [], why, "no_compatible_decode"
+    return found, None, None
 
 
-def served_route(
-    config: GatewayConfig, endpoints: Endpoints, settings: GatewaySettings
-) -> tuple[str, list[str], list[dict[str, list[str]]], str | None]:
-    """The route the data plane takes now, its render servers and engine groups, and, while it
-    hands every request to the Python gateway, why (what `/status` shows a user who turned the
-    data plane on)."""
-    route, why = route_of(config, settings)
-    if route == PYTHON:
-        return PYTHON, [], [], why
-    render, engine_groups, why = engines(config, endpoints, route)
-    if not engine_groups:
-        return PYTHON, [], [], why  # the Python gateway holds, falls back or answers 503
-    every = [*render, *(url for g in engine_groups for pool in g.values() for url in pool)]
+class Served(NamedTuple):
+    """The route the data plane takes now, its render servers and engine groups; why, while it
+    hands every request to the Python gateway (PYTHON), waits for engines (UNAVAILABLE) or
+    prefills every request locally (`local_prefill`): what `/status` shows."""
+
+    route: str
+    render: list[str]
+    groups: list[dict[str, list[str]]]
+    why: str | None = None
+    local_prefill: str | None = None
+
+
+def served_route(config: GatewayConfig, endpoints: Endpoints) -> Served:
+    """With no complete set of engines the data plane holds each request up to the endpoint
+    wait for one, as the Python gateway does (planner.plan), then answers 503 with its words."""
+    route = route_of(config)
+    found = engines(config, endpoints, route)
+    if not found.groups:
+        return Served(UNAVAILABLE, [], [], found.why)
+    every = [*found.render, *(url for g in found.groups for pool in g.values() for url in pool)]
     if any(not url.startswith("http://") for url in every):
-        return PYTHON, [], [], "an engine or render URL is not plain http:// (Python only)"
-    return route, render, engine_groups, None
+        return Served(PYTHON, [], [], "an engine or render URL is not plain http:// (Python only)")
+    if found.local_prefill is not None:
+        route = DECODE
+    return Served(route, found.render, found.groups, found.why, found.local_prefill)
 
 
 def urls(endpoints: Iterable[Endpoint]) -> list[str]:
@@ -206,13 +226,22 @@ def routing_table(
     admission_table, by default this replica alone; `policy`: Auto mode's, which the data
     plane decides by in that mode; `peers_queued`: long prompts in the peers' queues;
     `holds`: this gateway's reckoning of decode's held KV, shared by `gateway_replicas`)."""
-    route, render, engine_groups, _ = served_route(config, endpoints, settings)
+    served = served_route(config, endpoints)
+    route = served.route
     entry: dict[str, Any] = {
-        "route": route, "groups": engine_groups, "render": render,
+        "route": route, "groups": served.groups, "render": served.render,
         "blockSize": config.block_size,  # the prefix index's blocks of token ids
         # A decode is sent prefill's KV only this long after prefill answered (hops.kv_start_by).
         "kvStartWithinSeconds": settings.kv_start_within(config.kv_transfer.prefill_lease_seconds),
     }  # fmt: skip
+    if route == UNAVAILABLE:
+        # Held up to the endpoint wait for a table with engines, then answered 503 so.
+        entry["unavailable"] = {
+            "message": served.why,
+            "waitSeconds": settings.endpoint_wait_seconds,
+        }
+    if served.local_prefill is not None:
+        entry["localPrefillReason"] = served.local_prefill  # counted per request
     if route == AUTO:
         entry["auto"] = auto_table(
             config, endpoints, policy, peers_queued, settings.step_window_seconds

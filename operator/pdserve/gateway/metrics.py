@@ -127,6 +127,7 @@ class GatewayMetrics:
         }  # fmt: skip
         self._data_plane_requests = DataPlaneCounts(self.requests)
         self._data_plane_render_inflight: dict[str, float] = {}  # by URL, as last reported
+        self._data_plane_inflight = 0.0  # as last reported
         self.retries = Counter(
             "pdserve_gateway_retries", "Retries on another replica", ["stage", "reason"], registry=r
         )
@@ -217,6 +218,13 @@ class GatewayMetrics:
         for name, series in self.with_data_plane.items():
             series.fold(measured.get(name) or [], named.get(name, ROUTES))
         self._data_plane_requests.fold(measured.get("requests") or [])
+
+    def fold_inflight(self, reported: float) -> None:
+        """The data plane's requests in flight now, added to this gateway's own in `inflight`:
+        the gauge counts every request the pod holds, whichever process serves it (a request
+        the data plane handed over is counted there alone: app.py counts it once)."""
+        self.inflight.inc(reported - self._data_plane_inflight)
+        self._data_plane_inflight = reported
 
     def fold_render_inflight(
         self, reported: Mapping[str, Any], render_pods: Mapping[str, str]

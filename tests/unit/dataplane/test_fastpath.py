@@ -69,10 +69,11 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     # The render servers of the engines' parity only: never a template the engines disagree with.
     render = [Endpoint("http://r-old", "p0"), Endpoint("http://r", "p1")]
     assert model(table_for(engine_api="tokens", render=render))["render"] == ["http://r"]
-    # No routable render server: the Python gateway waits for one or answers 503.
+    # No routable render server: the data plane waits for one or answers 503.
     assert model(table_for(engine_api="tokens", render=[])) == {
-        "route": "python", "groups": [], "render": [], "blockSize": 16,
+        "route": "unavailable", "groups": [], "render": [], "blockSize": 16,
         "kvStartWithinSeconds": 29.0,
+        "unavailable": {"message": "no healthy render endpoint", "waitSeconds": 30.0},
     }  # fmt: skip
     # Long prompts are counted in rendered tokens; what tokens-only engines would refuse, the
     # data plane refuses as intake does (naming the parameter and what to send instead).
@@ -151,10 +152,8 @@ def test_bidirectional_kv_is_kept_by_the_data_plane_with_this_gateways_budget() 
     assert "bidirectional" not in model(table_for(kv_transfer=bidirectional))
 
 
-def test_what_needs_the_python_gateway_is_handed_over() -> None:
-    # No routable decode: the Python gateway waits for one or answers 503.
-    assert model(table_for(decode=[]))["route"] == "python"
-    # Engines behind TLS: the data plane's client speaks plain HTTP only.
+def test_engines_behind_tls_are_handed_over() -> None:
+    # The data plane's client speaks plain HTTP only.
     assert model(table_for(decode=[Endpoint("https://d", "p1")]))["route"] == "python"
 
 
@@ -176,38 +175,60 @@ def test_with_a_request_log_the_table_names_what_the_log_names() -> None:
     assert "parityHash" not in model(table_for())
 
 
-def why_handed_over(
+def served(
     mode: str = "Disaggregated",
     prefill: list[Endpoint] | None = None,
     decode: list[Endpoint] | None = None,
     *,
     kv_transfer: dict[str, Any] | None = None,
-    settings: GatewaySettings | None = None,
-) -> str | None:
-    """What `/status` says of the data plane handing every request over (None: it serves)."""
+) -> tuple[str, str | None, str | None]:
+    """The data plane's route, why (what `/status` shows) and the fallback each request is
+    counted under when every one prefills on decode."""
     cfg = config("openai", mode, kv_transfer)
     endpoints = Endpoints(cfg)
     endpoints.replace("prefill", prefill if prefill is not None else [Endpoint("http://p", "p1")])
     endpoints.replace("decode", decode if decode is not None else [Endpoint("http://d", "p1")])
-    return served_route(cfg, endpoints, settings or GatewaySettings())[3]
+    found = served_route(cfg, endpoints)
+    return found.route, found.why, found.local_prefill
 
 
-def test_status_says_why_the_data_plane_hands_every_request_over() -> None:
-    assert why_handed_over() is None
-    assert why_handed_over("Auto") is None
-    logged = GatewaySettings(request_log=Path("/tmp/requests.jsonl"))
-    assert why_handed_over(settings=logged) is None  # the data plane logs what it serves
-    assert why_handed_over(decode=[]) == "no healthy decode endpoint"
+def test_without_a_pair_the_data_plane_waits_or_prefills_locally_as_the_planner_does() -> None:
+    """planner.plan: a missing pool (or, in mode Disaggregated, a missing prefill replica) holds
+    the request up to the endpoint wait, then answers 503; a prefill replica that may not take
+    P/D (transport not Verified under Required, no KV-compatible decode) makes every request
+    prefill on decode, counted. The data plane does both itself: nothing is handed over."""
+    assert served() == ("pd", None, None)
+    assert served("Auto") == ("auto", None, None)
+    assert served(decode=[]) == ("unavailable", "no healthy decode endpoint", None)
     held = Endpoint("http://p", "p1")
     held.routable = False
-    assert "no healthy prefill endpoint" in str(why_handed_over(prefill=[held]))
+    assert served(prefill=[held]) == (
+        "unavailable", "routing mode Disaggregated but no healthy prefill endpoint", None,
+    )  # fmt: skip
+    assert served("Auto", prefill=[held])[0] == "auto"  # Auto prefills locally, by design
     unverified = Endpoint("http://p", "p1", kv_transport="Failed")
-    assert "Verified" in str(
-        why_handed_over(prefill=[unverified], kv_transfer={"verify": "Required"})
-    )
+    route, why, local = served(prefill=[unverified], kv_transfer={"verify": "Required"})
+    assert (route, local) == ("decode", "transport_unverified")
+    assert "Verified" in str(why)
     other_build = [Endpoint("http://p", "p1", kv_compat="b")]
-    assert "KV-compatibility" in str(why_handed_over(prefill=other_build))
-    assert "http://" in str(why_handed_over(decode=[Endpoint("https://d", "p1")]))
+    route, why, local = served(prefill=other_build)
+    assert (route, local) == ("decode", "no_compatible_decode")
+    assert "KV-compatibility" in str(why)
+    # Engines behind TLS: the data plane's client speaks plain HTTP only.
+    route, why, _ = served(decode=[Endpoint("https://d", "p1")])
+    assert route == "python"
+    assert "http://" in str(why)
+
+
+def test_the_table_says_how_long_to_hold_a_request_for_engines_and_what_to_count() -> None:
+    waiting = model(table_for(decode=[], settings=GatewaySettings(endpoint_wait_seconds=7.5)))
+    assert (waiting["route"], waiting["groups"]) == ("unavailable", [])
+    assert waiting["unavailable"] == {"message": "no healthy decode endpoint", "waitSeconds": 7.5}
+    other_build = model(table_for(prefill=[Endpoint("http://p", "p1", kv_compat="b")]))
+    assert other_build["route"] == "decode"
+    assert other_build["groups"] == [{"prefill": [], "decode": ["http://d"]}]
+    assert other_build["localPrefillReason"] == "no_compatible_decode"
+    assert "localPrefillReason" not in model(table_for())
 
 
 def test_engines_pair_only_within_one_kv_compatibility_digest() -> None:
@@ -246,10 +267,10 @@ def test_replicas_the_python_gateway_would_not_route_to_are_left_out() -> None:
                   kv_transfer={"verify": "Required"})
     )["groups"]  # fmt: skip
     assert groups == [{"prefill": ["http://p-ok"], "decode": ["http://d"]}]
-    # Mode Disaggregated with no prefill to pair: the Python gateway decides (local or 503).
+    # Mode Disaggregated with no prefill to pair: every request prefills on decode, counted.
     assert model(table_for(prefill=[unverified], kv_transfer={"verify": "Required"})) == {
-        "route": "python", "groups": [], "render": [], "blockSize": 16,
-        "kvStartWithinSeconds": 29.0,
+        "route": "decode", "groups": [{"prefill": [], "decode": ["http://d"]}], "render": [],
+        "blockSize": 16, "kvStartWithinSeconds": 29.0, "localPrefillReason": "transport_unverified",
     }  # fmt: skip
 
 

@@ -87,3 +87,16 @@ def test_the_data_planes_derender_counts_are_added_to_the_gateways_own() -> None
     assert sample(metrics, f"{name}_bucket", le="4.0") == 2
     assert sample(metrics, f"{name}_sum") == 5
     assert sample(metrics, "pdserve_gateway_tokens_per_derender_call_count") == 2
+
+
+def test_requests_in_flight_are_the_gateways_own_plus_the_data_planes_now() -> None:
+    metrics = GatewayMetrics()
+    gauge = "pdserve_gateway_inflight_requests"
+    metrics.inflight.inc()  # one the Python gateway serves itself
+    metrics.fold_inflight(3)
+    assert metrics.registry.get_sample_value(gauge) == 4
+    metrics.fold_inflight(1)  # two of the data plane's ended
+    assert metrics.registry.get_sample_value(gauge) == 2
+    metrics.inflight.dec()
+    metrics.fold_inflight(0)
+    assert metrics.registry.get_sample_value(gauge) == 0
