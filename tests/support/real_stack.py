@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -19,6 +19,7 @@ from openai import AsyncOpenAI
 
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.app import Gateway
+from pdserve.gateway.dataplane import build_binary
 from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
 from pdserve.sim.procs import free_port
@@ -41,6 +42,13 @@ class GatewayUnderTest:
         if (front := self.gateway.data_plane) is not None:
             await front.fold_stats(self.gateway.upstream.session)
 
+    async def pushed(self) -> None:
+        """Behind the data plane, the routing table pushed now (its loop does so four times a
+        second), so that what a test set on the gateway's endpoints (their load) routes the
+        next request; without one, nothing to do."""
+        if (front := self.gateway.data_plane) is not None:
+            await front.push(self.gateway.upstream.session)
+
 
 @asynccontextmanager
 async def gateway_over(
@@ -52,13 +60,17 @@ async def gateway_over(
     tokens_engines: str = "scale_out",
     kv_transfer: Mapping[str, Any] | None = None,
     operator_config: Mapping[str, Any] | None = None,
-    data_plane: Path | None = None,
+    data_plane: Path | Literal["built"] | None = "built",
     **settings: Any,
 ) -> AsyncIterator[GatewayUnderTest]:
     """A gateway with static endpoints: render -> (prefill ->) decode, or the OpenAI route
     (engine_api="openai", no render) when `render` is None. With `operator_config` (the
-    routing config the operator writes for a model), that config with these endpoints. With
-    `data_plane` (a binary), clients reach it through its compiled data plane."""
+    routing config the operator writes for a model), that config with these endpoints.
+    Clients reach it through its compiled data plane (`built`: this checkout's, or a binary),
+    as a gateway pod's clients do by default; `data_plane=None`: the Python gateway's own
+    request path."""
+    if data_plane == "built":
+        data_plane = build_binary()
     pool = {"service": "static", "port": 8000}
     parity = operator_config["parityHash"] if operator_config else PARITY
 
@@ -298,7 +310,14 @@ async def until_decoding(route: GatewayUnderTest, sent: asyncio.Task[httpx.Respo
     deadline); fail when the request was answered first."""
     decode = route.gateway.endpoints.pools["decode"]
     deadline = time.monotonic() + 30
-    while not any(endpoint.inflight for endpoint in decode):
+
+    async def decoding() -> bool:
+        if route.gateway.data_plane is None:
+            return any(endpoint.inflight for endpoint in decode)
+        inflight = (await data_plane_stats(route)).get("engineInflight") or {}
+        return any(inflight.get(endpoint.key) for endpoint in decode)
+
+    while not await decoding():
         if sent.done():
             answer = sent.result()
             pytest.fail(

@@ -133,8 +133,9 @@ def ucx_lanes(pair: Pair) -> list[str]:
     return read_path(pair.decode.log.read_text(errors="replace"))
 
 
-def fallbacks(gateway: GatewayUnderTest) -> float:
+async def fallbacks(gateway: GatewayUnderTest) -> float:
     """Requests the gateway served by local prefill because P/D failed."""
+    await gateway.folded()
     return sum(
         sample.value
         for metric in gateway.gateway.metrics.registry.collect()
@@ -167,7 +168,7 @@ async def test_kv_moves_over_nixl_on_the_transport_ucx_reports(
             await pd_route.client.chat.completions.create(**request(CHAT_CASES["reasoning"]))
         )
         assert answer["choices"], answer
-        assert fallbacks(pd_route) == 0, "the gateway fell back to local prefill"
+        assert await fallbacks(pd_route) == 0, "the gateway fell back to local prefill"
         if engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers:
             break
         # vLLM 0.32 gives prefill's side channel a fixed 5 s to answer decode's first handshake;

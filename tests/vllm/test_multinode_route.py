@@ -160,6 +160,7 @@ async def test_pd_through_ranks_of_both_nodes_answers_what_node_0_answers(
         # The other node's ranks look busy to the gateway: every prefill goes to this node.
         for target in route.gateway.endpoints.pools["prefill"]:
             target.running = 0 if target.url == node.url else 50
+        await route.pushed()
         got = await asyncio.gather(*(route.client.chat.completions.create(**b) for b in bodies))
         for answer, wanted in zip([chat_answer(a) for a in got], expected, strict=True):
             assert answer == wanted, f"P/D via {node.name}:\n{pretty(answer)}"
@@ -185,6 +186,7 @@ async def handshake_every_rank(group: Group, route: GatewayUnderTest, tries: int
         for _ in range(tries):
             for target in targets:  # every prefill goes to the chosen rank
                 target.running = 0 if target is chosen else 50
+            await route.pushed()
             pulled = engine_counts(decode).get("kv_transfers", 0.0)
             with contextlib.suppress(openai.InternalServerError):  # the handshake timed out
                 await route.client.chat.completions.create(**body)

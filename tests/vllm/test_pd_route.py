@@ -119,8 +119,9 @@ async def pd_openai_route(pair: Pair) -> AsyncIterator[GatewayUnderTest]:
         yield gateway
 
 
-def fallbacks(gateway: GatewayUnderTest) -> float:
+async def fallbacks(gateway: GatewayUnderTest) -> float:
     """Requests the gateway served by local prefill because P/D failed."""
+    await gateway.folded()
     return sum(
         sample.value
         for metric in gateway.gateway.metrics.registry.collect()
@@ -142,7 +143,7 @@ async def test_pd_answers_what_aggregated_vllm_answers(
     transfers = engine_counts(pair.decode).get("kv_transfers", 0.0)
     got = chat_answer(await gateway.client.chat.completions.create(**body))
     assert got == expected, f"P/D ({route} route):\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
-    assert fallbacks(gateway) == 0, "the gateway fell back to local prefill"
+    assert await fallbacks(gateway) == 0, "the gateway fell back to local prefill"
     assert engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers, (
         "decode pulled no KV from prefill: the answer was not disaggregated"
     )
@@ -163,7 +164,7 @@ async def test_streamed_pd_answers_what_aggregated_vllm_answers(
     stream = await pd_render_route.client.chat.completions.create(**body)
     got = chat_stream_answer([chunk async for chunk in stream])
     assert got == expected, f"P/D stream:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
-    assert fallbacks(pd_render_route) == 0, "the gateway fell back to local prefill"
+    assert await fallbacks(pd_render_route) == 0, "the gateway fell back to local prefill"
     assert engine_counts(pair.decode).get("kv_transfers", 0.0) > transfers
 
 
@@ -200,7 +201,7 @@ async def test_a_second_turn_reuses_decodes_kv_of_the_first(
     assert reused is not None
     assert reused >= 128
     assert got == expected, f"second turn:\n{pretty(got)}\nvLLM:\n{pretty(expected)}"
-    assert fallbacks(bidirectional_route) == 0
+    assert await fallbacks(bidirectional_route) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
