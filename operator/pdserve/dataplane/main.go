@@ -202,8 +202,18 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	}
 	defer p.inflight.Add(-1)
 	if t == nil {
-		p.toPython(w, r, body, "no_table", s)
-		return
+		// The first routing table comes a moment after the start (the Python gateway pushes
+		// it once the data plane listens): wait for it, then check the key as for any request.
+		if t = p.firstTable(r.Context()); t == nil {
+			p.metrics.count("unknown", "error_503")
+			answerError(w, http.StatusServiceUnavailable, "ServiceUnavailableError",
+				"the gateway is starting: retry shortly", false)
+			return
+		}
+		if !t.authorized(r.Header.Get("Authorization")) {
+			unauthorized(w, r)
+			return
+		}
 	}
 	if t.requestLog != nil && p.requestLog != nil {
 		class := className(r.Header.Get("X-PDServe-Class"), r.URL.Path == "/v1/chat/completions")
@@ -251,6 +261,30 @@ func (p *plane) awaitEngines(ctx context.Context, name string, t *table, m *mode
 			return t, m
 		case <-ctx.Done():
 			return t, m
+		}
+	}
+}
+
+// firstTableWait bounds how long a request that arrived before the first routing table waits
+// for it.
+const firstTableWait = 10 * time.Second
+
+// firstTable: the routing table, once the first one arrived (nil: none within firstTableWait,
+// or the client left).
+func (p *plane) firstTable(ctx context.Context) *table {
+	timer := time.NewTimer(firstTableWait)
+	defer timer.Stop()
+	for {
+		moved := p.nextTable()
+		if t := p.current.Load(); t != nil {
+			return t
+		}
+		select {
+		case <-moved:
+		case <-timer.C:
+			return nil
+		case <-ctx.Done():
+			return nil
 		}
 	}
 }
@@ -437,12 +471,8 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		if f != nil {
 			return p.failed(w, s, f)
 		}
-		extra := []field{}
-		if kv != nil {
-			extra = append(extra, field{"kv_transfer_params", kv})
-			s.kvToDecode = true
-		}
-		splice(decodeBody, body, members, decodeDrops, extra)
+		s.kvToDecode = kv != nil
+		openaiDecodeBody(decodeBody, body, members, kv)
 		p.stats.pd.Add(1)
 		s.route = routePD
 	} else {
@@ -452,7 +482,7 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 	}
 	local := func(into *bytes.Buffer) []byte { // without prefill's KV: decode prefills itself
 		into.Reset()
-		splice(into, body, members, decodeDrops, nil)
+		openaiDecodeBody(into, body, members, nil)
 		return into.Bytes()
 	}
 	if kv != nil && p.leaseRanOut(m, s, false, id, auth) {
@@ -603,13 +633,29 @@ func (p *plane) prefill(ctx context.Context, m *model, e, decode *endpoint, path
 	buffer := p.buffers.Get().(*bytes.Buffer)
 	buffer.Reset()
 	defer p.buffers.Put(buffer)
+	openaiPrefillBody(buffer, body, members, handoff)
+	return p.prefillCall(ctx, m, e, decode, path, buffer.Bytes(), id, auth, release, s)
+}
+
+// openaiPrefillBody is protocol.openai_prefill_body: the client's request cut to prefill only
+// (one token, one choice, not streamed, no stream_options or min_tokens), with the handoff.
+func openaiPrefillBody(dst *bytes.Buffer, body []byte, members []member, handoff []byte) {
 	extra := []field{{"stream", []byte("false")}, {"max_tokens", []byte("1")}, {"n", []byte("1")}}
 	if lookup(members, "max_completion_tokens") != nil {
 		extra = append(extra, field{"max_completion_tokens", []byte("1")})
 	}
 	extra = append(extra, field{"kv_transfer_params", handoff})
-	splice(buffer, body, members, prefillDrops, extra)
-	return p.prefillCall(ctx, m, e, decode, path, buffer.Bytes(), id, auth, release, s)
+	splice(dst, body, members, prefillDrops, extra)
+}
+
+// openaiDecodeBody is protocol.openai_decode_body: the client's request, with prefill's
+// kv_transfer_params when kv is given (nil: decode prefills itself).
+func openaiDecodeBody(dst *bytes.Buffer, body []byte, members []member, kv []byte) {
+	var extra []field
+	if kv != nil {
+		extra = []field{{"kv_transfer_params", kv}}
+	}
+	splice(dst, body, members, decodeDrops, extra)
 }
 
 // prefillCall posts a prefill request to `first`, then to the model's other prefill replicas,

@@ -131,15 +131,8 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
-	extra := []field{{"request_id", quotedID}}
-	if kv != nil {
-		s.kvToDecode = true
-		extra = append(extra, field{"kv_transfer_params", kv},
-			field{"sampling_params", withExtraArg(params, paramFields, extraArgsDrops, nil, kv)})
-		splice(request, generate, fields, tokensDecodeDrops, extra)
-	} else {
-		splice(request, generate, fields, requestIDDrops, extra)
-	}
+	s.kvToDecode = kv != nil
+	tokensDecodeBody(request, generate, fields, params, paramFields, quotedID, kv)
 	includeStop := string(lookup(paramFields, "include_stop_str_in_output")) == "true"
 	s.route = routeRenderDecode
 	if prefill != nil {
@@ -147,7 +140,7 @@ func (p *plane) rendered(ctx context.Context, w http.ResponseWriter, r *http.Req
 	}
 	local := func(into *bytes.Buffer) []byte { // without prefill's KV: decode prefills itself
 		into.Reset()
-		splice(into, generate, fields, requestIDDrops, []field{{"request_id", quotedID}})
+		tokensDecodeBody(into, generate, fields, params, paramFields, quotedID, nil)
 		return into.Bytes()
 	}
 	if kv == nil {
@@ -265,12 +258,35 @@ func (p *plane) prefillTokens(ctx context.Context, m *model, e, decode *endpoint
 	request := p.buffers.Get().(*bytes.Buffer)
 	defer p.buffers.Put(request)
 	request.Reset()
+	tokensPrefillBody(request, generate, fields, params, paramFields, handoff, quotedID)
+	return p.prefillCall(ctx, m, e, decode, generatePath, request.Bytes(), id, auth, release, s)
+}
+
+// tokensPrefillBody is protocol.tokens_prefill_body: the rendered generate request cut to
+// prefill only (one token, one choice, not streamed), with the handoff's kv_transfer_params
+// (also in sampling_params.extra_args, which older engines read), named by the gateway's id.
+func tokensPrefillBody(dst *bytes.Buffer, generate []byte, fields []member, params []byte,
+	paramFields []member, handoff, quotedID []byte) {
 	cut := withExtraArg(params, paramFields, prefillParamDrops,
 		[]field{{"max_tokens", []byte("1")}, {"min_tokens", []byte("0")}, {"n", []byte("1")}}, handoff)
-	splice(request, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
+	splice(dst, generate, fields, tokensPrefillDrops, []field{{"request_id", quotedID},
 		{"stream", []byte("false")}, {"stream_options", []byte("null")},
 		{"sampling_params", cut}, {"kv_transfer_params", handoff}})
-	return p.prefillCall(ctx, m, e, decode, generatePath, request.Bytes(), id, auth, release, s)
+}
+
+// tokensDecodeBody is protocol.tokens_decode_body: the rendered generate request named by the
+// gateway's id, pulling prefill's KV when kv is given (also in sampling_params.extra_args),
+// else as rendered (decode prefills itself).
+func tokensDecodeBody(dst *bytes.Buffer, generate []byte, fields []member, params []byte,
+	paramFields []member, quotedID, kv []byte) {
+	extra := []field{{"request_id", quotedID}}
+	if kv == nil {
+		splice(dst, generate, fields, requestIDDrops, extra)
+		return
+	}
+	extra = append(extra, field{"kv_transfer_params", kv},
+		field{"sampling_params", withExtraArg(params, paramFields, extraArgsDrops, nil, kv)})
+	splice(dst, generate, fields, tokensDecodeDrops, extra)
 }
 
 // withExtraArg: sampling params without `drop`, with `extra`, and extra_args carrying

@@ -1,7 +1,10 @@
 """Small pieces of vLLM's wire contract shared by the simulators, the gateway and the tests.
 
-The bodies the gateway sends are built here, and only here: the prefill and decode requests
-of both engine APIs, the derender calls and the aborts."""
+The bodies the Python gateway sends are built here: the prefill and decode requests of both
+engine APIs, the derender calls and the aborts. The compiled data plane builds the same bodies
+from the bytes it received (dataplane/render.go, main.go, bidirectional.go), held to these by
+the shared cases in dataplane/testdata (engine_bodies.json, bidirectional_cases.json), which
+the tests of both read."""
 
 from __future__ import annotations
 
