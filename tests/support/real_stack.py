@@ -22,10 +22,9 @@ from pdserve.gateway.app import Gateway
 from pdserve.gateway.dataplane import build_binary
 from pdserve.gateway.server import GatewayRunner
 from pdserve.gateway.settings import GatewaySettings
-from pdserve.sim.procs import free_port
 from tests.support.chat_cases import LONG_ANSWER_TOKENS
 from tests.support.real_vllm import SERVED_NAME, VllmServer, engine_counts
-from tests.support.serving import serving
+from tests.support.serving import listening_socket, serving
 
 PARITY = "p1"
 
@@ -107,11 +106,15 @@ async def gateway_over(
         if engine_api == "openai":  # the same engines' OpenAI API, no render pool
             config |= {"engineApi": "openai", "pools": {**config["pools"], "render": None}}
     gateway = Gateway(GatewayConfig.model_validate(config), GatewaySettings(**settings))
-    port, front = free_port(), free_port()
+    # Listening before the data plane is told where the Python gateway is; the data plane binds
+    # its own client port and says which.
+    sock = listening_socket()
     if data_plane is not None:
-        gateway.use_data_plane(data_plane, f"127.0.0.1:{front}", f"http://127.0.0.1:{port}")
-    async with serving(gateway.app(), port, runner_class=GatewayRunner) as url:
-        url = url if data_plane is None else f"http://127.0.0.1:{front}"
+        python_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        gateway.use_data_plane(data_plane, "127.0.0.1:0", python_url)
+    async with serving(gateway.app(), sock=sock, runner_class=GatewayRunner) as url:
+        if gateway.data_plane is not None:
+            url = f"http://{gateway.data_plane.address}"
         async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
             yield GatewayUnderTest(gateway, url, client)
 

@@ -4,7 +4,9 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"io"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -253,5 +255,35 @@ func TestAHoldThePythonGatewayForgetsEndsAfterHoldFor(t *testing.T) {
 	}
 	if g := answer(t, ask(context.Background(), q, "http://p0")); g.url != "http://p0" {
 		t.Fatalf("granted %q", g.url)
+	}
+}
+
+// While another gateway replica leads admission, a long prompt's slot is asked for through the
+// Python gateway; when that cannot be done (its admission connection is down), the prompt is
+// admitted in this replica's own queue, as the Python gateway admits when its leader is
+// unavailable, and counted as a leader error: served, never handed over.
+func TestALongPromptWhoseLeaderCannotBeAskedIsAdmittedHere(t *testing.T) {
+	table := `{"version":1,"admission":{"maxLongPerReplica":1,"maxWaitSeconds":5,"leaderElsewhere":true},` +
+		`"models":{"m":{"route":"pd","groups":[{"prefill":["URL"],"decode":["URL"]}]}}}`
+	u := newPlaneUnderTest(t, table, func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"id":"x","choices":[{"index":0,"finish_reason":"stop"}],"kv_transfer_params":{"remote_request_id":"x"}}`)
+	}, func(p *plane) {
+		p.admission = newAdmissionChannel("127.0.0.1:1", testToken, p.queue, time.Second) // never connected
+	})
+	u.p.queue.configure(u.p.current.Load().admission)
+	response, body := u.post(t, chatBody, "X-PDServe-Class", "long")
+	if response.StatusCode != 200 {
+		t.Fatalf("%d %s", response.StatusCode, body)
+	}
+	if got := u.p.stats.leaderErrors.Load(); got != 1 {
+		t.Fatalf("leader errors %d, want 1", got)
+	}
+	if seen := u.python.seen(); len(seen) != 0 {
+		t.Fatalf("handed to the Python gateway: %v", seen)
+	}
+	if n := requests(u.p, routePD, "ok"); n != 1 {
+		t.Fatalf("served P/D %d times, want 1", n)
 	}
 }

@@ -91,10 +91,12 @@ type counters struct {
 	localPrefills sync.Map
 	// "stage/reason" -> *atomic.Int64: failed upstream calls that another may follow (the
 	// Python gateway's pdserve_gateway_retries_total, its labels and its counting)
-	retries    sync.Map
-	aborts     atomic.Int64 // aborts posted to tokens engines
-	unreadable atomic.Int64
-	intake     atomic.Int64 // requests the Python gateway's intake checked (intake.go)
+	retries sync.Map
+	aborts  atomic.Int64 // aborts posted to tokens engines
+	// long prompts admitted here because the leader's slot could not be asked for
+	leaderErrors atomic.Int64
+	unreadable   atomic.Int64
+	intake       atomic.Int64 // requests the Python gateway's intake checked (intake.go)
 }
 
 func (c *counters) fallback(reason string) {
@@ -967,8 +969,15 @@ func (p *plane) admit(ctx context.Context, t *table, m *model, best *endpoint, s
 		acquire = p.queue.acquire
 	}
 	url, release, err := acquire(ctx, urls)
+	if err != nil && !t.admitHere && ctx.Err() == nil {
+		// The leader's slot could not be asked for through the Python gateway: admitted in
+		// this replica's own queue, as the Python gateway admits when its leader is
+		// unavailable (peers.slot), counted as its leader errors are.
+		p.stats.leaderErrors.Add(1)
+		url, release, err = p.queue.acquire(ctx, urls)
+	}
 	if err != nil {
-		return nil, nil, "admission_failed"
+		return nil, nil, "admission_failed" // the request's time ran out: answered 504
 	}
 	for _, e := range ranked {
 		if e.url == url {
@@ -1056,6 +1065,7 @@ func (p *plane) getStats(w http.ResponseWriter, r *http.Request) {
 		"localPrefill": snapshot(&p.stats.localPrefills),
 		"retries":      snapshot(&p.stats.retries),
 		"aborts":       p.stats.aborts.Load(),
+		"leaderErrors": p.stats.leaderErrors.Load(),
 		"unreadable":   p.stats.unreadable.Load(),
 		"intake":       p.stats.intake.Load(),
 		"inflight":     p.inflight.Load(),

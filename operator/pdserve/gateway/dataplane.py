@@ -259,6 +259,8 @@ class DataPlane:
         # Failed upstream calls another may follow, by "stage/reason": this gateway's retries.
         totals |= {f"retry:{k}": float(v) for k, v in (stats.get("retries") or {}).items()}
         totals["abort:"] = float(stats.get("aborts", 0))  # posted to tokens engines
+        # Long prompts it admitted itself, the leader's slot not to be had: the leader errors.
+        totals["leader_error:"] = float(stats.get("leaderErrors", 0))
         totals |= {f"runtime:{k}": float(v) for k, v in (stats.get("runtime") or {}).items()}
         bidirectional = stats.get("bidirectional") or {}
         reuse = bidirectional.get("reuse") or {}
@@ -294,6 +296,8 @@ class DataPlane:
                 self.metrics.bidirectional_tokens.inc(delta)
             elif kind == "abort":
                 self.metrics.aborts.inc(delta)
+            elif kind == "leader_error":
+                self.peers.leader_errors += int(delta)
             elif kind == "retry":
                 stage, _, reason = name.partition("/")
                 self.metrics.retries.labels(stage, reason).inc(delta)
