@@ -550,17 +550,7 @@ func (m *model) narrowed(keepDecode func(*endpoint) bool, keepGroup func(*group)
 		if len(g.decode) == 0 || !keepGroup(&g) {
 			continue
 		}
-		out.groups = append(out.groups, g)
-		for _, e := range g.prefill {
-			if !slices.Contains(out.prefills, e) {
-				out.prefills = append(out.prefills, e)
-			}
-		}
-		for _, e := range g.decode {
-			if !slices.Contains(out.decodes, e) {
-				out.decodes = append(out.decodes, e)
-			}
-		}
+		out.add(g)
 	}
 	return &out
 }

@@ -44,7 +44,7 @@ func members(t *testing.T, raw []byte) []member {
 
 func sameValue(t *testing.T, got []byte, want json.RawMessage) {
 	t.Helper()
-	if !reflect.DeepEqual(decodedJSON(t, got), decodedJSON(t, want)) {
+	if !reflect.DeepEqual(parsed(t, got), parsed(t, want)) {
 		t.Fatalf("\n got %s\nwant %s", got, want)
 	}
 }

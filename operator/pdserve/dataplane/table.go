@@ -259,17 +259,7 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 			if len(built.decode) == 0 || (m.Route == routePD && len(built.prefill) == 0) {
 				return nil, nil, fmt.Errorf("routing table: models.%s.groups[%d] lacks the engines route %s needs", name, i, m.Route)
 			}
-			out.groups = append(out.groups, built)
-			for _, e := range built.prefill {
-				if !slices.Contains(out.prefills, e) {
-					out.prefills = append(out.prefills, e)
-				}
-			}
-			for _, e := range built.decode {
-				if !slices.Contains(out.decodes, e) {
-					out.decodes = append(out.decodes, e)
-				}
-			}
+			out.add(built)
 		}
 		if m.Route != routePython && m.Route != routeUnavailable && len(out.groups) == 0 {
 			return nil, nil, fmt.Errorf("routing table: models.%s has route %s but no groups", name, m.Route)
@@ -277,6 +267,21 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		t.models[name] = out
 	}
 	return t, next, nil
+}
+
+// add appends a group, its engines to the model's prefill and decode engines (each once).
+func (m *model) add(g group) {
+	m.groups = append(m.groups, g)
+	for _, e := range g.prefill {
+		if !slices.Contains(m.prefills, e) {
+			m.prefills = append(m.prefills, e)
+		}
+	}
+	for _, e := range g.decode {
+		if !slices.Contains(m.decodes, e) {
+			m.decodes = append(m.decodes, e)
+		}
+	}
 }
 
 // authorized: no keys configured, or the Bearer token is one of them (compared as digests,
