@@ -94,7 +94,9 @@ def engines(config: GatewayConfig, endpoints: Endpoints, route: str) -> Engines:
         paired = {url for g in groups for url in g["decode"]}
         if unpaired := [url for url in urls(decode) if url not in paired]:
             groups.append({"prefill": [], "decode": unpaired})
-        return Engines(render, groups, why if route != AUTO else None, local)
+        if route == AUTO:  # Auto decides each request local itself (and where: auto.go)
+            return Engines(render, groups)
+        return Engines(render, groups, why, local)
     return Engines(render, groups, why)
 
 

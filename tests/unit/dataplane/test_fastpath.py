@@ -207,6 +207,8 @@ def test_without_a_pair_the_data_plane_waits_or_prefills_locally_as_the_planner_
     )  # fmt: skip
     assert served("Auto", prefill=[held])[0] == "auto"  # Auto prefills locally, by design
     unverified = Endpoint("http://p", "p1", kv_transport="Failed")
+    required = {"verify": "Required"}
+    assert served("Auto", prefill=[unverified], kv_transfer=required) == ("auto", None, None)
     route, why, local = served(prefill=[unverified], kv_transfer={"verify": "Required"})
     assert (route, local) == ("decode", "transport_unverified")
     assert "Verified" in str(why)
