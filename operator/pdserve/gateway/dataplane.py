@@ -29,7 +29,6 @@ from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fastpath import (
     PYTHON,
-    UNAVAILABLE,
     admission_table,
     route_of,
     routing_table,
@@ -373,14 +372,13 @@ class DataPlane:
     def status(self) -> dict[str, Any]:
         """What `/status` shows of the data plane: the route of the table it serves by, the
         table's version and why, while it hands every request to this gateway
-        (`handsOverBecause`), holds them for want of engines (`unavailableBecause`) or
-        prefills them on decode (`localPrefillBecause`)."""
+        (`handsOverBecause`) or prefills them on decode (`localPrefillBecause`)."""
         pushed = (self.pushed or {}).get("models", {}).get(self.config.model, {})
         shown: dict[str, Any] = {"route": pushed.get("route"), "tableVersion": self.version}
         served = served_route(self.config, self.endpoints)
         if served.why is not None:
-            key = {PYTHON: "handsOverBecause", UNAVAILABLE: "unavailableBecause"}
-            shown[key.get(served.route, "localPrefillBecause")] = served.why
+            key = "handsOverBecause" if served.route == PYTHON else "localPrefillBecause"
+            shown[key] = served.why
         return shown
 
     async def drain(self) -> None:

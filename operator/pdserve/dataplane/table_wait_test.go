@@ -12,77 +12,12 @@ import (
 	"time"
 )
 
-const waitingTable = `{"version":1,"models":{"m":{"route":"unavailable","groups":[],"render":[],` +
-	`"unavailable":{"message":"no healthy decode endpoint","waitSeconds":WAIT}}}}`
-
 func pushTable(t *testing.T, p *plane, table string) {
 	t.Helper()
 	recorder := httptest.NewRecorder()
 	p.putTable(recorder, httptest.NewRequest("PUT", "/table", strings.NewReader(table)))
 	if recorder.Code != http.StatusNoContent {
 		t.Fatalf("table refused: %d %s", recorder.Code, recorder.Body)
-	}
-}
-
-// A model with no complete set of engines (a rollout replacing its only decode pod): its
-// requests wait for a table that has them, as the Python gateway waits (planner.plan), and are
-// served by the data plane then; none is handed over.
-func TestARequestWithoutEnginesWaitsForATableWithThemAndIsServed(t *testing.T) {
-	u := newPlaneUnderTest(t, strings.Replace(waitingTable, "WAIT", "30", 1), nil, nil)
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.Copy(io.Discard, r.Body)
-		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, `{"id":"x","choices":[{"index":0,"finish_reason":"stop"}]}`)
-	}))
-	defer engine.Close()
-	type result struct {
-		status int
-		body   string
-	}
-	answered := make(chan result, 1)
-	go func() {
-		response, err := http.Post(u.url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
-		if err != nil {
-			answered <- result{0, err.Error()}
-			return
-		}
-		defer response.Body.Close()
-		body, _ := io.ReadAll(response.Body)
-		answered <- result{response.StatusCode, string(body)}
-	}()
-	waiting := func() bool { u.p.tableMu.Lock(); defer u.p.tableMu.Unlock(); return u.p.tableMoved != nil }
-	for deadline := time.Now().Add(10 * time.Second); !waiting(); runtime.Gosched() {
-		if time.Now().After(deadline) {
-			t.Fatal("the request never waited for a table")
-		}
-	}
-	pushTable(t, u.p, `{"version":2,"models":{"m":{"route":"decode","groups":[{"prefill":[],"decode":["`+engine.URL+`"]}]}}}`)
-	got := <-answered
-	if got.status != 200 || !strings.Contains(got.body, `"finish_reason":"stop"`) {
-		t.Fatalf("%d %s, want the engine's answer", got.status, got.body)
-	}
-	if seen := u.python.seen(); len(seen) != 0 {
-		t.Fatalf("handed to the Python gateway: %v", seen)
-	}
-}
-
-// None came within the wait: 503 in the Python gateway's words, Retry-After, counted as it
-// counts it (route unknown, outcome no_endpoints).
-func TestARequestWithoutEnginesIsAnswered503AfterTheWait(t *testing.T) {
-	u := newPlaneUnderTest(t, strings.Replace(waitingTable, "WAIT", "0.05", 1), nil, nil)
-	response, body := u.post(t, chatBody)
-	want := `{"error":{"message":"no healthy decode endpoint","type":"ServiceUnavailableError","param":null,"code":503}}`
-	if response.StatusCode != 503 || body != want || response.Header.Get("Retry-After") != "1" {
-		t.Fatalf("%d %s (Retry-After %q), want 503 %s", response.StatusCode, body, response.Header.Get("Retry-After"), want)
-	}
-	if n := requests(u.p, "unknown", "no_endpoints"); n != 1 {
-		t.Fatalf("counted %d no_endpoints", n)
-	}
-	if seen := u.python.seen(); len(seen) != 0 {
-		t.Fatalf("handed to the Python gateway: %v", seen)
-	}
-	if _, _, err := build([]byte(strings.Replace(waitingTable, "WAIT", "-1", 1)), nil); err == nil {
-		t.Fatal("a negative wait accepted")
 	}
 }
 
