@@ -19,7 +19,7 @@ func readAnswer(raw []byte) (status int, body []byte, err error) {
 		server.Write(raw)
 		server.Close()
 	}()
-	c := &upConn{conn: client, reader: bufio.NewReaderSize(client, 16*1024), host: "engine"}
+	c := &upConn{conn: client, tcp: client, reader: bufio.NewReaderSize(client, 16*1024), pool: "engine"}
 	answer := &upBody{pool: newUpstreamPool(time.Second, time.Second, time.Minute), conn: c,
 		stop: func() bool { return true }}
 	if err := answer.readHead(c.reader); err != nil {

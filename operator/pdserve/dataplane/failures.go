@@ -136,6 +136,10 @@ func upstreamMessage(payload []byte) string {
 // callFailure names what broke a call as errors.upstream_failure names aiohttp's errors.
 func callFailure(err error) string {
 	var dial *net.OpError
+	var handshake *handshakeError
+	if errors.As(err, &handshake) && !timedOut(err) {
+		return handshake.words()
+	}
 	if errors.As(err, &dial) && dial.Op == "dial" {
 		if errors.Is(err, syscall.ECONNREFUSED) {
 			host, port, _ := net.SplitHostPort(dial.Addr.String())

@@ -129,7 +129,11 @@ func TestTheClientListenerAndTheEnginesConnectionsAreRaw(t *testing.T) {
 		t.Fatalf("the listener handed out a %T in a build with raceBuild=%v", conn, raceBuild)
 	}
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
-	up, err := pool.get(context.Background(), listener.Addr().String())
+	at, err := parseEndpoint("http://" + listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, err := pool.get(context.Background(), at)
 	if err != nil {
 		t.Fatal(err)
 	}

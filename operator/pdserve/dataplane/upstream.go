@@ -12,6 +12,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -27,7 +28,11 @@ import (
 )
 
 type upstreamPool struct {
-	dialer    net.Dialer
+	dialer net.Dialer
+	// What https:// engines are dialed with: the system's roots (which SSL_CERT_FILE and
+	// SSL_CERT_DIR replace, as they do for the Python gateway's own calls), a session cache
+	// so a new connection resumes instead of a full handshake.
+	tls       *tls.Config
 	firstByte time.Duration // the answer's head must arrive within this
 	keepFor   time.Duration // idle connections older than this are closed, open or not
 	mu        sync.Mutex
@@ -37,10 +42,13 @@ type upstreamPool struct {
 }
 
 type upConn struct {
-	conn     net.Conn
-	reader   *bufio.Reader
-	head     []byte // the request head being sent, its buffer kept for the next
-	host     string
+	conn   net.Conn
+	reader *bufio.Reader
+	head   []byte // the request head being sent, its buffer kept for the next
+	pool   string // which idle list it goes back to: endpointURL.pool
+	// The TCP connection under conn: the same, or the one a TLS conn wraps, whose socket is
+	// peeked before a reuse (a TLS close_notify or anything else unasked makes it unusable).
+	tcp      net.Conn
 	lastUsed time.Time
 	reused   bool
 }
@@ -49,7 +57,9 @@ var longAgo = time.Unix(1, 0)
 
 func newUpstreamPool(connect, firstByte, keepFor time.Duration) *upstreamPool {
 	return &upstreamPool{
-		dialer:    net.Dialer{Timeout: connect, KeepAlive: 30 * time.Second},
+		dialer: net.Dialer{Timeout: connect, KeepAlive: 30 * time.Second},
+		tls: &tls.Config{MinVersion: tls.VersionTLS12,
+			ClientSessionCache: tls.NewLRUClientSessionCache(256)},
 		firstByte: firstByte, keepFor: keepFor, idle: map[string][]*upConn{},
 	}
 }
@@ -62,21 +72,37 @@ func newUpstreamPool(connect, firstByte, keepFor time.Duration) *upstreamPool {
 // read that close or those bytes as its answer (another request's, or a forged one). One
 // non-blocking peek that allocates nothing: about half a microsecond per reuse
 // (BenchmarkReusingAPooledConnection).
-func (p *upstreamPool) get(ctx context.Context, host string) (*upConn, error) {
+func (p *upstreamPool) get(ctx context.Context, at endpointURL) (*upConn, error) {
 	now := time.Now()
-	for c := p.pop(host); c != nil; c = p.pop(host) {
-		if now.Sub(c.lastUsed) < p.keepFor && !peerClosed(c.conn) {
+	for c := p.pop(at.pool); c != nil; c = p.pop(at.pool) {
+		if now.Sub(c.lastUsed) < p.keepFor && !peerClosed(c.tcp) {
 			c.reused = true
 			return c, nil
 		}
 		c.conn.Close() // outside the lock: a burst's requests wait for no one's close
 	}
-	conn, err := p.dialer.DialContext(ctx, "tcp", host)
+	conn, err := p.dialer.DialContext(ctx, "tcp", at.host)
 	if err != nil {
 		return nil, err
 	}
-	conn = newRawConn(conn)
-	return &upConn{conn: conn, reader: bufio.NewReaderSize(conn, 16*1024), host: host}, nil
+	tcp := newRawConn(conn)
+	conn = tcp
+	if at.secure {
+		config := p.tls.Clone()
+		config.ServerName = at.serverName
+		secured := tls.Client(tcp, config)
+		// The connect timeout bounds the handshake too: it is part of opening the connection.
+		handshake, cancel := context.WithTimeout(ctx, p.dialer.Timeout)
+		err := secured.HandshakeContext(handshake)
+		cancel()
+		if err != nil {
+			tcp.Close()
+			// Part of connecting, as aiohttp counts it: retried elsewhere as a refused connect.
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: tcp.RemoteAddr(), Err: &handshakeError{err}}
+		}
+		conn = secured
+	}
+	return &upConn{conn: conn, tcp: tcp, reader: bufio.NewReaderSize(conn, 16*1024), pool: at.pool}, nil
 }
 
 // pop takes the most recently used idle connection to host, nil when there is none.
@@ -104,12 +130,12 @@ func (p *upstreamPool) put(c *upConn) {
 	c.lastUsed = time.Now()
 	var expired *upConn
 	p.mu.Lock()
-	conns := append(p.idle[c.host], c)
+	conns := append(p.idle[c.pool], c)
 	if c.lastUsed.Sub(conns[0].lastUsed) > p.keepFor {
 		expired, conns[0] = conns[0], nil
 		conns = conns[1:]
 	}
-	p.idle[c.host] = conns
+	p.idle[c.pool] = conns
 	p.mu.Unlock()
 	if expired != nil {
 		expired.conn.Close()
@@ -119,9 +145,13 @@ func (p *upstreamPool) put(c *upConn) {
 // endpointURL is an engine's address, parsed once.
 type endpointURL struct {
 	host string // host:port
-	base string // the path prefix, without a trailing slash
-	name string // the Host header
-	rank string // the X-data-parallel-rank pinning one engine of a data-parallel pod; "" none
+	// https://: TLS to the engine, its certificate checked for serverName (the URL's host).
+	secure     bool
+	serverName string
+	pool       string // the idle connections it reuses: host:port, prefixed tls: for https
+	base       string // the path prefix, without a trailing slash
+	name       string // the Host header
+	rank       string // the X-data-parallel-rank pinning one engine of a data-parallel pod; "" none
 }
 
 // rankFragment: how the routing table names one data-parallel rank of a server, `<url>#dp<n>`
@@ -130,9 +160,10 @@ const rankFragment = "dp"
 
 func parseEndpoint(raw string) (endpointURL, error) {
 	parsed, err := url.Parse(raw)
-	if err != nil || parsed.Scheme != "http" || parsed.Host == "" {
-		return endpointURL{}, fmt.Errorf("routing table: engine %q is not an http://host:port URL", raw)
+	if err != nil || (parsed.Scheme != "http" && parsed.Scheme != "https") || parsed.Host == "" {
+		return endpointURL{}, fmt.Errorf("routing table: engine %q is not an http:// or https://host:port URL", raw)
 	}
+	secure := parsed.Scheme == "https"
 	rank := ""
 	if parsed.Fragment != "" {
 		index, found := strings.CutPrefix(parsed.Fragment, rankFragment)
@@ -143,13 +174,22 @@ func parseEndpoint(raw string) (endpointURL, error) {
 	}
 	host := parsed.Host
 	if parsed.Port() == "" {
-		host = net.JoinHostPort(parsed.Hostname(), "80")
+		port := "80"
+		if secure {
+			port = "443"
+		}
+		host = net.JoinHostPort(parsed.Hostname(), port)
+	}
+	pool := host
+	if secure {
+		pool = "tls:" + host
 	}
 	base := parsed.EscapedPath()
 	for len(base) > 0 && base[len(base)-1] == '/' {
 		base = base[:len(base)-1]
 	}
-	return endpointURL{host: host, base: base, name: parsed.Host, rank: rank}, nil
+	return endpointURL{host: host, secure: secure, serverName: parsed.Hostname(), pool: pool,
+		base: base, name: parsed.Host, rank: rank}, nil
 }
 
 // post sends one JSON request and returns the answer's head; its body must be read to the end
@@ -166,7 +206,7 @@ func (p *upstreamPool) post(ctx context.Context, at endpointURL, path string, bo
 func (p *upstreamPool) postWithin(ctx context.Context, at endpointURL, path string, body []byte,
 	id, auth string, until time.Time) (*upBody, error) {
 	for attempt := 0; ; attempt++ {
-		c, err := p.get(ctx, at.host)
+		c, err := p.get(ctx, at)
 		if err != nil {
 			return nil, err
 		}
@@ -217,6 +257,22 @@ func neverRead(err error) bool {
 			errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 	}
 	return errors.Is(err, syscall.ECONNRESET)
+}
+
+// handshakeError: the TLS handshake with an https:// engine failed, its certificate untrusted
+// or the engine not speaking TLS.
+type handshakeError struct{ err error }
+
+func (h *handshakeError) Error() string { return h.err.Error() }
+func (h *handshakeError) Unwrap() error { return h.err }
+
+// words names it as aiohttp's connector errors are named (errors.upstream_failure).
+func (h *handshakeError) words() string {
+	var verify *tls.CertificateVerificationError
+	if errors.As(h.err, &verify) {
+		return "ClientConnectorCertificateError: certificate verify failed: " + verify.Err.Error()
+	}
+	return "ClientConnectorSSLError: " + h.err.Error()
 }
 
 // writeError: sending the request failed.

@@ -151,7 +151,7 @@ func TestTheRequestsContextEndingStopsTheExchange(t *testing.T) {
 	}
 }
 
-func TestOnlyPlainHTTPEnginesAreAccepted(t *testing.T) {
+func TestOnlyHTTPAndHTTPSEnginesAreAccepted(t *testing.T) {
 	for raw, want := range map[string]string{
 		"http://10.0.0.1:8000":     "10.0.0.1:8000",
 		"http://engine/":           "engine:80",
@@ -162,7 +162,7 @@ func TestOnlyPlainHTTPEnginesAreAccepted(t *testing.T) {
 			t.Errorf("%s: %+v %v, want host %s", raw, at, err, want)
 		}
 	}
-	for _, raw := range []string{"https://engine:8443", "engine:8000", "http://"} {
+	for _, raw := range []string{"ftp://engine:8443", "engine:8000", "http://", "https://"} {
 		if _, err := parseEndpoint(raw); err == nil {
 			t.Errorf("%s was accepted", raw)
 		}
@@ -346,7 +346,7 @@ func TestAnIdleConnectionIsReusedUntilItsEngineClosesIt(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond) // polling for the FIN, with a deadline
 	}
-	next, err := pool.get(context.Background(), at.host)
+	next, err := pool.get(context.Background(), at)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,11 +361,11 @@ func TestAnIdleConnectionIsReusedUntilItsEngineClosesIt(t *testing.T) {
 func TestAConnectionIdleLongerThanKeepForIsClosed(t *testing.T) {
 	at, _ := engine(t, func(http.ResponseWriter, *http.Request) {})
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
-	first, err := pool.get(context.Background(), at.host)
+	first, err := pool.get(context.Background(), at)
 	if err != nil {
 		t.Fatal(err)
 	}
-	second, err := pool.get(context.Background(), at.host)
+	second, err := pool.get(context.Background(), at)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -385,7 +385,7 @@ func answerOver(t *testing.T) (*upBody, net.Conn) {
 	t.Helper()
 	ours, engine := net.Pipe()
 	t.Cleanup(func() { ours.Close(); engine.Close() })
-	c := &upConn{conn: ours, reader: bufio.NewReaderSize(ours, 16*1024)}
+	c := &upConn{conn: ours, tcp: ours, reader: bufio.NewReaderSize(ours, 16*1024)}
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
 	return &upBody{pool: pool, conn: c, stop: func() bool { return true }}, engine
 }
@@ -541,7 +541,7 @@ func TestBytesAnEngineSentPastItsAnswerAreNeverTheNextAnswer(t *testing.T) {
 func BenchmarkReusingAPooledConnection(b *testing.B) {
 	at, _ := engine(b, func(http.ResponseWriter, *http.Request) {})
 	pool := newUpstreamPool(time.Second, time.Second, time.Minute)
-	c, err := pool.get(context.Background(), at.host)
+	c, err := pool.get(context.Background(), at)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -549,7 +549,7 @@ func BenchmarkReusingAPooledConnection(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	for range b.N {
-		c, err := pool.get(context.Background(), at.host)
+		c, err := pool.get(context.Background(), at)
 		if err != nil || !c.reused {
 			b.Fatal("the idle connection was not reused", err)
 		}

@@ -148,9 +148,6 @@ def served_route(config: GatewayConfig, endpoints: Endpoints) -> Served:
     found = engines(config, endpoints, route)
     if not found.groups:
         return Served(PYTHON, [], [], found.why)  # the Python gateway waits, then answers 503
-    every = [*found.render, *(url for g in found.groups for pool in g.values() for url in pool)]
-    if any(not url.startswith("http://") for url in every):
-        return Served(PYTHON, [], [], "an engine or render URL is not plain http:// (Python only)")
     if found.local_prefill is not None:
         route = DECODE
     return Served(route, found.render, found.groups, found.why, found.local_prefill)

@@ -151,9 +151,12 @@ def test_bidirectional_kv_is_kept_by_the_data_plane_with_this_gateways_budget() 
     assert "bidirectional" not in model(table_for(kv_transfer=bidirectional))
 
 
-def test_engines_behind_tls_are_handed_over() -> None:
-    # The data plane's client speaks plain HTTP only.
-    assert model(table_for(decode=[Endpoint("https://d", "p1")]))["route"] == "python"
+def test_engines_behind_tls_are_served_by_the_data_plane() -> None:
+    # Its client speaks TLS to https:// engines (dataplane/tls_test.go).
+    secured = [Endpoint("https://p", "p1")], [Endpoint("https://d", "p1")]
+    table = model(table_for(prefill=secured[0], decode=secured[1]))
+    assert table["route"] == "pd"
+    assert table["groups"] == [{"prefill": ["https://p"], "decode": ["https://d"]}]
 
 
 def test_with_a_request_log_the_table_names_what_the_log_names() -> None:
@@ -216,10 +219,6 @@ def test_without_a_pair_the_data_plane_hands_over_or_prefills_locally_as_the_pla
     route, why, local = served(prefill=other_build)
     assert (route, local) == ("decode", "no_compatible_decode")
     assert "KV-compatibility" in str(why)
-    # Engines behind TLS: the data plane's client speaks plain HTTP only.
-    route, why, _ = served(decode=[Endpoint("https://d", "p1")])
-    assert route == "python"
-    assert "http://" in str(why)
 
 
 def test_the_table_says_why_every_request_prefills_locally() -> None:
