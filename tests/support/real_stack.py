@@ -112,10 +112,25 @@ async def gateway_over(
         python_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         gateway.use_data_plane(data_plane, "127.0.0.1:0", python_url)
     async with serving(gateway.app(), sock=sock, runner_class=GatewayRunner) as url:
-        if gateway.data_plane is not None:
-            url = f"http://{gateway.data_plane.address}"
+        if (front := gateway.data_plane) is not None:
+            url = f"http://{front.address}"
+            # As a Service sends a gateway pod clients once its readiness probe passes: until
+            # then (its replicas checked) the data plane hands every request to the Python
+            # gateway, whose picks the data plane does not learn from (a prompt's cached rank).
+            await until_ready(url)
+            await front.push(gateway.upstream.session)
         async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
             yield GatewayUnderTest(gateway, url, client)
+
+
+async def until_ready(url: str) -> None:
+    """Return once the gateway at `url` says it is ready (GET /ready, the pod's readiness probe),
+    polled with a deadline."""
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while (answer := await client.get("/ready")).status_code != 200:
+            assert time.monotonic() < deadline, f"the gateway never got ready: {answer.text}"
+            await asyncio.sleep(0.05)  # polling the gateway's readiness, with a deadline
 
 
 async def data_plane_stats(gateway: GatewayUnderTest) -> dict[str, Any]:
