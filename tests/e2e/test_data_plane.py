@@ -176,7 +176,7 @@ def test_the_data_plane_serves_the_openai_sdk_from_the_gateway_pod(
     except ControlPlaneError as error:
         raise AssertionError(f"{error}; {why_not_served(cluster, base)}") from None
     shown = httpx.get(f"{base}/status", timeout=10).json()["dataPlane"]
-    assert (shown["route"], shown.get("handsOverBecause")) == (table_route, None), shown
+    assert (shown["route"], shown.get("unavailableBecause")) == (table_route, None), shown
     # Then streamed and not, each served by it, and counted in the gateway's own request
     # metrics too, as the Python gateway counts what it serves.
     before = served_by_data_plane(base, route)

@@ -343,3 +343,4 @@ async def until_decoding(route: GatewayUnderTest, sent: asyncio.Task[httpx.Respo
             return f"answered before the client left: {answer.status_code} {answer.text[:300]}"
         assert time.monotonic() < deadline, "the gateway never sent the request to decode"
         await asyncio.sleep(0.005)  # polling the gateway's count, with a deadline
+    return None

@@ -78,7 +78,8 @@ class GatewayLogs:
     files: dict[Path, IO[str]] = field(default_factory=dict)
     unfinished: dict[Path, str] = field(default_factory=dict)  # a record being written
     joined: dict[Path, str] = field(default_factory=dict)  # P(artial) records of a long line
-    lines: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # request log entries
+    said: list[str] = field(default_factory=list)  # every other line, by pod
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -114,8 +115,10 @@ class GatewayLogs:
                     content = self.joined.pop(path, "") + content.removesuffix("\n")
                     if tag == "P":
                         self.joined[path] = content
-                    else:
+                    elif content.startswith('{"request_id"'):
                         self.lines.append(content)
+                    else:  # the gateway's own log: what a failure names
+                        self.said.append(f"{path.parent.parent.name}: {content}")
 
     def requests(self) -> dict[str, dict[str, Any]]:
         """The request log's entries by the client's X-Request-Id (`request_id` is the
@@ -219,7 +222,7 @@ def logged_requests(load: Load, logs: GatewayLogs) -> list[dict[str, Any]]:
         lost = missing()
         raise AssertionError(
             f"{error}: {len(lost)} of {len(load.sent)} never logged ({lost[:10]}); "
-            f"failed: {load.failures[:5]}"
+            f"failed: {load.failures[:5]}; the gateways said:\n" + "\n".join(logs.said[-40:])
         ) from None
     logged = logs.requests()
     return [logged[request_id] for request_id in load.sent]

@@ -242,6 +242,31 @@ func (p *plane) serveCompletion(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// awaitEngines holds a request of model `name`, which has no complete set of engines, until a
+// table gives it one, for the table's wait at most (the request's context ending first).
+func (p *plane) awaitEngines(ctx context.Context, name string, t *table, m *model) (*table, *model) {
+	timer := time.NewTimer(m.wait)
+	defer timer.Stop()
+	for {
+		moved := p.nextTable()
+		if now := p.current.Load(); now != t {
+			if next := now.models[name]; next != nil {
+				t, m = now, next
+			}
+		}
+		if m.route != routeUnavailable {
+			return t, m
+		}
+		select {
+		case <-moved:
+		case <-timer.C:
+			return t, m
+		case <-ctx.Done():
+			return t, m
+		}
+	}
+}
+
 // firstTableWait bounds how long a request that arrived before the first routing table waits
 // for it.
 const firstTableWait = 10 * time.Second
@@ -342,8 +367,23 @@ func (p *plane) fast(ctx context.Context, w http.ResponseWriter, r *http.Request
 		answerFailure(w, s, unknown)
 		return ""
 	}
-	if m.route == routePython {
-		return "python_route"
+	if m.route == routeUnavailable {
+		// Held for a table with engines as the Python gateway holds it (planner.plan), then
+		// answered as it answers (app.py fail: 503, counted no_endpoints).
+		if t, m = p.awaitEngines(ctx, asked, t, m); m.route == routeUnavailable {
+			s.route = "unknown"
+			if r.Context().Err() != nil {
+				s.outcome = "client_gone"
+				return ""
+			}
+			w.Header().Set("Retry-After", "1")
+			answerFailure(w, s, gatewayError(http.StatusServiceUnavailable, "ServiceUnavailableError", m.unavailable))
+			s.outcome = "no_endpoints"
+			return ""
+		}
+		if s.log != nil && t.requestLog != nil {
+			s.log.names = t.requestLog // the engines it runs on are named by the table that brought them
+		}
 	}
 	chat := r.URL.Path == "/v1/chat/completions"
 	switch owned, unsure := gatewayOwned(members); {

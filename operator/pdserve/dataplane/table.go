@@ -22,7 +22,8 @@ import (
 const (
 	routePD     = "pd"     // prefill with a remote-decode handoff, then decode
 	routeDecode = "decode" // straight to decode (Aggregated, or no prefill may serve)
-	routePython = "python" // everything to the Python gateway (no complete set of engines, TLS)
+	// No complete set of engines: each request waits for a table with one, then 503.
+	routeUnavailable = "unavailable"
 	// Served behind render servers: render -> P/D -> derender, or render -> decode -> derender.
 	routeRenderPD     = "render_pd"
 	routeRenderDecode = "render_decode"
@@ -69,10 +70,17 @@ type modelJSON struct {
 	KVStartWithinSeconds *float64 `json:"kvStartWithinSeconds"`
 	// Bidirectional KV (bidirectional.go); absent: decode holds nothing for a next turn.
 	Bidirectional *bidirectionalJSON `json:"bidirectional"`
+	// Route unavailable: how long a request waits for engines, and the 503's words after.
+	Unavailable *unavailableJSON `json:"unavailable"`
 	// Every request prefills on decode for this reason (no prefill replica may take P/D:
 	// its transport not Verified, no KV-compatible decode), counted as the Python gateway's
 	// fallback of that name.
 	LocalPrefillReason string `json:"localPrefillReason"`
+}
+
+type unavailableJSON struct {
+	Message     string  `json:"message"`
+	WaitSeconds float64 `json:"waitSeconds"`
 }
 
 // groupJSON: engines that can hand KV to each other (one KV-compatibility digest).
@@ -114,6 +122,8 @@ type model struct {
 	kvStartWithin time.Duration
 	bounded       bool
 	bidi          *bidirectionalJSON // nil: no bidirectional KV
+	unavailable   string             // route unavailable: the 503's message
+	wait          time.Duration      // route unavailable: how long a request waits for engines
 	localReason   string             // every request prefills on decode, counted so
 	// Every prefill and every decode engine of the groups, each once, in the table's order.
 	prefills, decodes []*endpoint
@@ -189,13 +199,13 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 	}
 	for name, m := range in.Models {
 		switch m.Route {
-		case routePD, routeDecode, routePython:
+		case routePD, routeDecode, routeUnavailable:
 		case routeAuto:
 			if m.Auto == nil {
 				return nil, nil, fmt.Errorf("routing table: models.%s has route auto but no auto", name)
 			}
 		default:
-			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode, auto or python", name, m.Route)
+			return nil, nil, fmt.Errorf("routing table: models.%s.route %q is not pd, decode, auto or unavailable", name, m.Route)
 		}
 		if m.BlockSize < 0 {
 			return nil, nil, fmt.Errorf("routing table: models.%s.blockSize %d is negative", name, m.BlockSize)
@@ -205,10 +215,22 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 		}
 		out := &model{route: m.Route, auto: m.Auto, parity: m.ParityHash, blockSize: m.BlockSize,
 			bidi: m.Bidirectional, localReason: m.LocalPrefillReason}
+		if m.Route == routeUnavailable {
+			out.unavailable = "no complete set of engines"
+			if u := m.Unavailable; u != nil {
+				if u.WaitSeconds < 0 || math.IsInf(u.WaitSeconds, 0) {
+					return nil, nil, fmt.Errorf("routing table: models.%s.unavailable.waitSeconds must be finite and not negative", name)
+				}
+				out.wait = time.Duration(u.WaitSeconds * float64(time.Second))
+				if u.Message != "" {
+					out.unavailable = u.Message
+				}
+			}
+		}
 		if within := m.KVStartWithinSeconds; within != nil { // JSON has no NaN nor infinity
 			out.kvStartWithin, out.bounded = time.Duration(*within*float64(time.Second)), true
 		}
-		if m.Route != routePython {
+		if m.Route != routeUnavailable {
 			for _, url := range m.Render {
 				e, err := engine(url)
 				if err != nil {
@@ -238,7 +260,7 @@ func build(raw []byte, known map[string]*endpoint) (*table, map[string]*endpoint
 			}
 			out.add(built)
 		}
-		if m.Route != routePython && len(out.groups) == 0 {
+		if m.Route != routeUnavailable && len(out.groups) == 0 {
 			return nil, nil, fmt.Errorf("routing table: models.%s has route %s but no groups", name, m.Route)
 		}
 		t.models[name] = out

@@ -117,12 +117,12 @@ func TestTheCapRefusesWhatThePythonGatewayWouldRefuseOrFillsItIn(t *testing.T) {
 func TestATokensOnlyEnginesTableKeepsItsRenderServers(t *testing.T) {
 	built, _ := mustBuild(t, `{"version":1,"tokensOnlyEngines":true,
 		"models":{"qwen":{"route":"decode","render":["http://r0:8000"],"groups":[{"prefill":[],"decode":["http://d0:8000"]}]},
-		"off":{"route":"python","render":["http://r1:8000"],"groups":[]}}}`, nil)
+		"off":{"route":"unavailable","render":["http://r1:8000"],"groups":[]}}}`, nil)
 	if got := built.models["qwen"].render; len(got) != 1 || got[0].url != "http://r0:8000" {
 		t.Fatalf("render %v", got)
 	}
 	if built.models["off"].render != nil {
-		t.Fatal("a python route keeps no render servers")
+		t.Fatal("an unavailable route keeps no render servers")
 	}
 	if !built.tokensOnly {
 		t.Fatal("tokensOnlyEngines not read")

@@ -28,7 +28,7 @@ from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.dataplane_admission import AdmissionChannel
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.fastpath import (
-    PYTHON,
+    UNAVAILABLE,
     admission_table,
     route_of,
     routing_table,
@@ -371,13 +371,13 @@ class DataPlane:
 
     def status(self) -> dict[str, Any]:
         """What `/status` shows of the data plane: the route of the table it serves by, the
-        table's version and why, while it hands every request to this gateway
-        (`handsOverBecause`) or prefills them on decode (`localPrefillBecause`)."""
+        table's version and why, while it holds requests for want of engines
+        (`unavailableBecause`) or prefills them on decode (`localPrefillBecause`)."""
         pushed = (self.pushed or {}).get("models", {}).get(self.config.model, {})
         shown: dict[str, Any] = {"route": pushed.get("route"), "tableVersion": self.version}
         served = served_route(self.config, self.endpoints)
         if served.why is not None:
-            key = "handsOverBecause" if served.route == PYTHON else "localPrefillBecause"
+            key = "unavailableBecause" if served.route == UNAVAILABLE else "localPrefillBecause"
             shown[key] = served.why
         return shown
 
@@ -394,14 +394,16 @@ class DataPlane:
 
     async def stop(self) -> None:
         """Stop accepting and let the data plane finish what it holds (this gateway still
-        serves what it hands over); idempotent."""
+        serves what it hands over); idempotent. The tables keep coming until it has exited: a
+        request it holds for engines (mid-rollout, the old pod's last ones) is served by the
+        next table that has them, as this gateway's own waiting requests are."""
         self.stopping = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
             await self._stop_process()
         finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.admission.stop()  # after: the data plane's prefills held their slots
 
     async def _stop_process(self) -> None:

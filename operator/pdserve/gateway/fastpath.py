@@ -38,7 +38,7 @@ from pdserve.gateway.held_kv import MAX_HOLDS, DecodeHolds
 from pdserve.gateway.policy import AutoPolicy
 from pdserve.gateway.settings import GatewaySettings
 
-PYTHON, PD, DECODE, AUTO = "python", "pd", "decode", "auto"
+PD, DECODE, AUTO, UNAVAILABLE = "pd", "decode", "auto", "unavailable"
 BYTES_PER_PROMPT_TOKEN = 4
 """How the gateway estimates prompt tokens from characters (exchange.estimated_prompt_tokens):
 the body-size threshold for fair admission is the long-prompt threshold in these units."""
@@ -131,7 +131,7 @@ def pd_groups(
 
 class Served(NamedTuple):
     """The route the data plane takes now, its render servers and engine groups; why, while it
-    hands every request to the Python gateway (PYTHON) or prefills every request locally
+    holds every request for engines (UNAVAILABLE) or prefills every request locally
     (`local_prefill`): what `/status` shows."""
 
     route: str
@@ -142,12 +142,12 @@ class Served(NamedTuple):
 
 
 def served_route(config: GatewayConfig, endpoints: Endpoints) -> Served:
-    """With no complete set of engines every request goes to the Python gateway, which holds
-    it up to the endpoint wait for one (planner.plan), then answers 503."""
+    """With no complete set of engines the data plane holds each request up to the endpoint
+    wait for one, as the Python gateway does (planner.plan), then answers 503 with its words."""
     route = route_of(config)
     found = engines(config, endpoints, route)
     if not found.groups:
-        return Served(PYTHON, [], [], found.why)  # the Python gateway waits, then answers 503
+        return Served(UNAVAILABLE, [], [], found.why)
     if found.local_prefill is not None:
         route = DECODE
     return Served(route, found.render, found.groups, found.why, found.local_prefill)
@@ -233,6 +233,12 @@ def routing_table(
         # A decode is sent prefill's KV only this long after prefill answered (hops.kv_start_by).
         "kvStartWithinSeconds": settings.kv_start_within(config.kv_transfer.prefill_lease_seconds),
     }  # fmt: skip
+    if route == UNAVAILABLE:
+        # Held up to the endpoint wait for a table with engines, then answered 503 so.
+        entry["unavailable"] = {
+            "message": served.why,
+            "waitSeconds": settings.endpoint_wait_seconds,
+        }
     if served.local_prefill is not None:
         entry["localPrefillReason"] = served.local_prefill  # counted per request
     if route == AUTO:

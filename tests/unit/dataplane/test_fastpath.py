@@ -69,10 +69,11 @@ def test_behind_render_servers_the_data_plane_renders_and_derenders_around_p_d()
     # The render servers of the engines' parity only: never a template the engines disagree with.
     render = [Endpoint("http://r-old", "p0"), Endpoint("http://r", "p1")]
     assert model(table_for(engine_api="tokens", render=render))["render"] == ["http://r"]
-    # No routable render server: the Python gateway waits for one or answers 503.
+    # No routable render server: the data plane waits for one or answers 503.
     assert model(table_for(engine_api="tokens", render=[])) == {
-        "route": "python", "groups": [], "render": [], "blockSize": 16,
+        "route": "unavailable", "groups": [], "render": [], "blockSize": 16,
         "kvStartWithinSeconds": 29.0,
+        "unavailable": {"message": "no healthy render endpoint", "waitSeconds": 30.0},
     }  # fmt: skip
     # Long prompts are counted in rendered tokens; what tokens-only engines would refuse, the
     # data plane refuses as intake does (naming the parameter and what to send instead).
@@ -194,19 +195,18 @@ def served(
     return found.route, found.why, found.local_prefill
 
 
-def test_without_a_pair_the_data_plane_hands_over_or_prefills_locally_as_the_planner_does() -> None:
+def test_without_a_pair_the_data_plane_waits_or_prefills_locally_as_the_planner_does() -> None:
     """planner.plan: a missing pool (or, in mode Disaggregated, a missing prefill replica) holds
-    the request up to the endpoint wait, then answers 503: the data plane hands such requests
-    to the Python gateway. A prefill replica that may not take P/D (transport not Verified
-    under Required, no KV-compatible decode) makes every request prefill on decode, counted:
-    the data plane does that itself."""
+    the request up to the endpoint wait, then answers 503; a prefill replica that may not take
+    P/D (transport not Verified under Required, no KV-compatible decode) makes every request
+    prefill on decode, counted. The data plane does both itself: nothing is handed over."""
     assert served() == ("pd", None, None)
     assert served("Auto") == ("auto", None, None)
-    assert served(decode=[]) == ("python", "no healthy decode endpoint", None)
+    assert served(decode=[]) == ("unavailable", "no healthy decode endpoint", None)
     held = Endpoint("http://p", "p1")
     held.routable = False
     assert served(prefill=[held]) == (
-        "python", "routing mode Disaggregated but no healthy prefill endpoint", None,
+        "unavailable", "routing mode Disaggregated but no healthy prefill endpoint", None,
     )  # fmt: skip
     assert served("Auto", prefill=[held])[0] == "auto"  # Auto prefills locally, by design
     unverified = Endpoint("http://p", "p1", kv_transport="Failed")
@@ -221,7 +221,10 @@ def test_without_a_pair_the_data_plane_hands_over_or_prefills_locally_as_the_pla
     assert "KV-compatibility" in str(why)
 
 
-def test_the_table_says_why_every_request_prefills_locally() -> None:
+def test_the_table_says_how_long_to_hold_a_request_for_engines_and_what_to_count() -> None:
+    waiting = model(table_for(decode=[], settings=GatewaySettings(endpoint_wait_seconds=7.5)))
+    assert (waiting["route"], waiting["groups"]) == ("unavailable", [])
+    assert waiting["unavailable"] == {"message": "no healthy decode endpoint", "waitSeconds": 7.5}
     other_build = model(table_for(prefill=[Endpoint("http://p", "p1", kv_compat="b")]))
     assert other_build["route"] == "decode"
     assert other_build["groups"] == [{"prefill": [], "decode": ["http://d"]}]
