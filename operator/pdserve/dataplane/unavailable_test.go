@@ -26,6 +26,17 @@ func pushTable(t *testing.T, p *plane, table string) {
 	}
 }
 
+// untilWaitingForATable returns once a request waits in p for the next routing table.
+func untilWaitingForATable(t *testing.T, p *plane) {
+	t.Helper()
+	waiting := func() bool { p.tableMu.Lock(); defer p.tableMu.Unlock(); return p.tableMoved != nil }
+	for deadline := time.Now().Add(10 * time.Second); !waiting(); runtime.Gosched() {
+		if time.Now().After(deadline) {
+			t.Fatal("the request never waited for a table")
+		}
+	}
+}
+
 // A model with no complete set of engines (a rollout replacing its only decode pod): its
 // requests wait for a table that has them, as the Python gateway waits (planner.plan), and are
 // served by the data plane then; none is handed over.
@@ -52,12 +63,7 @@ func TestARequestWithoutEnginesWaitsForATableWithThemAndIsServed(t *testing.T) {
 		body, _ := io.ReadAll(response.Body)
 		answered <- result{response.StatusCode, string(body)}
 	}()
-	waiting := func() bool { u.p.tableMu.Lock(); defer u.p.tableMu.Unlock(); return u.p.tableMoved != nil }
-	for deadline := time.Now().Add(10 * time.Second); !waiting(); runtime.Gosched() {
-		if time.Now().After(deadline) {
-			t.Fatal("the request never waited for a table")
-		}
-	}
+	untilWaitingForATable(t, u.p)
 	pushTable(t, u.p, `{"version":2,"models":{"m":{"route":"decode","groups":[{"prefill":[],"decode":["`+engine.URL+`"]}]}}}`)
 	got := <-answered
 	if got.status != 200 || !strings.Contains(got.body, `"finish_reason":"stop"`) {
@@ -194,12 +200,7 @@ func TestARequestThatWaitedForEnginesIsLoggedWithTheirNames(t *testing.T) {
 		response.Body.Close()
 		answered <- response.StatusCode
 	}()
-	held := func() bool { u.p.tableMu.Lock(); defer u.p.tableMu.Unlock(); return u.p.tableMoved != nil }
-	for deadline := time.Now().Add(10 * time.Second); !held(); runtime.Gosched() {
-		if time.Now().After(deadline) {
-			t.Fatal("the request never waited for a table")
-		}
-	}
+	untilWaitingForATable(t, u.p)
 	pushTable(t, u.p, `{"version":2,`+logRoutes+`"names":{"`+engine.URL+`":"decode-new"}},`+
 		`"models":{"m":{"route":"decode","groups":[{"prefill":[],"decode":["`+engine.URL+`"]}]}}}`)
 	if status := <-answered; status != 200 {
