@@ -101,14 +101,21 @@ func TestWhatTheIntakeRefusesTheClientGetsInItsWords(t *testing.T) {
 	}
 }
 
-// A Python gateway that does not answer as an intake (one of an older build behind a newer
-// data plane) gets the request handed over, as before there was an intake.
-func TestWithoutAnIntakeTheRequestIsHandedOver(t *testing.T) {
+// An intake that cannot be asked (the Python gateway crashed, or answers as something else):
+// the client is told to retry, with Retry-After; the request is neither served unchecked nor
+// handed over.
+func TestAnIntakeThatCannotBeAskedIsA503TheClientMayRetry(t *testing.T) {
 	stub := &intakeStub{status: 404, answer: `{"error":{"message":"Not Found"}}`, noHeader: true}
 	engine := &engineEcho{}
 	u := planeWithIntake(t, stub, engine)
 	answer, text := u.post(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":-1}`)
-	if answer.StatusCode != 200 || !strings.Contains(text, "python") || len(engine.seen) != 0 {
+	want := `{"error":{"message":"the gateway could not check this request now: retry shortly",` +
+		`"type":"ServiceUnavailableError","param":null,"code":503}}`
+	if answer.StatusCode != 503 || text != want || answer.Header.Get("Retry-After") != "1" {
 		t.Fatalf("%d %s", answer.StatusCode, text)
+	}
+	if len(engine.seen) != 0 || len(u.python.seen()) != 0 || requests(u.p, "unknown", "error_503") != 1 {
+		t.Fatalf("engine %d, handed over %d, counted %d", len(engine.seen), len(u.python.seen()),
+			requests(u.p, "unknown", "error_503"))
 	}
 }

@@ -534,8 +534,8 @@ func plainString(raw []byte) bool {
 }
 
 // checked puts a request to the Python gateway's intake (intake.go): the body to serve and its
-// members, or nil when the intake answered the client (then reason is "") or could not be asked
-// (then the request is handed over for `why`).
+// members, or nil when the client was answered (then reason is "": the intake's verdict, or a
+// 503 when the intake could not be asked) or, with no intake (tests), handed over for `why`.
 func (p *plane) checked(ctx context.Context, w http.ResponseWriter, r *http.Request, body []byte,
 	s *served, why fallback) ([]byte, []member, fallback) {
 	if p.intake == nil {
@@ -543,10 +543,19 @@ func (p *plane) checked(ctx context.Context, w http.ResponseWriter, r *http.Requ
 	}
 	v, err := p.intake.check(ctx, r, body)
 	if err != nil {
-		if r.Context().Err() == nil {
-			log.Printf("pdserve-dataplane: the Python gateway's intake: %v", err)
+		s.route = "unknown"
+		if r.Context().Err() != nil {
+			s.outcome = "client_gone"
+			return nil, nil, ""
 		}
-		return nil, nil, why
+		// The Python gateway listens before the data plane starts and stops after it: an
+		// intake that cannot be asked is one that crashed or is overloaded, which would serve
+		// a handed-over request no better. The client retries, elsewhere if this pod is gone.
+		log.Printf("pdserve-dataplane: the Python gateway's intake: %v", err)
+		w.Header().Set("Retry-After", "1")
+		answerFailure(w, s, gatewayError(http.StatusServiceUnavailable, "ServiceUnavailableError",
+			"the gateway could not check this request now: retry shortly"))
+		return nil, nil, ""
 	}
 	p.stats.intake.Add(1)
 	if v.status != http.StatusOK {
