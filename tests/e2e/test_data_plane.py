@@ -1,10 +1,9 @@
-"""`spec.gateway.dataPlane` as a user gets it by default (true), on the real node: the gateway
-pod runs the compiled data plane from the pdserve image in front of the Python gateway, the
-OpenAI SDK gets its answers (streamed and not) through the Service, and the gateway's own
-metrics show that the data plane, not the Python gateway, served them, its request log entries
-in the gateway's log beside the Python gateway's: with OpenAI engines in routing mode Auto (the
-default: the data plane decides each request), and with engines behind the render pool in mode
-Disaggregated."""
+"""The gateway pod as a user gets it, on the real node: it runs the compiled data plane from
+the pdserve image in front of the Python gateway, the OpenAI SDK gets its answers (streamed and
+not) through the Service, and the gateway's own metrics show that the data plane, not the
+Python gateway, served them, its request log entries in the gateway's log beside the Python
+gateway's: with OpenAI engines in routing mode Auto (the default: the data plane decides each
+request), and with engines behind the render pool in mode Disaggregated."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def fast_model(engines: str) -> dict[str, Any]:
     model: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     model["metadata"] = {"name": NAME, "namespace": NAMESPACE}
     spec = model["spec"]
-    spec["gateway"].update(replicas=1, requestLog=True)  # the data plane: on by default
-    spec["gateway"].pop("dataPlane", None)
+    spec["gateway"].update(replicas=1, requestLog=True)  # every gateway pod runs the data plane
     if engines == "openai":
         spec["render"] = {"enabled": False}
         spec["gateway"].pop("routing", None)

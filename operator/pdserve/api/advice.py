@@ -104,21 +104,9 @@ def _claims_take_whole_nodes(spec: DisaggregatedModelSpec) -> list[str]:
     ]
 
 
-def _python_request_path(spec: DisaggregatedModelSpec) -> list[str]:
-    if spec.gateway.data_plane:
-        return []
-    return [
-        "spec.gateway.dataPlane: false is deprecated and will be removed: the gateway's "
-        "compiled data plane serves every route and routing mode the Python gateway serves "
-        "(bidirectional KV and the request log included), with the same answers and metrics "
-        "at a fraction of the CPU per request; remove the field"
-    ]
-
-
 def admission_warnings(spec: DisaggregatedModelSpec) -> list[str]:
     return [
         *fit_warnings(spec),
-        *_python_request_path(spec),
         *_one_nic_for_many_gpus(spec),
         *_clique_domain(spec),
         *_spanning_groups(spec),

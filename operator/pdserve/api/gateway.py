@@ -98,14 +98,6 @@ class GatewaySpec(ApiModel):
     """Write one JSON line per finished request to the gateway's log (`kubectl logs`): the
     render, prefill and decode pods that served it, their parity hash, timings and token
     counts. Off by default: a line per request costs CPU at high rates."""
-    data_plane: bool = True
-    """Serve clients through the gateway's compiled data plane (Go, in the pdserve image) at a
-    fraction of the CPU per request: every routing mode (Auto decided per request in the data
-    plane), OpenAI engines or engines behind a render pool, bidirectional KV and the request
-    log included; a body it cannot prove valid cheaply is judged by the Python gateway in the
-    same pod and then served by it. false (deprecated, warned at admission): the Python
-    gateway serves every request itself (same answers, same metrics, more CPU per request;
-    docs/gateway.md)."""
     replica_check: Literal["Enforce", "Off"] = "Enforce"
     """Enforce: each gateway checks every render and engine replica before it takes traffic (a
     canary render, tokenize and derender on render; vLLM version and served model on engines)

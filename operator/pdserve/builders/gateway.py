@@ -156,7 +156,8 @@ def gateway(
             ),
             # The container's stdout: `kubectl logs` shows the lines.
             *(["--request-log", "/dev/stdout"] if spec.request_log else []),
-            *(["--data-plane", DATA_PLANE_BINARY] if spec.data_plane else []),
+            "--data-plane",
+            DATA_PLANE_BINARY,
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": resources(spec.resources),

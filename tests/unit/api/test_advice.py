@@ -66,10 +66,3 @@ def test_a_channel_claim_on_a_part_of_a_gb200_tray_warns_that_the_rest_idles() -
     assert warning.startswith("spec.decode: 2 GPUs per pod on NVIDIA-GB200 nodes of 4")
     assert warning.endswith("use tensorParallelSize x dataParallelSize = 4")
     assert warnings_for(placement=placement, decode={"tensorParallelSize": 4}) == []
-
-
-def test_turning_the_data_plane_off_warns_that_it_is_deprecated() -> None:
-    [deprecated] = warnings_for(gateway={"dataPlane": False})
-    assert deprecated.startswith("spec.gateway.dataPlane: false is deprecated")
-    assert deprecated.endswith("remove the field")
-    assert warnings_for(gateway={"dataPlane": True}) == []

@@ -122,6 +122,8 @@ def test_camel_case_json_round_trips() -> None:
         ({"model": {"name": "m", "source": {"hf": {}, "pvc": {"claimName": "w"}}}}, "spec.model.source: set only one of hf and pvc"),
         ({"gateway": {"serviceType": "Ingress"}}, "spec.gateway.serviceType: Input should be 'ClusterIP', 'NodePort' or 'LoadBalancer'"),
         ({"decode": {"replica": 2}}, "spec.decode.replica: unknown field; check its spelling"),
+        # An unreleased 0.2.0 field: every gateway serves its clients through its data plane.
+        ({"gateway": {"dataPlane": False}}, "spec.gateway.dataPlane: unknown field"),
         ({"model": {}}, "spec.model.name: Field required"),
     ],
 )  # fmt: skip

@@ -387,10 +387,8 @@ def test_gateway_request_log_goes_to_its_container_log_only_when_asked() -> None
     assert args[args.index("--request-log") + 1] == "/dev/stdout"
 
 
-def test_gateway_data_plane_runs_the_images_binary_unless_turned_off() -> None:
-    assert "--data-plane" not in gateway_args(with_spec(gateway__dataPlane=False))
-    args = gateway_args(with_spec())  # on by default
-    assert args == gateway_args(with_spec(gateway__dataPlane=True))
+def test_every_gateway_serves_clients_through_the_images_data_plane() -> None:
+    args = gateway_args(with_spec())
     binary = args[args.index("--data-plane") + 1]
     assert binary == "/usr/local/bin/pdserve-dataplane"
     # The image puts it there: the Dockerfile's pdserve target copies the Go stage's binary.
