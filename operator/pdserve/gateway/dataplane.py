@@ -394,7 +394,7 @@ class DataPlane:
 
     async def stop(self) -> None:
         """Stop accepting and let the data plane finish what it holds (this gateway still
-        serves what it hands over); idempotent. The tables keep coming until it has exited: a
+        answers its intake); idempotent. The tables keep coming until it has exited: a
         request it holds for engines (mid-rollout, the old pod's last ones) is served by the
         next table that has them, as this gateway's own waiting requests are."""
         self.stopping = True
