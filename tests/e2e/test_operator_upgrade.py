@@ -71,17 +71,26 @@ def gateway_image(children: dict[str, Any]) -> str:
 
 def without_gateway_image(children: dict[str, Any]) -> dict[str, Any]:
     """The children as compared across the upgrade: the gateway's image and applied hash aside,
-    and its routing file's hash (CHANGELOG.md's upgrade note: this version writes the file as
-    schema version 3, which rolls the gateways, as their new image does anyway)."""
+    its routing file's hash (CHANGELOG.md's upgrade note: this version writes the file as
+    schema version 3, which rolls the gateways, as their new image does anyway) and its
+    `--data-plane` (the upgrade note: every gateway pod serves through the data plane now)."""
     spec, _ = children[GATEWAY]
     metadata = spec["template"].get("metadata", {})
     annotations = {k: v for k, v in metadata.get("annotations", {}).items()
                    if k != CONFIG_HASH_ANNOTATION}  # fmt: skip
     template = {**spec["template"], "metadata": {**metadata, "annotations": annotations},
                 "spec": {**spec["template"]["spec"], "containers": [
-        {k: v for k, v in c.items() if k != "image"} for c in spec["template"]["spec"]["containers"]
+        {k: without_data_plane(v) if k == "args" else v for k, v in c.items() if k != "image"}
+        for c in spec["template"]["spec"]["containers"]
     ]}}  # fmt: skip
     return {**children, GATEWAY: ({**spec, "template": template}, None)}
+
+
+def without_data_plane(args: list[str]) -> list[str]:
+    if "--data-plane" not in args:
+        return args
+    at = args.index("--data-plane")
+    return args[:at] + args[at + 2 :]
 
 
 def image_of(pod: dict[str, Any]) -> str:
