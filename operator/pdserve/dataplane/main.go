@@ -799,7 +799,7 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(http.StatusOK)
-	flusher, _ := w.(http.Flusher)
+	flush := flushWhenIdle(w, response)
 	chunk := p.chunks.Get().(*[]byte)
 	defer p.chunks.Put(chunk)
 	timer := time.AfterFunc(p.upstream.firstByte, response.expire)
@@ -855,8 +855,8 @@ func (p *plane) decode(ctx context.Context, w http.ResponseWriter, r *http.Reque
 				gone = true
 			} else {
 				s.chunk()
-				if flusher != nil && err == nil && !done {
-					flusher.Flush()
+				if err == nil && !done {
+					flush.written()
 				}
 			}
 		}

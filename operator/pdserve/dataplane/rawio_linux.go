@@ -27,6 +27,9 @@ import (
 type rawConn struct {
 	*net.TCPConn
 	raw syscall.RawConn
+	// beforeWait runs when a Read finds the socket empty, before the goroutine waits for more
+	// (whileWaiting): set and called by the reading goroutine alone.
+	beforeWait func()
 }
 
 // newRawConn wraps a TCP connection; any other connection is returned as it is.
@@ -47,7 +50,7 @@ func (c *rawConn) Read(b []byte) (int, error) {
 		return 0, nil
 	}
 	op := rawOps.Get().(*rawOp)
-	op.into = b
+	op.into, op.beforeWait = b, c.beforeWait
 	err := c.raw.Read(op.readFn)
 	n, errno := op.n, op.errno
 	op.clear()
@@ -94,6 +97,7 @@ type rawOp struct {
 	n                int
 	errno            syscall.Errno
 	readFn, writeFn  func(fd uintptr) bool
+	beforeWait       func()
 }
 
 var rawOps = sync.Pool{New: func() any {
@@ -103,19 +107,38 @@ var rawOps = sync.Pool{New: func() any {
 }}
 
 func (op *rawOp) clear() {
-	op.into, op.head, op.body, op.n, op.errno = nil, nil, nil, 0, 0
+	op.into, op.head, op.body, op.n, op.errno, op.beforeWait = nil, nil, nil, 0, 0, nil
 }
 
-// read is one read(2), retried on EINTR; false (EAGAIN) sends the goroutine to the poller.
+// read is one read(2), retried on EINTR; false (EAGAIN) sends the goroutine to the poller,
+// after beforeWait. Bytes arriving between the EAGAIN and the wait are not missed: the
+// poller's readiness is reset only when a Read starts, not between its tries.
 func (op *rawOp) read(fd uintptr) bool {
 	for {
 		n, _, errno := syscall.RawSyscall(syscall.SYS_READ, fd,
 			uintptr(unsafe.Pointer(&op.into[0])), uintptr(len(op.into)))
-		if errno != syscall.EINTR {
-			op.n, op.errno = int(n), errno
-			return errno != syscall.EAGAIN
+		if errno == syscall.EINTR {
+			continue
 		}
+		op.n, op.errno = int(n), errno
+		if errno != syscall.EAGAIN {
+			return true
+		}
+		if op.beforeWait != nil {
+			op.beforeWait()
+		}
+		return false
 	}
+}
+
+// whileWaiting makes every Read of conn that would wait for its peer call f first, until
+// whileWaiting(conn, nil); false when conn is not a raw connection (f is never called).
+func whileWaiting(conn net.Conn, f func()) bool {
+	c, ok := conn.(*rawConn)
+	if ok {
+		c.beforeWait = f
+	}
+	return ok
 }
 
 // write is writev(2) of what is left of head and body, until all went (true), the socket's

@@ -174,3 +174,39 @@ func TestARawReadAndWriteAllocateNothing(t *testing.T) {
 		t.Fatalf("a write and a read on a raw connection allocate %.1f times; want at most %.0f", allocations, limit)
 	}
 }
+
+// A read that finds the socket empty runs the hook before it waits, and bytes that arrive
+// between that empty read and the wait are read, not left until more come (a stream's last
+// event would otherwise wait for the idle timeout).
+func TestAReadThatWouldWaitRunsItsHookFirstAndMissesNothingSentMeanwhile(t *testing.T) {
+	ours, peer := rawPair(t)
+	calls := 0
+	if !whileWaiting(ours, func() {
+		calls++
+		if calls == 1 {
+			peer.Write([]byte("sent while the reader was about to wait"))
+		}
+	}) {
+		t.Fatal("a raw connection took no hook")
+	}
+	ours.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got := make([]byte, 100)
+	n, err := ours.Read(got)
+	if err != nil || string(got[:n]) != "sent while the reader was about to wait" || calls != 1 {
+		t.Fatalf("read %q, %v, hook ran %d times", got[:n], err, calls)
+	}
+	whileWaiting(ours, nil)
+	go peer.Write([]byte("after")) // before or after this read waits: never the hook
+	for read := ""; read != "after"; {
+		if n, err = ours.Read(got); err != nil {
+			t.Fatal(err)
+		}
+		read += string(got[:n])
+	}
+	if calls != 1 {
+		t.Fatalf("the hook ran %d times after it was taken off", calls)
+	}
+	if whileWaiting(peer, func() {}) {
+		t.Error("a connection that is not raw took a hook")
+	}
+}

@@ -14,6 +14,9 @@ type rawListener struct{ net.Listener }
 
 func peerClosed(conn net.Conn) bool { return peekClosed(conn) }
 
+// whileWaiting: Go's own calls cannot run anything before they wait (rawio_linux.go).
+func whileWaiting(net.Conn, func()) bool { return false }
+
 func writeHeadAndBody(conn net.Conn, head, body []byte) error {
 	buffers := net.Buffers{head, body}
 	_, err := buffers.WriteTo(conn)

@@ -718,6 +718,7 @@ func (b *upBody) finish(complete bool) {
 	}
 	// stop() is false when the context already ended: its deadline is on the connection.
 	if b.stop() && complete && b.keepAlive {
+		whileWaiting(b.conn.tcp, nil) // the next request's reads are its own
 		b.pool.put(b.conn)
 		return
 	}
