@@ -7,6 +7,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 )
 
@@ -114,6 +115,12 @@ func valueEnd(b []byte, i int) (int, error) {
 	case '{', '[':
 		depth := 0
 		for j := i; j < len(b); j++ {
+			for j+8 <= len(b) && plainWord(binary.LittleEndian.Uint64(b[j:])) {
+				j += 8 // a token id array is nearly all digits and commas
+			}
+			if j >= len(b) {
+				break
+			}
 			switch b[j] {
 			case '"':
 				end, err := stringEnd(b, j)
@@ -141,6 +148,12 @@ func valueEnd(b []byte, i int) (int, error) {
 		}
 		return j, nil
 	}
+}
+
+// plainWord: none of x's eight bytes is a quote, bracket or brace. (c & 0xd9) == 0x59 holds
+// for [ ] { } and for Y _ y DEL, which only send the word to be read byte by byte.
+func plainWord(x uint64) bool {
+	return below((x&(0xd9*ones))^(0x59*ones), 1)|below(x^('"'*ones), 1) == 0
 }
 
 // duplicated: a key given twice (JSON readers disagree on which one counts).

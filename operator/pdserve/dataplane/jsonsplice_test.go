@@ -115,3 +115,23 @@ func FuzzTopLevelNeverPanicsAndAgreesOnObjects(f *testing.F) {
 		}
 	})
 }
+
+// What reading render's answer costs the render route per request: a 50,000-token prompt's
+// generate request walked for its members (jsonValue and topLevel each walk it once).
+func BenchmarkWalkingARenderAnswerOf50000TokenIds(b *testing.B) {
+	ids := make([]int64, 50_000)
+	for i := range ids {
+		ids[i] = int64(i*7919) % 151_936
+	}
+	tokens, _ := json.Marshal(ids)
+	answer := []byte(`{"request_id":"chatcmpl-1","token_ids":` + string(tokens) +
+		`,"sampling_params":{"max_tokens":8,"n":1},"model":"m","stream":false}`)
+	b.SetBytes(int64(len(answer)))
+	b.ResetTimer()
+	for range b.N {
+		members, err := topLevel(answer)
+		if err != nil || len(lookup(members, "token_ids")) != len(tokens) {
+			b.Fatal("not walked", err)
+		}
+	}
+}

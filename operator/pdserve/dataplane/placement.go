@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math"
+	"math/bits"
 	"sort"
 	"sync"
 )
@@ -179,55 +180,117 @@ func (c *prefixCache) record(hashes []uint64, limit int) {
 var blockSeed = maphash.MakeSeed()
 
 // blockHashes: chained hashes of a prompt's full blocks of token ids (a JSON array of
-// integers, as render answers), each over the previous one and the block's ids as 64-bit
-// integers, so two prompts share a hash exactly as far as they share whole leading blocks.
-// ok is false when the array is not one of integers.
+// integers, as render answers), each over the previous one and the block's ids as render
+// wrote them (whitespace left out), so two prompts share a hash exactly as far as they share
+// whole leading blocks. ok is false when it is not an array of integers' characters (digits,
+// minus signs, commas, whitespace): render sends nothing else, and an engine refuses what is
+// malformed among them; placement only needs the same ids to hash the same. It runs on every
+// rendered request over its whole prompt, so it reads eight bytes at a time.
 func blockHashes(tokens []byte, blockSize int) (hashes []uint64, ok bool) {
-	if blockSize <= 0 || len(tokens) < 2 || tokens[0] != '[' {
+	if blockSize <= 0 || len(tokens) < 2 || tokens[0] != '[' || tokens[len(tokens)-1] != ']' {
 		return nil, false
 	}
-	i := skipSpace(tokens, 1)
-	if i == len(tokens)-1 && tokens[i] == ']' {
-		return nil, true // no tokens at all
+	text := tokens[1 : len(tokens)-1]
+	if len(text) == 0 {
+		return nil, true
 	}
-	// One hash per block, over the previous block's hash and this block's ids.
-	block := make([]byte, 8+8*blockSize)
-	inBlock := 0
-	for {
-		i = skipSpace(tokens, i)
-		negative := i < len(tokens) && tokens[i] == '-'
-		if negative {
-			i++
+	var chained uint64
+	start, commas := 0, 0 // where the block began; the commas since, its ids before the last
+	block := func(end int) {
+		chained = mixed(chained*0x9E3779B97F4A7C15 + maphash.Bytes(blockSeed, text[start:end]))
+		hashes = append(hashes, chained)
+		start, commas = end+1, 0
+	}
+	i := 0
+	for ; i+8 <= len(text); i += 8 {
+		x := binary.LittleEndian.Uint64(text[i:])
+		if !idsOnly(x) {
+			break // whitespace, or not ids: read byte by byte from here
 		}
-		start := i
-		var value uint64
-		for i < len(tokens) && tokens[i] >= '0' && tokens[i] <= '9' {
-			value = value*10 + uint64(tokens[i]-'0') // past 2**64: wrapped, as Python's modulo
-			i++
+		found := zeroBytes(x ^ (',' * ones))
+		if n := bits.OnesCount64(found); commas+n < blockSize {
+			commas += n
+			continue
 		}
-		if i == start {
-			return nil, false
-		}
-		if negative {
-			value = -value
-		}
-		binary.LittleEndian.PutUint64(block[8+8*inBlock:], value)
-		if inBlock++; inBlock == blockSize {
-			h := maphash.Bytes(blockSeed, block)
-			hashes = append(hashes, h)
-			binary.LittleEndian.PutUint64(block, h)
-			inBlock = 0
-		}
-		i = skipSpace(tokens, i)
-		switch {
-		case i < len(tokens)-1 && tokens[i] == ',':
-			i++
-		case i == len(tokens)-1 && tokens[i] == ']':
-			return hashes, true
-		default:
-			return nil, false
+		for ; found != 0; found &= found - 1 {
+			if commas++; commas == blockSize {
+				block(i + bits.TrailingZeros64(found)/8)
+			}
 		}
 	}
+	if i < len(text) {
+		rest, ok := idsText(text[i:])
+		if !ok {
+			return nil, false
+		}
+		if len(rest) < len(text)-i { // whitespace left out: the rest hashed from a copy
+			text = append(append(make([]byte, 0, i+len(rest)), text[:i]...), rest...)
+		}
+		if len(text) == 0 {
+			return nil, true
+		}
+		for ; i < len(text); i++ {
+			if text[i] == ',' {
+				if commas++; commas == blockSize {
+					block(i)
+				}
+			}
+		}
+	}
+	if commas+1 == blockSize { // the last id completes a block
+		block(len(text))
+	}
+	return hashes, true
+}
+
+// idsText: a token id array's contents without whitespace (the same bytes when it has none,
+// as render writes them); false when a byte is none of an integer array's.
+func idsText(inner []byte) ([]byte, bool) {
+	spaced := false
+	for i := 0; i < len(inner); i += 8 {
+		if i+8 <= len(inner) && idsOnly(binary.LittleEndian.Uint64(inner[i:])) {
+			continue
+		}
+		for _, c := range inner[i:min(i+8, len(inner))] {
+			switch {
+			case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+				spaced = true
+			case c != ',' && c != '-' && (c < '0' || c > '9'):
+				return nil, false
+			}
+		}
+	}
+	if !spaced {
+		return inner, true
+	}
+	compact := make([]byte, 0, len(inner))
+	for _, c := range inner {
+		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
+			compact = append(compact, c)
+		}
+	}
+	return compact, true
+}
+
+// idsOnly: whether all eight bytes of x are digits, commas or minus signs (',' '-' '0'-'9'
+// are 0x2c-0x39 but for '.' and '/').
+func idsOnly(x uint64) bool {
+	if x&highs != 0 {
+		return false
+	}
+	atLeastComma := (x + (0x80-',')*ones) & highs
+	aboveNine := (x + (0x7f-'9')*ones) & highs
+	dotOrSlash := zeroBytes((x &^ (1 * ones)) ^ ('.' * ones))
+	return atLeastComma == highs && aboveNine == 0 && dotOrSlash == 0
+}
+
+// mixed is murmur3's 64-bit finalizer: every bit of x moves about half of the result's.
+func mixed(x uint64) uint64 {
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	return x ^ x>>33
 }
 
 // conversationKey: one conversation's engine per stage.

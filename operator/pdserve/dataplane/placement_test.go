@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -146,7 +147,25 @@ func TestTokenIdsAreReadAsRenderWritesThemOrNotAtAll(t *testing.T) {
 	if hashes, ok := blockHashes([]byte(`[]`), 2); !ok || len(hashes) != 0 {
 		t.Errorf("[]: %v %v", hashes, ok)
 	}
-	for _, bad := range []string{`[1,2,]`, `[1.5,2]`, `[1 2]`, `["1"]`, `[1,2`, `1,2]`, `[1,2]x`, `[-]`, `[`, ``} {
+	if hashes, ok := blockHashes([]byte("[ \n]"), 1); !ok || len(hashes) != 0 {
+		t.Errorf("[ \\n]: %v %v", hashes, ok)
+	}
+	long := make([]int64, 100) // past the eight-byte reads: the same ids, any spacing, any block
+	for i := range long {
+		long[i] = int64(i*7919) % 151_936
+	}
+	raw, _ := json.Marshal(long)
+	spacedLong := strings.ReplaceAll(string(raw), ",", ", ")
+	for _, size := range []int{1, 3, 16, 100, 101} {
+		a, _ := blockHashes(raw, size)
+		b, ok := blockHashes([]byte(spacedLong), size)
+		if !ok || !slices.Equal(a, b) || len(a) != 100/size {
+			t.Errorf("block size %d: %d hashes, spaced %d (ok %v)", size, len(a), len(b), ok)
+		}
+	}
+	// Characters no array of integers holds; a malformed one of digits and commas ([1,,2])
+	// is hashed as written: the engine refuses it, placement only needs equal ids to match.
+	for _, bad := range []string{`[1.5,2]`, `["1"]`, `[1,2`, `1,2]`, `[1,2]x`, `[[1]]`, `[1e3]`, `[`, ``} {
 		if _, ok := blockHashes([]byte(bad), 1); ok {
 			t.Errorf("%q read as token ids", bad)
 		}

@@ -379,6 +379,12 @@ func below(x uint64, n uint64) uint64 {
 	return (x - ones*n) & ^x & highs
 }
 
+// zeroBytes: x with the high bit of each zero byte set and every other bit clear (below(x, 1)
+// says whether there is one; this says which).
+func zeroBytes(x uint64) uint64 {
+	return ^(((x &^ highs) + ^uint64(highs)) | x | ^uint64(highs))
+}
+
 // tokenStop: the bytes that end a number or a literal (anything else in one makes it wrong).
 var tokenStop = func() (t [256]bool) {
 	for _, c := range []byte(" \t\n\r,:[]{}\"") {
