@@ -428,7 +428,7 @@ func ranked(pool []*endpoint, affinity map[string]int, slack float64) []*endpoin
 
 // pick: the best engine of pool for this request's `stage`.
 func (w *placing) pick(stage string, pool []*endpoint, prefix bool) *endpoint {
-	if w == nil {
+	if w == nil || len(pool) < 2 { // one engine: nothing to score (a long prompt's thousands of blocks)
 		return least(pool)
 	}
 	return best(pool, w.scores(stage, pool, prefix), w.rule.Slack)
@@ -436,7 +436,7 @@ func (w *placing) pick(stage string, pool []*endpoint, prefix bool) *endpoint {
 
 // rank: pool in the order pick would choose them.
 func (w *placing) rank(stage string, pool []*endpoint, prefix bool) []*endpoint {
-	if w == nil {
+	if w == nil || len(pool) < 2 {
 		return ranked(pool, nil, 0)
 	}
 	return ranked(pool, w.scores(stage, pool, prefix), w.rule.Slack)
