@@ -193,12 +193,7 @@ func TestAClientLeavingMidStreamIsClientGoneAndItsTokensDecodeAborted(t *testing
 			io.WriteString(w, `{"chunk":{"choices":[{"index":0,"delta":{"content":"t"},"finish_reason":null}]},"stream_state":null}`)
 		}
 	}, nil)
-	request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions",
-		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`))
-	response, err := http.DefaultClient.Do(request)
-	if err != nil {
-		t.Fatal(err)
-	}
+	response := u.opened(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`)
 	if _, err := bufio.NewReader(response.Body).ReadString('\n'); err != nil {
 		t.Fatal(err)
 	}

@@ -163,6 +163,19 @@ func newPlaneUnderTest(t *testing.T, table string, engine http.HandlerFunc, conf
 	return &planeUnderTest{p: p, url: client.URL, python: stub}
 }
 
+// opened posts a chat body and answers the response unread (a stream the test reads as it
+// comes); closed when the test ends.
+func (u *planeUnderTest) opened(t *testing.T, body string) *http.Response {
+	t.Helper()
+	request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions", strings.NewReader(body))
+	response, err := http.DefaultClient.Do(request)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { response.Body.Close() })
+	return response
+}
+
 func (u *planeUnderTest) post(t *testing.T, body string, headers ...string) (*http.Response, string) {
 	t.Helper()
 	request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions", strings.NewReader(body))

@@ -34,13 +34,7 @@ func TestEachEventReachesTheClientBeforeTheEngineSendsTheNext(t *testing.T) {
 		}
 		io.WriteString(w, "data: [DONE]\n\n")
 	}, nil)
-	request, _ := http.NewRequest("POST", u.url+"/v1/chat/completions",
-		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`))
-	response, err := http.DefaultClient.Do(request)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer response.Body.Close()
+	response := u.opened(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`)
 	lines := make(chan string)
 	go func() {
 		reader := bufio.NewReader(response.Body)
