@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,24 +16,18 @@ import pytest
 from pdserve.api import parse_resource
 from pdserve.builders.preflight import NodePair
 from pdserve.controller.transport import judge
+from pdserve.ports import port_block
 from pdserve.probe import kvprobe
 
 PROBE = Path(kvprobe.__file__)
 
 
 def port_pair() -> int:
-    """A port p with p + 1 free as well (the client listens on p + 1)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two adjacent free ports")
+    """A port p with p + 1 free as well (the client's NIXL listens on p + 1), below the ephemeral
+    range: the probes bind them themselves, and an ephemeral port picked here could go to any
+    process's outgoing connection first (a CI run lost that race: "Failed to bind metadata
+    listener socket")."""
+    return port_block(2)
 
 
 def run_pair(
