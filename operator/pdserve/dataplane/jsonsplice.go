@@ -78,11 +78,14 @@ func appendMembers(members []member, body []byte) ([]member, error) {
 }
 
 func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\n' || b[i] == '\r' || b[i] == '\t') {
+	for i < len(b) && jsonSpace(b[i]) {
 		i++
 	}
 	return i
 }
+
+// jsonSpace: whitespace as JSON's grammar has it.
+func jsonSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\r' || c == '\t' }
 
 // stringEnd: the index after the closing quote of the string opening at i.
 func stringEnd(b []byte, i int) (int, error) {

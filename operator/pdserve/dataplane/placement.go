@@ -253,7 +253,7 @@ func idsText(inner []byte) ([]byte, bool) {
 		}
 		for _, c := range inner[i:min(i+8, len(inner))] {
 			switch {
-			case c == ' ' || c == '\t' || c == '\n' || c == '\r':
+			case jsonSpace(c):
 				spaced = true
 			case c != ',' && c != '-' && (c < '0' || c > '9'):
 				return nil, false
@@ -265,7 +265,7 @@ func idsText(inner []byte) ([]byte, bool) {
 	}
 	compact := make([]byte, 0, len(inner))
 	for _, c := range inner {
-		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
+		if !jsonSpace(c) {
 			compact = append(compact, c)
 		}
 	}
