@@ -31,6 +31,7 @@ ALLOWED_KEYS = {
     "properties", "additionalProperties", "anyOf", "nullable",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string",
     "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-map-type",
+    "x-kubernetes-list-map-keys",
 }  # fmt: skip
 
 PRINTER_COLUMNS = [

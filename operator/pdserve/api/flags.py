@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pdserve.api.common import EnvVar
+from pdserve.vllm.lora import SKIP_MODEL_NAME_CHECK
 
 MULTI_NODE_FLAGS = (
     "--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-rank",
@@ -33,6 +34,11 @@ OWNED_FLAGS: dict[str, str] = {
     "--long-prefill-token-threshold": "spec.<pool>.scheduler.longPrefillTokenThreshold",
     "--renderer-num-workers": "spec.render.workers",
     "--shutdown-timeout": "spec.<pool>.shutdownTimeoutSeconds",
+    # LoRA: on with spec.model.adapters (their --lora-modules is a parity flag).
+    "--enable-lora": "spec.model.adapters",
+    "--max-lora-rank": "spec.model.lora.maxRank",
+    "--max-loras": "spec.model.lora.maxLoras",
+    "--max-cpu-loras": "spec.model.lora.maxCpuLoras",
     # Multi-node wiring: derived from nodesPerReplica and the LeaderWorkerSet's env.
     **dict.fromkeys(MULTI_NODE_FLAGS, "spec.<pool>.nodesPerReplica"),
 }
@@ -50,6 +56,9 @@ OWNED_ENV: dict[str, str] = {
     "UCX_NET_DEVICES": "spec.kvTransfer.ucxNetDevices",
     "UCX_TLS": "spec.kvTransfer.ucxTransports",
     "HF_TOKEN": "spec.model.source.hf.tokenSecretRef",
+    # Set on the render pods with adapters (builders/render.py); on an engine, a misspelt model
+    # name would be served silently by the base model.
+    SKIP_MODEL_NAME_CHECK: "spec.model.adapters (the render pods get it)",
 }
 
 

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field
+from pydantic import Field, JsonValue
 
+from pdserve.api.adapters import LoraAdapter, LoraSpec, adapters_hashed, lora_modules
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.common import SecretKeyRef
 from pdserve.api.model_shape import ModelShape
-from pdserve.api.parity import Parity, Scope
+from pdserve.api.parity import Parity, Render, Scope
+
+if TYPE_CHECKING:
+    from pdserve.api.spec import DisaggregatedModelSpec
+
+
+def _lora_modules(spec: DisaggregatedModelSpec) -> list[dict[str, str]] | None:
+    return lora_modules(spec.model.adapters)
+
+
+def _adapters_hashed(spec: DisaggregatedModelSpec, _: str | None) -> JsonValue:
+    return adapters_hashed(spec.model.adapters)
 
 
 def _one_cache(cache: ModelCache) -> str | None:
@@ -105,3 +117,31 @@ class ModelSpec(ApiModel):
     """Parameter count and KV geometry, for the check that each engine pool fits the GPUs
     placement allows. Default: known for well-known models (pdserve's table); otherwise no
     check."""
+    adapters: Annotated[
+        list[LoraAdapter],
+        Field(
+            max_length=256,
+            json_schema_extra={
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
+            examples=[
+                [{"name": "sql", "pvc": {"claimName": "adapters", "path": "sql"}}],
+                [{"name": "chat", "hf": {"repo": "org/chat-lora", "revision": "v1"}}],
+            ],
+        ),
+        Parity(
+            "--lora-modules",
+            scope=Scope.engines,
+            render=Render.json_each,
+            effective=_lora_modules,
+            hashed=_adapters_hashed,
+            hashed_when_unset=False,
+        ),
+    ] = Field(default_factory=list)
+    """LoRA adapters served beside the model, each under its own name in the OpenAI `model`
+    field, by every engine (prefill and decode hold the same set: part of the parity set). The
+    render pool renders their requests with the model's tokenizer and chat template (vLLM uses
+    the base model's for adapters too). Changing the list restarts the engines."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    """vLLM's LoRA capacity on the engines (with adapters only)."""

@@ -44,6 +44,8 @@ class Render(StrEnum):
     """`--flag` when true, nothing when false."""
     json = "Json"
     """`--flag <canonical JSON>` when set."""
+    json_each = "JsonEach"
+    """`--flag <canonical JSON of each item>...` when set (a list; vLLM's nargs=+ flags)."""
     chat_template_file = "ChatTemplateFile"
     """`--flag <the file the builders mount the referenced ConfigMap key at>` when set."""
 
@@ -62,6 +64,9 @@ class Parity:
     render: Render = Render.value
     hashed: Callable[[DisaggregatedModelSpec, str | None], JsonValue] | None = None
     effective: Callable[[DisaggregatedModelSpec], Any] | None = None
+    # False: left out of the parity set while its hashed value is None, so a knob added after
+    # models were deployed changes none of their hashes (an operator upgrade rolls no pods).
+    hashed_when_unset: bool = True
 
     def __post_init__(self) -> None:
         if (self.flag is None) == (self.env is None):
@@ -122,6 +127,23 @@ class ParityKnob:
         if isinstance(value, BaseModel):
             return typing.cast(JsonValue, value.model_dump(by_alias=True, mode="json"))
         return typing.cast(JsonValue, value)
+
+
+def hashed_knobs(
+    knobs: tuple[ParityKnob, ...],
+    spec: DisaggregatedModelSpec,
+    chat_template_digest: str | None,
+    scope: Scope | None = None,
+) -> dict[str, JsonValue]:
+    """The knobs' entries in a parity set (those of `scope` only, when given), by key."""
+    entries: dict[str, JsonValue] = {}
+    for knob in knobs:
+        if scope is not None and knob.parity.scope is not scope:
+            continue
+        value = knob.hashed(spec, chat_template_digest)
+        if value is not None or knob.parity.hashed_when_unset:
+            entries[knob.key] = value
+    return entries
 
 
 def models_in(annotation: Any) -> list[type[BaseModel]]:

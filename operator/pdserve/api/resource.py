@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
+from pdserve.api.adapters import served_name_clash
 from pdserve.api.base import ApiModel
 from pdserve.api.spec import DisaggregatedModelSpec
 from pdserve.api.status import DisaggregatedModelStatus
@@ -43,6 +44,12 @@ class DisaggregatedModel(ApiModel):
     metadata: ObjectMeta
     spec: DisaggregatedModelSpec
     status: DisaggregatedModelStatus | None = None
+
+    @model_validator(mode="after")
+    def _adapters_not_named_as_the_model(self) -> DisaggregatedModel:
+        if problems := served_name_clash(self.spec.model.adapters, self.served_model_name):
+            raise ValueError("; ".join(problems))
+        return self
 
     @property
     def name(self) -> str:

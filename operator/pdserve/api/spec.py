@@ -9,6 +9,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from pdserve.api.adapters import adapter_problems
 from pdserve.api.autoscaling import EngineAutoscaler
 from pdserve.api.base import ApiModel, CrossFieldRule, with_rules
 from pdserve.api.fit import fit_problems, shape_of
@@ -210,6 +211,8 @@ class DisaggregatedModelSpec(ApiModel):
                 on_gpus = bool(self.placement.accelerator_resource)
                 guaranteed_resources(name, engine.effective_resources(on_gpus))
         self._check_engine_autoscaling()
+        if problems := adapter_problems(self.model.adapters, self.model.lora):
+            raise ValueError("; ".join(problems))
         self._check_side_channel_ports()
         self._check_multi_node()
         if problems := fit_problems(self):

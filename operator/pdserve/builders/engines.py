@@ -7,6 +7,7 @@ from typing import Any
 from pdserve.api import DisaggregatedModel, EnginePoolSpec
 from pdserve.api.fit import hf_cache_gib
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
+from pdserve.builders.adapters import adapter_mounts
 from pdserve.builders.kv_compat import kv_compat_digest
 from pdserve.builders.leaderworkerset import leader_worker_set
 from pdserve.builders.names import child_name, engine_name, meta, selector_labels, slice_labels
@@ -131,6 +132,8 @@ def engine_pool(
     # ask the scheduler for a node with that much disk.
     cache_gib = None if dm.spec.placement.engines_on_cpu else hf_cache_gib(dm.spec)
     volumes, mounts = model_volumes(dm, cache_gib)
+    adapters = adapter_mounts(dm, env)
+    volumes, mounts = volumes + adapters.volumes, mounts + adapters.mounts
     if pool.gpus > 1:
         # NCCL between tensor/data-parallel workers needs more shared memory than 64Mi. Memory
         # backed: what it holds counts as the container's memory, so it is capped.
@@ -176,7 +179,8 @@ def engine_pool(
             termination_grace_seconds=termination_grace_seconds(pool),
             gpu_pool=True,
             affinity=engine_affinity(dm, slice_index, group=group),
-            extra_spec=engine_pod_fields(dm),
+            extra_spec=engine_pod_fields(dm)
+            | ({"initContainers": adapters.init_containers} if adapters.init_containers else {}),
             overrides=pool.pod_overrides,
         )
         selector = {**selector_labels(dm, component), **slice_labels(dm, slice_index)}

@@ -28,7 +28,6 @@ from pdserve.contract.names import (
 from pdserve.contract.pod_layout import PEER_KEY_DIR, ROUTING_DIR
 from pdserve.contract.routing import (
     ROUTING_KEY,
-    SCHEMA_VERSION,
     VLLM_DECODER_KV_BLOCKS_TTL_SECONDS,
     VLLM_KV_LEASE_SECONDS,
     GatewayConfig,
@@ -38,6 +37,7 @@ from pdserve.contract.routing import (
     Routing,
     Slo,
     config_text_of,
+    written_version,
 )
 
 
@@ -71,19 +71,22 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
     """What the gateway needs to route: pools, the parity hash pods must carry, policies, SLOs."""
     spec = dm.spec
     kv = spec.kv_transfer
-    # Behind a render pool, what the engines can serve (the gateway refuses what --tokens-only
-    # engines cannot); without one there are no tokens engines to describe.
-    tokens_engines: dict[str, Any] = {}
+    # Keys set only when they apply, so the file leaves them out otherwise. Behind a render
+    # pool, what the engines can serve (the gateway refuses what --tokens-only engines cannot);
+    # without one there are no tokens engines to describe. Adapters: a model without keeps its
+    # file across an upgrade (written_version).
+    optional: dict[str, Any] = {}
     if spec.render.enabled:
         tokens_only = spec.render.engine_api is EngineApi.tokens_only
-        tokens_engines["tokens_engines"] = "tokens_only" if tokens_only else "scale_out"
-    return GatewayConfig(
-        schema_version=SCHEMA_VERSION,
+        optional["tokens_engines"] = "tokens_only" if tokens_only else "scale_out"
+    if spec.model.adapters:
+        optional["adapters"] = [a.name for a in spec.model.adapters]
+    config = GatewayConfig(
         model=dm.served_model_name,
         namespace=dm.namespace,
         parity_hash=parity,
         engine_api="tokens" if spec.render.enabled else "openai",
-        **tokens_engines,
+        **optional,
         # The engines' KV block size: the gateway hashes prompts in the same blocks to guess
         # which engine holds a prefix.
         block_size=spec.block_size,
@@ -110,6 +113,7 @@ def routing_config(dm: DisaggregatedModel, parity: str) -> GatewayConfig:
         ),
         replica_check=spec.gateway.replica_check,
     )
+    return config.model_copy(update={"schema_version": written_version(config)})
 
 
 def gateway(

@@ -16,7 +16,7 @@ import hashlib
 from typing import Any
 
 from pdserve.api import PARITY_KNOBS, DisaggregatedModel, EnginePoolSpec
-from pdserve.api.parity import Scope
+from pdserve.api.parity import Scope, hashed_knobs
 from pdserve.builders.parity import canonical_json
 from pdserve.builders.vllm_args import kv_transfer_config, model_argument
 
@@ -87,11 +87,7 @@ def kv_compat_set(dm: DisaggregatedModel, pool: EnginePoolSpec) -> dict[str, Any
             "revision": spec.model.revision,
         },
         # Engine-pair invariants (block size, KV cache dtype), from their parity declarations.
-        "engines": {
-            knob.key: knob.hashed(spec, None)
-            for knob in PARITY_KNOBS
-            if knob.parity.scope is Scope.engines
-        },
+        "engines": hashed_knobs(PARITY_KNOBS, spec, None, Scope.engines),
         # The platform picks the attention backend (CPU engines use vLLM's CPU one).
         "accelerator": spec.placement.accelerator_resource,
         "tensorParallelSizes": tensor_parallel_sizes(dm),

@@ -12,11 +12,12 @@ import json
 from typing import Any
 
 from pdserve.api import PARITY_KNOBS, DisaggregatedModel
+from pdserve.api.parity import hashed_knobs
 
 
 def parity_set(dm: DisaggregatedModel, chat_template_digest: str | None = None) -> dict[str, Any]:
     spec = dm.spec
-    knobs = {knob.key: knob.hashed(spec, chat_template_digest) for knob in PARITY_KNOBS}
+    knobs = hashed_knobs(PARITY_KNOBS, spec, chat_template_digest)
     return {"model": spec.model.name, **knobs, "kvConnector": spec.kv_transfer.connector.value}
 
 

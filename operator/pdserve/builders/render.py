@@ -32,6 +32,7 @@ from pdserve.builders.scaling import (
 from pdserve.builders.vllm_args import render_args
 from pdserve.contract.names import RENDER_PORT, Component
 from pdserve.contract.pod_layout import NON_ROOT_HOME
+from pdserve.vllm.lora import SKIP_MODEL_NAME_CHECK
 
 # Grace after the drain: the server finishes in-flight derender calls on SIGTERM.
 SHUTDOWN_SECONDS = 30
@@ -48,6 +49,17 @@ def busy_target(dm: DisaggregatedModel) -> float:
     return render.worker_count * render.autoscaling.target_parser_busy_percent / 100
 
 
+def adapter_env(dm: DisaggregatedModel) -> list[dict[str, Any]]:
+    """With LoRA adapters: `vllm launch render` builds no LoRA config (it ignores the LoRA flags)
+    and answers an adapter's name with 404, yet renders it with the model's tokenizer and
+    template as `vllm serve` does. It then takes any name and passes it on in the rendered
+    request, where the engines select the adapter by it; the gateway has already refused every
+    name but the model's and its adapters'."""
+    if not dm.spec.model.adapters:
+        return []
+    return [{"name": SKIP_MODEL_NAME_CHECK, "value": "1"}]
+
+
 def render_pool(
     dm: DisaggregatedModel, parity: str, plan: ReplicaPlan | None = None
 ) -> list[dict[str, Any]]:
@@ -62,7 +74,12 @@ def render_pool(
         "args": render_args(dm, RENDER_PORT),
         # vLLM's images are built for root: HOME moves to a writable emptyDir (the pod runs as
         # NON_ROOT_UID), where vLLM and Hugging Face keep what they write.
-        "env": [{"name": "HOME", "value": NON_ROOT_HOME}, *common_env(dm), *env_list(render.env)],
+        "env": [
+            {"name": "HOME", "value": NON_ROOT_HOME},
+            *common_env(dm),
+            *adapter_env(dm),
+            *env_list(render.env),
+        ],
         "ports": [{"name": "http", "containerPort": RENDER_PORT, "protocol": "TCP"}],
         "resources": resources(
             render.resources.model_copy(

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from pdserve.api import PARITY_KNOBS, DisaggregatedModel, EnginePoolSpec
+from pdserve.api.adapters import max_cpu_loras, max_loras, max_rank
 from pdserve.api.kv_transfer import NIXL_CONNECTORS
 from pdserve.api.parity import ParityKnob, Render, Scope
 from pdserve.api.render import EngineApi
@@ -44,6 +45,8 @@ def knob_args(knob: ParityKnob, value: Any) -> list[str]:
         return []
     if knob.parity.render is Render.json:
         return [flag, canonical_json(value)]
+    if knob.parity.render is Render.json_each:
+        return [flag, *(canonical_json(item) for item in value)]
     if knob.parity.render is Render.chat_template_file:
         return [flag, f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}"]
     return [flag, str(value.value if isinstance(value, Enum) else value)]
@@ -149,11 +152,24 @@ def kv_transfer_config(dm: DisaggregatedModel, role: str) -> dict[str, Any]:
     return config
 
 
+def lora_flags(dm: DisaggregatedModel) -> list[str]:
+    """vLLM's LoRA switch and capacity, with adapters (their --lora-modules is a parity knob)."""
+    model = dm.spec.model
+    if not model.adapters:
+        return []
+    args = ["--enable-lora"]
+    rank = max_rank(model.adapters, model.lora)
+    if rank is not None:
+        args += ["--max-lora-rank", str(rank)]
+    args += ["--max-loras", str(max_loras(model.adapters, model.lora))]
+    return [*args, "--max-cpu-loras", str(max_cpu_loras(model.adapters, model.lora))]
+
+
 def engine_args(
     dm: DisaggregatedModel, pool: EnginePoolSpec, role: str | None, port: int
 ) -> list[str]:
     """`vllm serve` arguments; role None means aggregated serving (no KV transfer)."""
-    args = model_flags(dm, port) + pool_flags(pool) + engine_pair_flags(dm)
+    args = model_flags(dm, port) + pool_flags(pool) + engine_pair_flags(dm) + lora_flags(dm)
     render = dm.spec.render
     if render.enabled and render.engine_api is EngineApi.tokens_only:
         args.append("--tokens-only")  # no tokenizer: text is the render pool's alone

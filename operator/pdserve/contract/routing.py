@@ -16,7 +16,7 @@ from pdserve.validation import format_validation_error, without_unknown_fields
 log = logging.getLogger("pdserve.gateway")
 
 ROUTING_KEY = "routing.json"  # the ConfigMap's key, mounted as ROUTING_DIR/ROUTING_KEY
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The routing file's schema as this pdserve writes and reads it (a file without
 `schemaVersion` is 1). The skew rule, which lets the operator and the gateways roll separately
 (an operator upgrade or rollback, a gateway image pinned in spec.image.gateway): a gateway
@@ -24,7 +24,11 @@ reads a file of its own version or older, since every key added later has a defa
 a newer file too, leaving out the keys it does not know (logged, so what the newer operator
 asked for is seen to be off until the gateway is upgraded). A key may be added, never renamed
 or given another meaning; each added key raises SCHEMA_VERSION. A key this gateway does not
-know in a file of its own version or older is an error: a typo in a hand-written file."""
+know in a file of its own version or older is an error: a typo in a hand-written file. A file is
+written with the lowest version that knows every key it holds (written_version), so a model
+that uses no newer key keeps its file, and its gateway's config hash, across an upgrade."""
+# The schema version that added each key (after version 3).
+KEYS_SINCE = {"adapters": 4}
 
 
 class _Model(BaseModel):
@@ -137,6 +141,9 @@ class GatewayConfig(_Model):
     routing: Routing = Field(default_factory=Routing)
     pools: Pools
     kv_transfer: KvTransfer = Field(default_factory=KvTransfer)
+    adapters: list[str] = Field(default_factory=list)
+    """LoRA adapters every engine serves beside the model (spec.model.adapters): a request
+    names one in `model`, and its answer is the adapter's."""
     replica_check: Literal["Enforce", "Off"] = "Off"
     """Enforce: check every replica before it takes traffic, keep out the ones that disagree
     (gateway/replica_contract.py). The operator writes spec.gateway.replicaCheck (default
@@ -147,6 +154,12 @@ class GatewayConfig(_Model):
     def tokens_only_engines(self) -> bool:
         """The engines load no tokenizer: requests that need one are refused at intake."""
         return self.engine_api == "tokens" and self.tokens_engines == "tokens_only"
+
+
+def written_version(config: GatewayConfig) -> int:
+    """The lowest schema version that knows every key set in `config` (3 at least)."""
+    used = config.model_dump(by_alias=True, exclude_unset=True)
+    return max([3, *(since for key, since in KEYS_SINCE.items() if key in used)])
 
 
 def config_text_of(config: GatewayConfig) -> str:

@@ -15,7 +15,8 @@ from pdserve.controller.children import ChildKey, describe, key_of
 
 
 def _flag_values(args: list[str]) -> dict[str, str]:
-    """Normalized flag -> its value ("" for a bare switch; "false" for --no-<switch>)."""
+    """Normalized flag -> its values, space-joined ("" for a bare switch; "false" for
+    --no-<switch>)."""
     values: dict[str, str] = {}
     for index, arg in enumerate(args):
         flag = normalize_flag(arg)
@@ -25,10 +26,12 @@ def _flag_values(args: list[str]) -> dict[str, str]:
             values[flag] = arg.split("=", 1)[1]
         elif arg.lower().startswith("--no-"):
             values[flag] = "false"
-        elif index + 1 < len(args) and not args[index + 1].startswith("--"):
-            values[flag] = args[index + 1]
         else:
-            values[flag] = ""
+            # Every value up to the next flag: a list flag (--lora-modules a b) compares whole.
+            end = index + 1
+            while end < len(args) and not args[end].startswith("--"):
+                end += 1
+            values[flag] = " ".join(args[index + 1 : end])
     return values
 
 

@@ -96,7 +96,12 @@ class Gateway:
         self._scrape_task: asyncio.Task[None] | None = None
         self._peers_task: asyncio.Task[None] | None = None
         self.upstream = UpstreamClient(self.endpoints, self.metrics, s)
-        self.intake = Intake(config.model, s, tokens_only_engines=config.tokens_only_engines)
+        self.intake = Intake(
+            config.model,
+            s,
+            tokens_only_engines=config.tokens_only_engines,
+            adapters=config.adapters,
+        )
         self.admission = PrefillAdmission(s.fair_queue)
         # Peers present the peer key when one is set, else the gateway's own API key.
         peer_key = next(iter(s.peer_keys or s.api_keys), None)
@@ -305,19 +310,15 @@ class Gateway:
         return web.json_response({"ready": True})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "pdserve",
-                    }
-                ],
-            }
-        )
+        """The model, then its LoRA adapters with the model as their parent, as `vllm serve`
+        lists them."""
+        model = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "pdserve"}
+        adapters = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+             "parent": self.config.model}
+            for name in self.config.adapters
+        ]  # fmt: skip
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
         queue = self.admission.state()

@@ -254,7 +254,8 @@ def routing_table(
         entry["parityHash"] = parity_hash(config, endpoints)
     return {
         "version": version,
-        "models": {config.model: entry},
+        # Every engine serves the model's adapters (the parity set holds them): one route.
+        "models": {name: entry for name in (config.model, *config.adapters)},
         "apiKeySha256": [hashlib.sha256(k.encode()).hexdigest() for k in settings.api_keys],
         # Without gateway keys the client's own credentials go on to the engines (intake.py).
         "passAuthorization": not settings.api_keys,

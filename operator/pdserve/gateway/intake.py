@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -88,11 +88,18 @@ def framing_fault(request: web.Request) -> str | None:
 
 class Intake:
     def __init__(
-        self, model: str, settings: GatewaySettings, *, tokens_only_engines: bool = False
+        self,
+        model: str,
+        settings: GatewaySettings,
+        *,
+        tokens_only_engines: bool = False,
+        adapters: Iterable[str] = (),
     ) -> None:
         """`tokens_only_engines`: the model's engines run --tokens-only (GatewayConfig), so
-        requests that need a tokenizer on the engine are refused before any work is spent."""
+        requests that need a tokenizer on the engine are refused before any work is spent.
+        `adapters`: the LoRA adapters a request may name in `model` instead of the model."""
         self.model, self.settings = model, settings
+        self.adapters = frozenset(adapters)
         self.tokens_only_engines = tokens_only_engines
         self._api = [_digest(k.encode()) for k in settings.api_keys]
         self._peer = [_digest(k.encode()) for k in settings.peer_keys]
@@ -223,9 +230,10 @@ class Intake:
         engines can serve and the max-tokens cap; the same dict goes upstream (the cap's
         default filled in)."""
         model = body.get("model")
-        if model is not None and model != self.model:
+        if model is None:
+            body["model"] = self.model
+        elif model != self.model and model not in self.adapters:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
-        body["model"] = self.model
         try:
             request = validate_request(body, chat=chat)
         except InvalidRequest as error:

@@ -133,6 +133,11 @@ def engine_answers_of(model: str, version: Any, models: Any) -> dict[str, Any]:
             if served
             else f"{model} is not among its models"
         )
+        # LoRA adapters, where they are mounted included: engines that would run one request
+        # under different adapters (or none) must not be paired.
+        answers["adapters"] = sorted(
+            (str(m.get("id")), str(m.get("root"))) for m in models["data"] if m.get("id") != model
+        )
     return answers
 
 

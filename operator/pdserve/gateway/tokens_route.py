@@ -241,7 +241,7 @@ class TokensRoute:
             prompt_ids,
         )
         self.keep_decode_kv(ex, prompt_ids, answer)
-        model = self.config.model
+        model = ex.body["model"]  # the model's, or the LoRA adapter's the request named
         params = generate["sampling_params"]
         _, result = await self.upstream.post_json(
             "derender",
@@ -355,7 +355,7 @@ class TokensRoute:
 
         return StreamDerender(
             post=post,
-            model=self.config.model,
+            model=ex.body["model"],
             request_id=ex.request_id,
             prompt_ids=prompt_ids,
             request=ex.body,
@@ -488,7 +488,7 @@ class TokensRoute:
                             "id": ex.request_id,
                             "object": writer.object_name,
                             "created": int(time.time()),
-                            "model": self.config.model,
+                            "model": ex.body["model"],
                             "choices": [],
                             "usage": usage,
                         }

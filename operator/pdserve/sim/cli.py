@@ -24,6 +24,7 @@ from pdserve.sim.engine_core import SchedulerConfig
 from pdserve.sim.engine_server import EngineServer
 from pdserve.sim.generation import ModelBehaviour
 from pdserve.sim.http import run
+from pdserve.sim.lora import adapters_of, add_lora_flags, any_model_name
 from pdserve.sim.render_server import RenderConfig, RenderServer
 
 log = logging.getLogger("pdserve.sim")
@@ -74,6 +75,7 @@ def engine_parser() -> argparse.ArgumentParser:
         help="the generate API besides the OpenAI routes, with a tokenizer",
     )
     parser.add_argument("--kv-transfer-config", type=_json_object)
+    add_lora_flags(parser)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
@@ -163,7 +165,11 @@ def _template(name: str | None) -> str:
 
 
 def _render_config(args: argparse.Namespace) -> RenderConfig:
+    """`vllm launch render`'s, or a `vllm serve` engine's own (its OpenAI routes): with the
+    engine's LoRA adapters (render has none: it ignores the LoRA flags)."""
     return RenderConfig(
+        adapters=adapters_of(args) if "lora_modules" in args else {},
+        any_model=any_model_name(),
         model=args.model,
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
@@ -206,9 +212,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     extra = kv.get("kv_connector_extra_config") or {}
     ranks = local_ranks(_data_parallel_flags(args))
+    render = _render_config(args)
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
+        adapters=render.adapters,
         role=role,
         api=args.api or _api_of_flags(args),
         max_model_len=args.max_model_len,
@@ -243,7 +251,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             decoder_kv_ttl_seconds=float(extra.get("decoder_kv_blocks_ttl", 480)),
         ),
         behaviour=ModelBehaviour(reasoning=args.sim_reasoning),
-        render=_render_config(args),
+        render=render,
     )
 
 

@@ -30,6 +30,8 @@ class TransferConfig:
 class EngineConfig:
     model: str = "sim-model"
     served_model_name: str | None = None
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    """LoRA adapters (--lora-modules), name -> path: requests name them in `model`."""
     role: str = "both"  # prefill | decode | both
     api: str = "tokens"
     """tokens (`--tokens-only`: the generate API, no tokenizer), scale_out (`--enable-scale-out`:

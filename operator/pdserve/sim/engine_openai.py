@@ -67,8 +67,9 @@ class OpenAIApi:
             # After rendering, as vLLM checks the rank in process_inputs.
             rank = self.ranks.for_request(request.headers)
             on_rank.enter_context(rank.serving())
+            model = str(rendered.get("model") or self.config.name)
             sequences, remote_decode = await rank.requests.start(
-                request_id, prompt_ids, params, kv_params
+                request_id, prompt_ids, params, kv_params, self.render.config.adapter(model)
             )
         except HttpError as error:
             return error_response(error.status, error.message, error.param)
@@ -99,7 +100,7 @@ class OpenAIApi:
         derendered = await derender_path(
             dict(
                 derender_body(
-                    self.config.name,
+                    model,
                     without_stop_tokens(generated, params),
                     prompt_ids,
                     body,
@@ -125,6 +126,7 @@ class OpenAIApi:
     ) -> web.StreamResponse:
         response = await open_sse(request, {"Content-Type": "text/event-stream"})
         chat = "messages" in body
+        model = str(body.get("model") or self.config.name)  # checked when it was rendered
         generated_tokens = 0
         last: Mapping[str, Any] = {}
         try:
@@ -143,7 +145,7 @@ class OpenAIApi:
                     out = await derender(
                         dict(
                             derender_chunk_body(
-                                self.config.name, seq.request_id, state, choice,  # type: ignore[arg-type]
+                                model, seq.request_id, state, choice,  # type: ignore[arg-type]
                                 prompt_ids, body, chat=chat,
                             )
                         )

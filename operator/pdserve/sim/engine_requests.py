@@ -32,11 +32,16 @@ class EngineRequests:
         self.shutting_down = shutting_down
 
     def plan(
-        self, prompt_ids: list[int], params: Mapping[str, Any], index: int
+        self,
+        prompt_ids: list[int],
+        params: Mapping[str, Any],
+        index: int,
+        adapter: str | None = None,
     ) -> tuple[list[int], str]:
-        """What the model says and how it finishes: its natural answer cut to the length
-        asked, or, on an engine that detokenizes, at the first stop string."""
-        output, finish = self._planned(prompt_ids, params, index)
+        """What the model says (under LoRA `adapter`, None: the base) and how it finishes: its
+        natural answer cut to the length asked, or, on an engine that detokenizes, at the first
+        stop string."""
+        output, finish = self._planned(prompt_ids, params, index, adapter)
         if self.config.detokenizes and (cut := self.stop_string_cut(output, params)) is not None:
             return output[:cut], "stop"
         return output, finish
@@ -62,7 +67,7 @@ class EngineRequests:
         return None
 
     def _planned(
-        self, prompt_ids: list[int], params: Mapping[str, Any], index: int
+        self, prompt_ids: list[int], params: Mapping[str, Any], index: int, adapter: str | None
     ) -> tuple[list[int], str]:
         max_tokens = params.get("max_tokens")
         if max_tokens is None:
@@ -75,7 +80,7 @@ class EngineRequests:
         if index:
             seed = (seed or 0) + index
         natural = model_output(
-            self.tokenizer, prompt_ids, seed=seed, behaviour=self.config.behaviour
+            self.tokenizer, prompt_ids, seed=seed, behaviour=self.config.behaviour, adapter=adapter
         )
         if params.get("ignore_eos"):
             body = natural[:-1]
@@ -120,8 +125,10 @@ class EngineRequests:
         prompt_ids: list[int],
         params: Mapping[str, Any],
         kv_params: Mapping[str, Any] | None,
+        adapter: str | None = None,
     ) -> tuple[list[Sequence], bool]:
-        """Create and schedule the request's sequences; returns (sequences, remote_decode)."""
+        """Create and schedule the request's sequences (under LoRA `adapter`, None: the base
+        model); returns (sequences, remote_decode)."""
         if self.faults.http_5xx > 0:
             self.faults.http_5xx -= 1
             raise HttpError(500, "injected engine failure")
@@ -167,7 +174,7 @@ class EngineRequests:
             computed, _ = await self.kv.pull(kv_params, prompt_ids, whole_prompt=False)
         sequences = []
         for index in range(n):
-            output, finish = self.plan(prompt_ids, params, index)
+            output, finish = self.plan(prompt_ids, params, index, adapter)
             if remote_decode:
                 output, finish = output[:1], "length"
             seq = Sequence(

@@ -21,6 +21,7 @@ from pdserve.sim.engine_core import Sequence
 from pdserve.sim.engine_rank import EngineRank
 from pdserve.sim.engine_ranks import EngineRanks
 from pdserve.sim.http import SSE_DONE, HttpError, error_response, open_sse, read_json, sse_event
+from pdserve.sim.render_server import check_model
 from pdserve.vllm.protocol import generate_request_id, usage
 
 # vLLM 0.32's generate answers and chunks say what they carry (tokens, not text).
@@ -34,6 +35,7 @@ class TokensApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
+            model = check_model(self.config.name, self.config.adapters, body.get("model"))
             # Any rank's check: it reads only the server's config and tokenizer.
             prompt_ids = self.ranks[0].requests.validate_prompt(body.get("token_ids"))
             params = dict(body.get("sampling_params") or {})
@@ -50,7 +52,7 @@ class TokensApi:
             return error_response(error.status, error.message, error.param)
         with rank.serving():
             return await self._generate(
-                request, rank, body, request_id, prompt_ids, params, kv_params
+                request, rank, body, request_id, prompt_ids, params, kv_params, model
             )
 
     async def _generate(
@@ -62,10 +64,12 @@ class TokensApi:
         prompt_ids: list[int],
         params: Mapping[str, Any],
         kv_params: Mapping[str, Any] | None,
+        model: str,
     ) -> web.StreamResponse:
+        adapter = model if model != self.config.name else None
         try:
             sequences, remote_decode = await rank.requests.start(
-                request_id, prompt_ids, params, kv_params
+                request_id, prompt_ids, params, kv_params, adapter
             )
         except HttpError as error:
             return error_response(error.status, error.message, error.param)
@@ -109,7 +113,7 @@ class TokensApi:
         return web.json_response(
             {
                 "request_id": request_id,
-                "model": self.config.name,
+                "model": model,
                 "created": int(time.time()),
                 "choices": choices,
                 "usage": usage(len(prompt_ids), completion_tokens),

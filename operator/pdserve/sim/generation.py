@@ -25,8 +25,10 @@ class ModelBehaviour:
     max_words: int = 48
 
 
-def _rng(prompt_ids: list[int], seed: int | None) -> random.Random:
-    digest = hashlib.sha256(json.dumps([prompt_ids, seed]).encode()).digest()
+def _rng(prompt_ids: list[int], seed: int | None, adapter: str | None = None) -> random.Random:
+    # A LoRA adapter changes what the model says; the base model's answers stay as they were.
+    key = [prompt_ids, seed] if adapter is None else [prompt_ids, seed, adapter]
+    digest = hashlib.sha256(json.dumps(key).encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
@@ -47,10 +49,16 @@ def _first_tool(prompt_text: str) -> dict[str, object] | None:
 
 
 def model_output(
-    tokenizer: SimTokenizer, prompt_ids: list[int], *, seed: int | None, behaviour: ModelBehaviour
+    tokenizer: SimTokenizer,
+    prompt_ids: list[int],
+    *,
+    seed: int | None,
+    behaviour: ModelBehaviour,
+    adapter: str | None = None,
 ) -> list[int]:
-    """The full answer this prompt gets (callers cut it at max_tokens)."""
-    rng = _rng(prompt_ids, seed)
+    """The full answer this prompt gets (callers cut it at max_tokens), under LoRA `adapter`
+    (None: the base model)."""
+    rng = _rng(prompt_ids, seed, adapter)
     words = tokenizer.word_ids()
     prompt_text = tokenizer.decode(prompt_ids)
     out: list[int] = []

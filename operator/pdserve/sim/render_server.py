@@ -105,6 +105,18 @@ def tool_call_schema(tools: list[Any], choice: Any) -> dict[str, Any]:
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
+def check_model(
+    name: str, adapters: Mapping[str, str], model: Any, *, any_model: bool = False
+) -> str:
+    """The `model` a request names, when served (the model, one of its adapters, or any with
+    any_model); else vLLM's 404 (entrypoints/serve/engine/serving.py _check_model)."""
+    if not model:
+        return name
+    if model == name or model in adapters or any_model:
+        return str(model)
+    raise HttpError(404, f"The model `{model}` does not exist. Valid aliases: {name}.", "model")
+
+
 @dataclass
 class RenderConfig:
     model: str = "sim-model"
@@ -115,10 +127,18 @@ class RenderConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    """LoRA adapters served beside the model (an engine's --lora-modules), name -> path."""
+    any_model: bool = False
+    """VLLM_SKIP_MODEL_NAME_VALIDATION: any `model` name is taken and passed on."""
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names; None: the base model."""
+        return model if model and model != self.name and model in self.adapters else None
 
 
 class RenderServer:
@@ -173,21 +193,18 @@ class RenderServer:
         return run
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "pdserve-sim",
-                        "root": self.config.model,
-                        "max_model_len": self.config.max_model_len,
-                    }
-                ],
-            }
-        )
+        """The model, then its LoRA adapters with the model as their parent, as vLLM lists
+        them (entrypoints/openai/models/serving.py)."""
+        model = {
+            "id": self.config.name, "object": "model", "created": 0, "owned_by": "pdserve-sim",
+            "root": self.config.model, "max_model_len": self.config.max_model_len,
+        }  # fmt: skip
+        adapters = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve-sim",
+             "root": path, "parent": self.config.name, "max_model_len": None}
+            for name, path in self.config.adapters.items()
+        ]  # fmt: skip
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
         return metrics_response(self.metrics.registry)
@@ -200,10 +217,8 @@ class RenderServer:
 
     # ---- render --------------------------------------------------------------------------------
     def _check_model(self, body: Mapping[str, Any]) -> str:
-        model = body.get("model") or self.config.name
-        if model != self.config.name:
-            raise HttpError(404, f"The model `{model}` does not exist.", "model")
-        return str(model)
+        return check_model(self.config.name, self.config.adapters, body.get("model"),
+                           any_model=self.config.any_model)  # fmt: skip
 
     def sampling_params(
         self, body: Mapping[str, Any], prompt_len: int, *, chat: bool

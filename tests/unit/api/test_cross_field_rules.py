@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 import pdserve.api.spec  # noqa: F401  (imports every model)
+from pdserve.api.adapters import ONE_ADAPTER_SOURCE, LoraAdapter
 from pdserve.api.autoscaling import EngineAutoscalingSpec, RenderAutoscalingSpec, ScalingBehaviour
 from pdserve.api.base import CEL, ApiModel, CrossFieldRule, RuleViolation, rules_of
 from pdserve.api.crd import build_crd, structural_schema
@@ -47,6 +48,8 @@ NIC_PIN = NIC_PIN_NEEDS_RDMA.message
 ONE_CLAIM = ONE_CLAIM_SOURCE.message
 NO_TCP = TRANSPORTS_NEED_TCP_OR_RDMA.message
 RANKS = RANKS_PER_NODE.message
+ONE_ADAPTER = ONE_ADAPTER_SOURCE.message
+ADAPTER_HF = {"repo": "org/sql-lora", "revision": "v1"}
 RDMA = {"placement": {"rdma": {"resource": "rdma/rdma_shared_device_a"}, "guaranteedQoS": False}}
 
 # (model, object as written, the CEL message of the one rule it breaks, or None)
@@ -55,6 +58,10 @@ CASES: list[tuple[type[ApiModel], dict[str, Any], str | None]] = [
     (ModelSource, {"hf": {}}, None),
     (ModelSource, {"pvc": {"claimName": "weights"}}, None),
     (ModelSource, {"hf": {}, "pvc": {"claimName": "weights"}}, "set only one of hf and pvc"),
+    (LoraAdapter, {"name": "sql", "hf": ADAPTER_HF}, None),
+    (LoraAdapter, {"name": "sql", "pvc": {"claimName": "adapters"}}, None),
+    (LoraAdapter, {"name": "sql"}, ONE_ADAPTER),
+    (LoraAdapter, {"name": "sql", "hf": ADAPTER_HF, "pvc": {"claimName": "a"}}, ONE_ADAPTER),
     (ModelCache, {"claimName": "hf-cache"}, None),
     (ModelCache, {"hostPath": "/var/lib/hf"}, None),
     (ModelCache, {}, "set exactly one of claimName and hostPath"),
@@ -253,7 +260,7 @@ def test_cel_and_python_agree(
 
 def test_the_table_breaks_every_rule_and_passes_every_model_with_rules() -> None:
     rules = all_rules()
-    assert len(rules) == 18
+    assert len(rules) == 19
     assert {broken for _, _, broken in CASES if broken} == set(rules)
     with_rules = {model for model in (c[0] for c in CASES) if rules_of(model)}
     assert with_rules == {model for model, _, broken in CASES if broken is None}

@@ -1,8 +1,8 @@
 """A parity knob is declared once, on its spec field (api/parity.py Parity), and everything else
 follows from that declaration: iterating the declarations, each knob is refused in every pool's
 extraArgs (or env), emitted into the pools its scope names, part of the parity hash, and
-compared on live workloads by the drift check. Sample values come from each field's type, so a
-new knob needs no edit here."""
+compared on live workloads by the drift check. Sample values come from each field's type (or the
+examples it declares), so a new knob needs no edit here."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def field_of(knob: ParityKnob) -> FieldInfo:
 
 
 def samples(knob: ParityKnob) -> list[Any]:
-    """Two JSON values of the knob's field, the first never its default."""
+    """Two JSON values of the knob's field, the first never its default: its declared examples,
+    else made from its type."""
     field = field_of(knob)
+    if field.examples:
+        return list(field.examples[:2])
     kind: Any = field.annotation
     if typing.get_origin(kind) in (typing.Union, type(int | None)):
         [kind] = [a for a in typing.get_args(kind) if a is not type(None)]

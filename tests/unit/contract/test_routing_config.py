@@ -40,8 +40,10 @@ def test_the_gateway_reads_back_every_field_the_operator_writes(path: Path, tmp_
     assert read == written
     assert config_text_of(read) == text
     # Every field is the operator's to set, except the static endpoints of runs outside a
-    # cluster (and what the engines behind a render pool run, when there is none).
+    # cluster (and what the engines behind a render pool run, when there is none; adapters,
+    # when the model has none).
     unset = {"endpoints"} | ({"tokens_engines"} if written.engine_api == "openai" else set())
+    unset |= set() if written.adapters else {"adapters"}
     assert written.model_fields_set == set(GatewayConfig.model_fields) - unset
 
 
@@ -91,13 +93,28 @@ SCHEMAS = sorted((Path(__file__).parent / "routing_schemas").glob("*.json"), key
 SCHEMA_VERSION adds its own, and a gateway must keep reading all of them."""
 
 
-def test_the_operator_writes_this_schema_version_and_its_file_is_kept() -> None:
-    text, written = configmap_text(REPO / "examples" / "sim-qwen3.yaml")
+def test_the_operator_writes_this_schema_version_and_its_file_is_kept(tmp_path: Path) -> None:
+    """With every key set (adapters), the file is this version's; without the keys version 4
+    added, it is the version-3 file it was, so an upgrade rewrites no model's gateway."""
+    text, written = configmap_text(with_adapters(tmp_path))
     assert written.schema_version == SCHEMA_VERSION
     assert [int(p.stem) for p in SCHEMAS] == list(range(1, SCHEMA_VERSION + 1)), (
         f"add routing_schemas/{SCHEMA_VERSION}.json: the file this operator writes"
     )
     assert json.loads(SCHEMAS[-1].read_text()) == json.loads(text)
+    text, written = configmap_text(REPO / "examples" / "sim-qwen3.yaml")
+    assert written.schema_version == 3
+    assert json.loads((SCHEMAS[0].parent / "3.json").read_text()) == json.loads(text)
+
+
+def with_adapters(tmp_path: Path) -> Path:
+    """examples/sim-qwen3.yaml with a LoRA adapter."""
+    text = (REPO / "examples" / "sim-qwen3.yaml").read_text()
+    adapter = "    adapters:\n      - {name: sql, pvc: {claimName: adapters, path: sql}}\n"
+    text = text.replace("    name: Qwen/Qwen3-8B\n", "    name: Qwen/Qwen3-8B\n" + adapter, 1)
+    path = tmp_path / "sim-qwen3-adapters.yaml"
+    path.write_text(text)
+    return path
 
 
 @pytest.mark.parametrize("path", SCHEMAS, ids=lambda p: f"schema-{p.stem}")
@@ -110,7 +127,7 @@ def test_a_gateway_reads_the_files_of_older_operators(path: Path) -> None:
 def test_a_gateway_reads_a_newer_operators_file_leaving_out_what_it_does_not_know(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    text, written = configmap_text(REPO / "examples" / "sim-qwen3.yaml")
+    text, written = configmap_text(with_adapters(tmp_path))
     body = json.loads(text)
     body["schemaVersion"] = SCHEMA_VERSION + 1
     body["routing"]["prefixAwareness"] = "Strict"  # keys a newer pdserve added

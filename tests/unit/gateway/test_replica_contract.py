@@ -11,6 +11,7 @@ from pdserve.gateway.replica_contract import (
     NOT_SERVED,
     ReplicaCheck,
     Verdict,
+    differences,
     engine_answers_of,
     event_of,
     judge,
@@ -51,10 +52,25 @@ def test_engines_without_version_or_models_routes_compare_as_not_served() -> Non
     assert engine_answers_of("m", {"version": "0.32.0"}, models) == {
         "vLLM version": "0.32.0",
         "served model": {"root": "/models/m", "max_model_len": 4096},
+        "adapters": [],
     }
     assert engine_answers_of("other", {"version": "0.32.0"}, models)["served model"] == (
         "other is not among its models"
     )
+
+
+def test_engines_holding_other_lora_adapters_are_not_paired() -> None:
+    """An engine missing an adapter (or holding it at another path) would run one request
+    under different weights on prefill and decode: it differs from its group."""
+    base = {"id": "m", "root": "/models/m", "max_model_len": 4096}
+    sql = {"id": "sql", "root": "/pdserve/adapters/sql", "parent": "m", "max_model_len": None}
+    both = engine_answers_of("m", {"version": "0.32.0"}, {"data": [base, sql]})
+    assert both["adapters"] == [("sql", "/pdserve/adapters/sql")]
+    without = engine_answers_of("m", {"version": "0.32.0"}, {"data": [base]})
+    moved = {**sql, "root": "/elsewhere/sql"}
+    elsewhere = engine_answers_of("m", {"version": "0.32.0"}, {"data": [base, moved]})
+    assert differences(without, both) == ["adapters"]
+    assert differences(elsewhere, both) == ["adapters"]
 
 
 def test_the_events_a_verdict_change_posts_on_the_pod() -> None:
