@@ -232,7 +232,7 @@ class Intake:
         model = body.get("model")
         if model is None:
             body["model"] = self.model
-        elif model != self.model and model not in self.adapters:
+        elif model != self.model and not (isinstance(model, str) and model in self.adapters):
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
         try:
             request = validate_request(body, chat=chat)

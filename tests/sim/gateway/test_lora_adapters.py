@@ -75,6 +75,8 @@ async def test_a_name_neither_the_model_nor_an_adapter_is_refused_naming_it(stac
     error = answer.json()["error"]
     assert (error["param"], error["message"]) == ("model", "The model `sql-v2` does not exist.")
     assert all(not e.core.steps for e in stack.engines.values())  # no engine saw it
+    listed = await client.post("/v1/chat/completions", json={**PLAIN, "model": ["sql"]})
+    assert (listed.status_code, listed.json()["error"]["param"]) == (404, "model")
 
 
 async def test_models_lists_the_adapters_with_the_model_as_parent(stack: Stack) -> None:
