@@ -3,6 +3,8 @@ arguments and environment the operator builds (pdserve.builders.build_all), unto
 what a pod gets from its cluster: its own IP (here loopback), its own port space (the operator
 gives every pod port 8000 and NIXL side-channel port 5600; here each process needs free ones),
 and the routing config the gateway reads from its ConfigMap (here with static endpoints).
+A PersistentVolumeClaim the test gives a directory for is that directory here: a path the pod
+reads under the claim's mount is rewritten to the same file in it.
 
 A multi-node pool (a LeaderWorkerSet) gives one command per worker of a group, with what LWS
 and the kubelet add: the LWS webhook's LWS_* variables in the container env, and the kubelet's
@@ -14,6 +16,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdserve.api import DisaggregatedModel
@@ -75,34 +78,70 @@ class PodCommand:
         return [vllm, *self.command[1:], *args, "--host", "127.0.0.1"], env
 
 
-def pod_commands(dm: DisaggregatedModel) -> dict[str, PodCommand]:
+def pod_commands(
+    dm: DisaggregatedModel, claims: Mapping[str, Path] | None = None
+) -> dict[str, PodCommand]:
     """The vLLM container of each engine and render pool the operator builds for `dm`, by
-    component; a multi-node pool's by `<component>-<worker index>`, one per pod of a group."""
+    component; a multi-node pool's by `<component>-<worker index>`, one per pod of a group.
+    `claims`: the directory on this host holding each named PersistentVolumeClaim's files."""
     found: dict[str, PodCommand] = {}
     for obj in build_all(dm):
         component = obj["metadata"].get("labels", {}).get(COMPONENT_LABEL)
         if component not in SERVED_COMPONENTS:
             continue
         if obj["kind"] in ("StatefulSet", "Deployment"):
-            found[component] = _pod_command(component, obj)
+            found[component] = _pod_command(component, obj, claims or {})
         elif obj["kind"] == LWS_KIND:
-            for pod in _group_commands(component, obj):
+            for pod in _group_commands(component, obj, claims or {}):
                 found[f"{component}-{pod.worker}"] = pod
     return found
 
 
-def _pod_command(component: str, workload: Mapping[str, Any]) -> PodCommand:
-    [container] = pod_template_of(workload)["spec"]["containers"]
+def _pod_command(
+    component: str, workload: Mapping[str, Any], claims: Mapping[str, Path]
+) -> PodCommand:
+    pod = pod_template_of(workload)["spec"]
+    [container] = pod["containers"]
+    on_host = _claim_paths(pod, container, claims)
     return PodCommand(
-        component, list(container["command"]), list(container["args"]),
-        {item["name"]: _env_value(component, item) for item in container.get("env", [])},
+        component, list(container["command"]),
+        [_host_path(arg, on_host) for arg in container["args"]],
+        {item["name"]: _host_path(_env_value(component, item), on_host)
+         for item in container.get("env", [])},
     )  # fmt: skip
 
 
-def _group_commands(component: str, lws: Mapping[str, Any]) -> Iterator[PodCommand]:
+def _claim_paths(
+    pod: Mapping[str, Any], container: Mapping[str, Any], claims: Mapping[str, Path]
+) -> dict[str, str]:
+    """The container's mount path of each claim given in `claims` (its subPath, if any) -> the
+    same directory on this host."""
+    claim_of = {
+        volume["name"]: volume["persistentVolumeClaim"]["claimName"]
+        for volume in pod.get("volumes", [])
+        if "persistentVolumeClaim" in volume
+    }
+    return {
+        mount["mountPath"]: str(claims[claim_of[mount["name"]]] / mount.get("subPath", ""))
+        for mount in container.get("volumeMounts", [])
+        if claim_of.get(mount["name"]) in claims
+    }
+
+
+def _host_path(value: str, on_host: Mapping[str, str]) -> str:
+    """`value` with every path under a mount in `on_host` moved to its directory here (a whole
+    path component: /a/b is not under /a/bc); values that hold one in JSON too."""
+    for mount, directory in on_host.items():
+        value = re.sub(re.escape(mount) + r'(?=$|[/"])', directory.replace("\\", r"\\"), value)
+    return value
+
+
+def _group_commands(
+    component: str, lws: Mapping[str, Any], claims: Mapping[str, Path]
+) -> Iterator[PodCommand]:
     """Each worker of one group: the LWS webhook's env, then the kubelet's expansion of the
     arguments with the container's env (command too, as the kubelet does)."""
-    template = _pod_command(component, lws)
+    template = _pod_command(component, lws, claims)
     size = int(lws["spec"]["leaderWorkerTemplate"]["size"])
     for worker in range(size):
         env = {**template.env, **lws_env(worker, size)}
