@@ -156,8 +156,10 @@ MODEL_CLAIMS = {
     "model-store": "ReadOnlyMany",
     CLAIM_NAME: "ReadOnlyMany",
     "hf-cache": "ReadWriteMany",
+    "lora-adapters": "ReadOnlyMany",
 }
-"""The examples' spec.model.source.pvc.claimName and source.hf.cache.claimName, by access mode."""
+"""The examples' spec.model.source.pvc.claimName, source.hf.cache.claimName and adapters'
+pvc.claimName, by access mode."""
 
 
 def _example(path: Path) -> dict[str, Any]:
