@@ -344,3 +344,13 @@ async def until_decoding(route: GatewayUnderTest, sent: asyncio.Task[httpx.Respo
         assert time.monotonic() < deadline, "the gateway never sent the request to decode"
         await asyncio.sleep(0.005)  # polling the gateway's count, with a deadline
     return None
+
+
+async def table_routes(gateway: GatewayUnderTest, route: str) -> None:
+    """Until the data plane's routing table routes the model so (the engines checked)."""
+    front = gateway.gateway.data_plane
+    assert front is not None
+    deadline = time.monotonic() + 60
+    while front.status().get("route") != route:
+        assert time.monotonic() < deadline, front.status()
+        await asyncio.sleep(0.05)  # another process's state, polled with a deadline

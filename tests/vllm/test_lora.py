@@ -17,8 +17,6 @@ answers are vLLM's real ones."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from tests.support.real_stack import (
     data_plane_stats,
     gateway_over,
     pretty,
+    table_routes,
 )
 from tests.support.real_vllm import (
     SERVED_NAME,
@@ -230,13 +229,3 @@ async def test_models_lists_the_adapters_under_the_model_as_vllm_does(
     by_vllm = {m.id: m.model_dump().get("parent") async for m in aggregated.models.list()}
     assert listed == {SERVED_NAME: None, **dict.fromkeys(ADAPTERS, SERVED_NAME)}
     assert listed == by_vllm
-
-
-async def table_routes(gateway: GatewayUnderTest, route: str) -> None:
-    """Until the data plane's routing table routes the model so (the engines checked)."""
-    front = gateway.gateway.data_plane
-    assert front is not None
-    deadline = time.monotonic() + 60
-    while front.status().get("route") != route:
-        assert time.monotonic() < deadline, front.status()
-        await asyncio.sleep(0.05)  # another process's state, polled with a deadline

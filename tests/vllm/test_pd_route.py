@@ -9,8 +9,6 @@ The render server and the pair run the command lines the operator builds for a C
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from tests.support.real_stack import (
     data_plane_stats,
     gateway_over,
     pretty,
+    table_routes,
 )
 from tests.support.real_vllm import (
     VllmProcesses,
@@ -259,13 +258,3 @@ async def test_auto_mode_on_the_data_plane_disaggregates_over_real_nixl(
         assert stats["fallbacks"] == {}, stats
         assert (stats["routes"]["pd"], stats["routes"]["decode"]) == (1, 1), stats["routes"]
         assert stats["auto"]["decisions"] == {"short_prompt": 1, "long_prompt": 1}, stats["auto"]
-
-
-async def table_routes(gateway: GatewayUnderTest, route: str) -> None:
-    """Until the data plane's routing table routes the model so (the engines checked)."""
-    front = gateway.gateway.data_plane
-    assert front is not None
-    deadline = time.monotonic() + 60
-    while front.status().get("route") != route:
-        assert time.monotonic() < deadline, front.status()
-        await asyncio.sleep(0.05)  # another process's state, polled with a deadline
