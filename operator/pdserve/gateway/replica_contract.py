@@ -2,8 +2,9 @@
 render server started with another reasoning parser, an image whose tokenizer files differ or a
 hand-edited pod, and any of those silently returns wrong answers.
 
-Every render replica renders a fixed conversation (with a tool), tokenizes a fixed completion
-holding reasoning and a tool call, and derenders those tokens; every engine reports its vLLM
+Every render replica renders a fixed conversation (with a tool, tool_choice auto; none where the
+server has no tool parser and refuses auto), tokenizes a fixed completion holding reasoning and
+a tool call, and derenders those tokens; every engine reports its vLLM
 version and its served model (root, max_model_len). Replicas that should agree (render: one
 parity hash; engines: one parity hash and KV-compatibility digest, prefill and decode together)
 are grouped by what they answered, once every replica of a group has answered (or failed a
@@ -259,8 +260,17 @@ class ReplicaContract:
     async def _ask(self, check: ReplicaCheck) -> dict[str, Any]:
         url = check.endpoint.url
         if check.pool == RENDER_POOL:
-            request = {"model": self.model, "messages": CANARY_MESSAGES, "tools": [CANARY_TOOL]}
-            render = await self._answer(url, render_path(True), request)
+            request: dict[str, Any] = {
+                "model": self.model, "messages": CANARY_MESSAGES, "tools": [CANARY_TOOL],
+                "tool_choice": "auto",
+            }  # fmt: skip
+            try:
+                render = await self._answer(url, render_path(True), request)
+            except Refused:
+                # A render server without a tool parser refuses tool_choice auto (400): the
+                # same conversation with tool_choice none checks what it does run.
+                request["tool_choice"] = "none"
+                render = await self._answer(url, render_path(True), request)
             tokenized = await self._answer(
                 url, "/tokenize",
                 {"model": self.model, "prompt": CANARY_COMPLETION, "add_special_tokens": False},
@@ -276,10 +286,10 @@ class ReplicaContract:
                      "logprobs": None}
                 ],
             }  # fmt: skip
-            chat = {**request, "tool_choice": "auto"}
-            body = derender_body(self.model, generated, prompt_ids, chat, chat=True)
+            body = derender_body(self.model, generated, prompt_ids, request, chat=True)
             derendered = await self._answer(url, derender_path(True), body)
-            return render_answers_of(render, tokenized, derendered)
+            answers = render_answers_of(render, tokenized, derendered)
+            return {**answers, "tool choice": request["tool_choice"]}
         version = await self._answer(url, "/version", None, missing_ok=True)
         models = await self._answer(url, "/v1/models", None, missing_ok=True)
         return engine_answers_of(self.model, version, models)
@@ -295,6 +305,8 @@ class ReplicaContract:
             if missing_ok:
                 return None
             raise NotServed(path)
+        if status == 400:
+            raise Refused(f"{path} answered 400")
         if status != 200:
             raise CheckFailed(f"{path} answered {status}")
         return answer
@@ -355,6 +367,11 @@ def event_of(check: ReplicaCheck, gateway: str | None) -> tuple[str, str, str] |
 
 class NotServed(CheckFailed):
     """The replica does not serve a check route (404)."""
+
+
+class Refused(CheckFailed):
+    """The replica refused a check's request (400): a server started without what the request
+    asks of it."""
 
 
 def session_fetch(session: Callable[[], aiohttp.ClientSession]) -> Fetch:

@@ -279,7 +279,8 @@ class RenderServer:
 
     async def chat_render(self, body: dict[str, Any]) -> web.Response:
         self._check_model(body)
-        tool_choice = body.get("tool_choice")
+        # vLLM's default with tools: auto (ChatCompletionRequest.check_tool_usage).
+        tool_choice = body.get("tool_choice", "auto" if body.get("tools") else None)
         if tool_choice == "auto" and body.get("tools") and not self.config.enable_auto_tool_choice:
             raise HttpError(
                 400,

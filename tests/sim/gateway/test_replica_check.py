@@ -106,12 +106,31 @@ async def test_a_replica_is_routed_once_checked_and_a_tie_goes_to_the_first_chec
     render = await asyncio.wait_for(settled(), 20)
     assert render[good.rstrip("/")] == {"verdict": "Verified"}
     assert render["odd"]["verdict"] == "Mismatch"
-    assert render["odd"]["reason"].startswith(
-        "derender content, derender tool_calls differ from 1 other replica(s)"
-    )
+    # It refuses tool_choice auto (no tool parser): checked with none, which it does run, and
+    # unlike its group it leaves the tool call in the content (the simulator also renders no
+    # tools with none, vLLM does).
+    differing = render["odd"]["reason"].split(" differ from 1 other replica(s)")[0].split(", ")
+    assert {"derender content", "derender tool_calls", "tool choice"} <= set(differing)
     for _ in range(6):
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-    assert served(stack)[1] == 1  # its check alone
+    assert served(stack)[1] == 2  # its check alone: auto refused, then none
+
+
+async def test_render_replicas_without_a_tool_parser_are_checked_with_tool_choice_none(
+    stack: Stack,
+) -> None:
+    """A model served without tool calling: render refuses the check's tool_choice auto (400,
+    as vLLM does without --enable-auto-tool-choice); checked with none instead, its replicas are
+    verified, not left unchecked after the retries."""
+    plain = dataclasses.replace(RENDER, tool_call_parser=None, enable_auto_tool_choice=False)
+    renders = [ep(await stack.render(plain)) | {"name": f"r{i}"} for i in range(2)]
+    decode = await stack.engine("both", engine("both"))
+    client = await stack.gateway(
+        checked(routing(prefill=False, endpoints={"render": renders, "decode": [ep(decode)]}))
+    )
+    assert (await client.post("/v1/chat/completions", json=PLAIN)).status_code == 200
+    status = await verdicts(client)
+    assert status["render"] == {"r0": {"verdict": "Verified"}, "r1": {"verdict": "Verified"}}
 
 
 async def test_a_replica_that_cannot_be_checked_is_routed_unchecked(stack: Stack) -> None:
