@@ -85,3 +85,21 @@ async def test_models_lists_the_adapters_with_the_model_as_parent(stack: Stack) 
     assert [(m["id"], m.get("parent")) for m in listed] == [
         (MODEL, None), ("sql", MODEL), ("support", MODEL),
     ]  # fmt: skip
+
+
+async def test_an_engine_without_the_adapters_is_kept_out_naming_them(stack: Stack) -> None:
+    """Two decode engines of one parity hash, one started without the adapters (a hand-edited
+    pod): the replica check routes the two that agree and keeps it out, naming `adapters`."""
+    plain = engine("both", api="openai")
+    urls = {name: await stack.engine(name, config) for name, config in (
+        ("a", with_adapters(plain)), ("b", with_adapters(plain)), ("odd", plain))}  # fmt: skip
+    decode = [ep(url) | {"name": name} for name, url in urls.items()]
+    config = routing("openai", prefill=False, render=False, endpoints={"decode": decode})
+    client = await stack.gateway({**config, "adapters": list(ADAPTERS), "replicaCheck": "Enforce"})
+    for _ in range(4):
+        answer = await client.post("/v1/chat/completions", json={**PLAIN, "model": "sql"})
+        assert answer.status_code == 200, answer.text
+    checked = (await client.get("/status")).json()["replicaCheck"]["decode"]
+    assert checked["a"] == checked["b"] == {"verdict": "Verified"}
+    assert checked["odd"]["verdict"] == "Mismatch"
+    assert checked["odd"]["reason"].startswith("adapters differ"), checked["odd"]
