@@ -1,9 +1,11 @@
 """Real vLLM (its CPU build) in the pods the operator creates, on the real node: the image built
 here (devtools/vllm_image.py), the tiny model from a PersistentVolumeClaim, and
-examples/vllm-cpu-tiny.yaml applied with kubectl. The kubelet starts render, prefill and decode
-from the operator's StatefulSets and Deployments, with their env, volumes, probes and ports; the
-OpenAI SDK through the gateway Service gets the greedy answers the same vLLM gives aggregated,
-and decode's NIXL metrics show the KV crossed the pod network."""
+examples/vllm-cpu-tiny.yaml applied with kubectl, with one LoRA adapter added from a claim of
+its own (spec.model.adapters; the adapter made here, tests/support/lora_adapter.py). The kubelet
+starts render, prefill and decode from the operator's StatefulSets and Deployments, with their
+env, volumes, probes and ports; the OpenAI SDK through the gateway Service gets the greedy
+answers the same vLLM gives aggregated, for the model and for the adapter, and decode's NIXL
+metrics show the KV crossed the pod network."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 
 from devtools.localplane import ControlPlaneError, wait_until
 from devtools.model_volume import model_volume
@@ -35,6 +38,7 @@ from pdserve.vllm.metrics import (
     total,
 )
 from tests.support.chat_cases import CHAT_CASES, request
+from tests.support.lora_adapter import RANK, make_lora_adapter
 from tests.support.real_stack import chat_answer, chat_stream_answer, pretty
 from tests.support.real_vllm import SERVED_NAME as SERVED
 from tests.support.realcluster import (
@@ -56,6 +60,8 @@ pytestmark = pytest.mark.timeout(1500)
 
 EXAMPLE = ROOT / "examples" / "vllm-cpu-tiny.yaml"
 NAME = "tiny-vllm"
+ADAPTER = "lora-a"
+ADAPTER_CLAIM = "tiny-lora-adapters"
 CASES = ["reasoning", "tools-auto", "tools-required", "length"]
 STREAM_CASES = ["reasoning", "tools-auto", "length"]
 ENGINE_PORT = 8000
@@ -100,19 +106,35 @@ def pod_url(cluster: Cluster, component: str) -> str:
     return f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
 
 
+def with_adapter(adapters: Path) -> Path:
+    """The example as a user extends it with an adapter in a claim of its own."""
+    [body] = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    body["spec"]["model"]["adapters"] = [
+        {"name": ADAPTER, "rank": RANK, "pvc": {"claimName": ADAPTER_CLAIM, "path": ADAPTER}}
+    ]
+    path = adapters.parent / "vllm-cpu-tiny-lora.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
 @pytest.fixture(scope="module")
-def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
+def real_model(
+    cluster: Cluster, operator: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealModel]:
     started = time.monotonic()
     image = build_vllm_image()
     model = ensure_tiny_model()
+    adapters = tmp_path_factory.mktemp("real-vllm") / "adapters"
+    make_lora_adapter(adapters / ADAPTER, model, seed=0)
     built = time.monotonic()
     cluster.node.import_images([image.archive])
     imported = time.monotonic()
     volume = model_volume(model, MODEL_NAMESPACE)
+    adapter_volume = model_volume(adapters, MODEL_NAMESPACE, ADAPTER_CLAIM)
     # As a production namespace runs engines: Pod Security baseline enforced, and restricted
     # warned (the API server names what a pod breaks of it on every create).
-    ensure_namespace(cluster, MODEL_NAMESPACE, *volume, labels=POD_SECURITY)
-    cluster.kubectl("apply", "-f", str(EXAMPLE))
+    ensure_namespace(cluster, MODEL_NAMESPACE, *volume, *adapter_volume, labels=POD_SECURITY)
+    cluster.kubectl("apply", "-f", str(with_adapter(adapters)))
     waited = cluster.kubectl(
         "wait", "--for=condition=Ready", f"dm/{NAME}", "-n", MODEL_NAMESPACE, "--timeout=15m",
         check=False, timeout=960,
@@ -139,9 +161,10 @@ def real_model(cluster: Cluster, operator: None) -> Iterator[RealModel]:
         return not pods(cluster, MODEL_NAMESPACE, f"app.kubernetes.io/instance={NAME}")
 
     wait_until("the real-vLLM model's pods gone", gone, timeout=300, interval=2)
-    cluster.kubectl("delete", "pvc", volume[1]["metadata"]["name"], "-n", MODEL_NAMESPACE,
-                    "--wait", check=False)  # fmt: skip
-    cluster.kubectl("delete", "pv", volume[0]["metadata"]["name"], "--wait", check=False)
+    for claim, persistent in ((volume[1], volume[0]), (adapter_volume[1], adapter_volume[0])):
+        cluster.kubectl("delete", "pvc", claim["metadata"]["name"], "-n", MODEL_NAMESPACE,
+                        "--wait", check=False)  # fmt: skip
+        cluster.kubectl("delete", "pv", persistent["metadata"]["name"], "--wait", check=False)
     cluster.kubectl("label", "namespace", MODEL_NAMESPACE, *(f"{k}-" for k in POD_SECURITY))
 
 
@@ -183,6 +206,26 @@ def test_the_gateway_answers_what_the_same_vllm_answers_aggregated(
         f"decode pulled no KV from the prefill pod: {before} -> {after}"
     )
     assert after.get("failed", 0) == before.get("failed", 0), (before, after)
+
+
+def test_an_adapter_through_the_gateway_answers_what_the_same_vllm_answers_with_it(
+    real_model: RealModel,
+) -> None:
+    """The adapter named in `model`, over render -> prefill -> decode: decode's own answer for
+    it, not the model's; listed by /v1/models with the model as its parent. One request at a
+    time: vLLM's CPU LoRA kernels apply an adapter to base requests batched with LoRA ones."""
+    gateway, aggregated = clients(real_model)
+    body = {**request(CHAT_CASES["reasoning"]), "model": ADAPTER}
+    before = kv_counters(real_model.decode)
+    got = chat_answer(gateway.chat.completions.create(**body))
+    after = kv_counters(real_model.decode)
+    expected = chat_answer(aggregated.chat.completions.create(**body))
+    base = chat_answer(aggregated.chat.completions.create(**{**body, "model": SERVED}))
+    assert got == expected, f"through the gateway:\n{pretty(got)}\naggregated:\n{pretty(expected)}"
+    assert got["choices"] != base["choices"], f"the adapter answers as the model: {pretty(got)}"
+    assert after.get("transfers", 0) > before.get("transfers", 0), (before, after)
+    listed = {m.id: m.model_dump().get("parent") for m in gateway.models.list()}
+    assert listed == {SERVED: None, ADAPTER: SERVED}
 
 
 @pytest.mark.parametrize("case", STREAM_CASES)
