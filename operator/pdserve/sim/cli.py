@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +164,13 @@ def _template(name: str | None) -> str:
     return BUILTIN_TEMPLATES.get(name) or Path(name).read_text()
 
 
-def _render_config(args: argparse.Namespace) -> RenderConfig:
-    """`vllm launch render`'s, or a `vllm serve` engine's own (its OpenAI routes): with the
-    engine's LoRA adapters (render has none: it ignores the LoRA flags)."""
+def _render_config(
+    args: argparse.Namespace, adapters: Mapping[str, str] | None = None
+) -> RenderConfig:
+    """`vllm launch render`'s (no adapters: it ignores the LoRA flags), or a `vllm serve`
+    engine's own for its OpenAI routes, with the engine's LoRA `adapters`."""
     return RenderConfig(
-        adapters=adapters_of(args) if "lora_modules" in args else {},
+        adapters=dict(adapters or {}),
         any_model=any_model_name(),
         model=args.model,
         served_model_name=args.served_model_name,
@@ -212,7 +214,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         )
     extra = kv.get("kv_connector_extra_config") or {}
     ranks = local_ranks(_data_parallel_flags(args))
-    render = _render_config(args)
+    render = _render_config(args, adapters_of(args))
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
